@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Creates or reuses .venv and installs the project into it. CPU torch is installed
+# first and pinned, so that nothing later pulls a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+stamp=.venv/.installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -c 'import torch' 2>/dev/null || .venv/bin/python -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
+  .venv/bin/python -m pip install -q -e ".[test]"
+  touch "$stamp"
+fi
