@@ -1,0 +1,215 @@
+"""Safetensors checkpoints with HF DeepSeek names: loading, and writing random-weight ones.
+
+Routed experts are stored per expert on disk (`mlp.experts.{j}.gate_proj.weight`, as
+DeepSeek releases them) and stacked into physical slots in memory.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from .config import ConfigError, ModelConfig, preset
+from .model import DeepseekForCausalLM
+
+_EXPERT = re.compile(r"^(model\.layers\.(\d+)\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_FUSED = re.compile(r"^(model\.layers\.(\d+)\.mlp)\.experts\.(gate_up_proj|down_proj)$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+class CheckpointError(ValueError):
+    """Missing, unexpected or mis-shaped weights, with the tensor named."""
+
+
+def _targets(model: DeepseekForCausalLM, name: str, inter: int):
+    """Where an on-disk tensor goes: (parameter, index into it) pairs."""
+    m = _EXPERT.match(name)
+    if m:
+        prefix, _, j, kind = m.groups()
+        j = int(j)
+        if kind == "down_proj":
+            return f"{prefix}.w2", (j,)
+        rows = slice(0, inter) if kind == "gate_proj" else slice(inter, 2 * inter)
+        return f"{prefix}.w13", (j, rows)
+    m = _FUSED.match(name)
+    if m:
+        prefix, _, kind = m.groups()
+        return f"{prefix}.{'w13' if kind == 'gate_up_proj' else 'w2'}", ()
+    return name, ()
+
+
+def load_weights(model: DeepseekForCausalLM, tensors: Iterator[tuple[str, torch.Tensor]],
+                 total: int | None = None, progress: bool = True) -> None:
+    """Copy (HF name, tensor) pairs into the model; every parameter must be filled exactly."""
+    cfg = model.cfg
+    params = dict(model.named_parameters())
+    params.update({n: b for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")})
+    filled: dict[str, int] = {}
+    expected = {n: (cfg.n_routed_experts * (2 if n.endswith("w13") else 1)
+                    if n.endswith((".w13", ".w2")) else 1) for n in params}
+    for name, tensor in tqdm(tensors, total=total, desc="loading weights", unit="tensor",
+                             disable=not progress, file=sys.stderr):
+        m = _LAYER.match(name)
+        if m and int(m.group(1)) >= cfg.num_hidden_layers:
+            continue  # MTP (nextn) layers ship after the main layers; the draft model loads them
+        target, index = _targets(model, name, cfg.moe_intermediate_size)
+        if target not in params:
+            raise CheckpointError(f"unexpected weight {name!r} for this model config")
+        dest = params[target][index] if index else params[target]
+        if tuple(dest.shape) != tuple(tensor.shape):
+            raise CheckpointError(f"shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)}, "
+                                  f"model expects {tuple(dest.shape)}")
+        with torch.no_grad():
+            dest.copy_(tensor.to(dest.dtype))
+        filled[target] = filled.get(target, 0) + (1 if index else expected[target])
+    if cfg.tie_word_embeddings and "lm_head.weight" not in filled:
+        with torch.no_grad():
+            params["lm_head.weight"].copy_(params["model.embed_tokens.weight"])
+        filled["lm_head.weight"] = 1
+    missing = [n for n in params if filled.get(n, 0) < expected[n]]
+    if missing:
+        more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise CheckpointError(f"missing weights: {missing[:5]}{more}")
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors files in {path}")
+    return files
+
+
+def iter_checkpoint(path: str | Path) -> tuple[Iterator[tuple[str, torch.Tensor]], int]:
+    files = _safetensors_files(Path(path))
+    total = 0
+    for f in files:
+        with safe_open(f, framework="pt") as sf:
+            total += len(list(sf.keys()))
+
+    def gen():
+        for f in files:
+            with safe_open(f, framework="pt") as sf:
+                for name in sf.keys():
+                    yield name, sf.get_tensor(name)
+    return gen(), total
+
+
+def load_model(path: str | Path, device="cpu", dtype=torch.float32, progress: bool = True) -> DeepseekForCausalLM:
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint directory not found: {path}")
+    cfg = ModelConfig.from_file(path)
+    with torch.device(device):
+        model = DeepseekForCausalLM(cfg, device=device).to(dtype)
+    _restore_fp32_router(model)
+    tensors, total = iter_checkpoint(path)
+    load_weights(model, tensors, total, progress)
+    return model.eval()
+
+
+def _restore_fp32_router(model: DeepseekForCausalLM) -> None:
+    # Routing decisions are sensitive; like the reference implementation keep the router in fp32.
+    for moe in model.moe_layers():
+        moe.gate.float()
+
+
+def random_weights(cfg: ModelConfig, seed: int = 0, std: float = 0.02, device="cpu",
+                   dtype=torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+    """Random tensors under HF names (experts split per expert), deterministic by seed."""
+    with torch.device("meta"):
+        shapes = DeepseekForCausalLM(cfg, device="meta")
+    gen = torch.Generator(device=device).manual_seed(seed)
+    inter = cfg.moe_intermediate_size
+    state = dict(shapes.named_parameters())
+    state.update({n: b for n, b in shapes.named_buffers() if n.endswith("e_score_correction_bias")})
+    for name, p in state.items():
+        if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+            yield name, torch.ones(p.shape, dtype=dtype, device=device)
+        elif name.endswith("e_score_correction_bias"):
+            yield name, torch.rand(p.shape, generator=gen, device=device) * 0.1
+        elif name.endswith((".w13", ".w2")):
+            prefix = name.rsplit(".", 1)[0]
+            w = torch.randn(p.shape, generator=gen, device=device, dtype=dtype) * std
+            for j in range(p.shape[0]):
+                if name.endswith(".w13"):
+                    yield f"{prefix}.experts.{j}.gate_proj.weight", w[j, :inter]
+                    yield f"{prefix}.experts.{j}.up_proj.weight", w[j, inter:]
+                else:
+                    yield f"{prefix}.experts.{j}.down_proj.weight", w[j]
+        else:
+            yield name, torch.randn(p.shape, generator=gen, device=device, dtype=dtype) * std
+
+
+def write_random_checkpoint(cfg: ModelConfig, out: str | Path, seed: int = 0, dtype=torch.float32,
+                            shard_bytes: int = 2 << 30, progress: bool = True) -> Path:
+    """config.json + sharded safetensors + an offline-built tokenizer."""
+    from .tokenizer import build_tokenizer
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    shard: dict[str, torch.Tensor] = {}
+    size, index = 0, 0
+    weight_map = {}
+
+    def flush():
+        nonlocal shard, size, index
+        if shard:
+            fname = f"model-{index:05d}.safetensors"
+            save_file(shard, str(out / fname), metadata={"format": "pt"})
+            weight_map.update({k: fname for k in shard})
+            shard, size, index = {}, 0, index + 1
+
+    for name, t in tqdm(random_weights(cfg, seed, dtype=dtype), desc="writing random weights",
+                        unit="tensor", disable=not progress, file=sys.stderr):
+        shard[name] = t.contiguous().clone()
+        size += t.numel() * t.element_size()
+        if size >= shard_bytes:
+            flush()
+    flush()
+    total_size = sum((out / f).stat().st_size for f in set(weight_map.values()))
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total_size}, "weight_map": weight_map}, indent=1))
+    (out / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
+    build_tokenizer(cfg.vocab_size).save_pretrained(str(out))
+    return out
+
+
+def ensure_checkpoint(name_or_path: str, root: str | Path = "checkpoints") -> Path:
+    """A checkpoint directory for a path, or for a preset name (written on first use)."""
+    p = Path(name_or_path)
+    if p.is_dir():
+        return p
+    target = Path(root) / name_or_path
+    if not (target / "config.json").exists():
+        try:
+            cfg = preset(name_or_path)
+        except ConfigError:
+            raise CheckpointError(f"{name_or_path!r} is neither a checkpoint directory nor a preset") from None
+        write_random_checkpoint(cfg, target)
+    return target
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description="Write a random-weight checkpoint (config, safetensors, tokenizer).")
+    ap.add_argument("--preset", default="tiny", help="named model config (engine.config.PRESETS)")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=JSON", help="override config fields")
+    args = ap.parse_args(argv)
+    overrides = {k: json.loads(v) for k, v in (s.split("=", 1) for s in args.set)}
+    cfg = preset(args.preset, **overrides)
+    path = write_random_checkpoint(cfg, args.out, seed=args.seed, dtype=getattr(torch, args.dtype))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,213 @@
+"""Model and engine configuration.
+
+`ModelConfig` reads a HuggingFace DeepSeek-V3 `config.json` (same key names) plus the
+V4.1-style options. Unknown keys are an error: a typo in a config should not be
+silently ignored.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+# Keys that HF DeepSeek config.json files carry but that do not change the math here.
+_IGNORED_HF_KEYS = {
+    "architectures", "model_type", "auto_map", "torch_dtype", "dtype", "transformers_version",
+    "use_cache", "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range",
+    "attention_dropout", "pretraining_tp", "num_nextn_predict_layers", "ep_size",
+    "moe_layer_freq", "scoring_func", "topk_method", "aux_loss_alpha", "seq_aux",
+    "quantization_config", "output_router_logits", "router_aux_loss_coef",
+}
+
+
+class ModelConfig(BaseModel):
+    """A DeepSeek-family MoE model. Field names follow HF `config.json`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    vocab_size: int = Field(gt=0)
+    hidden_size: int = Field(gt=0)
+    intermediate_size: int = Field(gt=0, description="FFN width of the dense (first_k_dense_replace) layers")
+    moe_intermediate_size: int = Field(gt=0, description="FFN width of each routed expert")
+    num_hidden_layers: int = Field(gt=0)
+    num_attention_heads: int = Field(gt=0)
+    num_key_value_heads: int | None = Field(None, description="unused by MLA; accepted for HF compatibility")
+    n_shared_experts: int = Field(ge=0)
+    n_routed_experts: int = Field(gt=0)
+    num_experts_per_tok: int = Field(gt=0)
+    n_group: int = Field(1, gt=0)
+    topk_group: int = Field(1, gt=0)
+    routed_scaling_factor: float = 1.0
+    norm_topk_prob: bool = True
+    first_k_dense_replace: int = Field(0, ge=0)
+    q_lora_rank: int | None = Field(None, description="None: q_proj directly, else q_a/q_b low-rank")
+    kv_lora_rank: int = Field(gt=0)
+    qk_rope_head_dim: int = Field(gt=0)
+    qk_nope_head_dim: int = Field(gt=0)
+    v_head_dim: int = Field(gt=0)
+    hidden_act: Literal["silu"] = "silu"
+    max_position_embeddings: int = Field(4096, gt=0)
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    rope_parameters: dict | None = None
+    rope_interleave: bool = True
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+
+    # V4.1-style options (all off = exactly DeepSeek-V3).
+    kv_source_layer_ids: list[int] | None = Field(
+        None, description="layers that produce the compressed global latent KV; later layers reuse the latest one")
+    sliding_window: int | None = Field(
+        None, gt=0, description="each layer keeps its own window KV of the last W positions")
+    index_topk: int | None = Field(None, gt=0, description="attention reads only the top-k global KV entries")
+    index_n_heads: int = Field(4, gt=0, description="scoring heads of the indexer")
+    index_head_dim: int = Field(32, gt=0, description="key/query width of the indexer")
+
+    @model_validator(mode="after")
+    def _check(self) -> "ModelConfig":
+        if self.n_routed_experts % self.n_group:
+            raise ValueError(f"n_routed_experts ({self.n_routed_experts}) must be divisible by n_group ({self.n_group})")
+        if self.topk_group > self.n_group:
+            raise ValueError(f"topk_group ({self.topk_group}) must be <= n_group ({self.n_group})")
+        per_group = self.n_routed_experts // self.n_group
+        if self.num_experts_per_tok > self.topk_group * per_group:
+            raise ValueError("num_experts_per_tok exceeds the experts available in topk_group groups")
+        if self.n_group > 1 and per_group < 2:
+            raise ValueError("group-limited routing needs at least 2 experts per group")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError("qk_rope_head_dim must be even")
+        rope = self.rope_scaling or self.rope_parameters or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ValueError(f"rope_scaling type {rope_type!r} is not supported (only 'default')")
+        if self.kv_source_layer_ids is not None:
+            ids = self.kv_source_layer_ids
+            if not ids or ids[0] != 0 or sorted(set(ids)) != ids or ids[-1] >= self.num_hidden_layers:
+                raise ValueError(
+                    "kv_source_layer_ids must be strictly increasing layer indices starting at 0 "
+                    f"and below num_hidden_layers, got {ids}")
+        return self
+
+    @property
+    def rope_base(self) -> float:
+        rope = self.rope_parameters or {}
+        return float(rope.get("rope_theta", self.rope_theta))
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Width of one cached latent KV entry: compressed kv plus the shared rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def source_layers(self) -> list[int]:
+        return list(self.kv_source_layer_ids) if self.kv_source_layer_ids is not None else list(
+            range(self.num_hidden_layers))
+
+    def source_slot(self, layer: int) -> int:
+        """Index (into the global KV cache) of the latest KV-source layer at or before `layer`."""
+        slot = 0
+        for i, src in enumerate(self.source_layers):
+            if src <= layer:
+                slot = i
+        return slot
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer >= self.first_k_dense_replace
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ModelConfig":
+        data = {k: v for k, v in data.items() if k not in _IGNORED_HF_KEYS}
+        try:
+            return cls(**data)
+        except ValidationError as e:
+            raise ConfigError(f"invalid model config: {_describe(e)}") from None
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "ModelConfig":
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.exists():
+            raise ConfigError(f"model config not found: {path}")
+        return cls.from_dict(json.loads(path.read_text()))
+
+    def to_hf_dict(self) -> dict:
+        d = self.model_dump(exclude_none=True)
+        d.update(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
+                 num_key_value_heads=self.num_key_value_heads or self.num_attention_heads,
+                 bos_token_id=0, eos_token_id=1)
+        d.pop("rope_parameters", None)
+        return d
+
+
+class EngineConfig(BaseModel):
+    """How the engine runs a model: cache sizes, batching, device."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    device: str = Field("cpu", description="torch device, e.g. 'cpu' or 'cuda:0'")
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    block_size: int = Field(16, gt=0, description="tokens per KV block")
+    num_blocks: int = Field(512, gt=1, description="blocks in the global KV pool")
+    max_num_seqs: int = Field(16, gt=0, description="running requests at most")
+    max_num_batched_tokens: int = Field(512, gt=0, description="token budget of one step (chunked prefill)")
+    max_model_len: int | None = Field(None, gt=0, description="prompt + output limit; default: the model's")
+    enable_prefix_caching: bool = True
+    replay_mode: Literal["bounded", "exact"] = Field(
+        "bounded", description="window-KV rebuild after a prefix hit: last W tokens, or far enough to be exact")
+    seed: int = 0
+
+
+class ConfigError(ValueError):
+    """A model or engine configuration problem, with the offending field named."""
+
+
+def _describe(e: ValidationError) -> str:
+    parts = []
+    for err in e.errors():
+        loc = ".".join(str(x) for x in err["loc"]) or "config"
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key"
+        parts.append(f"{loc}: {msg}")
+    return "; ".join(parts)
+
+
+# Named configs for tests and benchmarks. `tiny` runs on CPU in milliseconds per step;
+# `bench` is a V4.1-style model of a few billion parameters for one H200.
+PRESETS: dict[str, dict] = {
+    "tiny": dict(
+        vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+        n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+        routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1,
+        q_lora_rank=48, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+        max_position_embeddings=2048, rms_norm_eps=1e-6, rope_theta=10000.0,
+    ),
+    "bench": dict(
+        vocab_size=32000, hidden_size=2048, intermediate_size=8192, moe_intermediate_size=768,
+        num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=16,
+        n_shared_experts=1, n_routed_experts=64, num_experts_per_tok=6, n_group=8, topk_group=4,
+        routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1,
+        q_lora_rank=768, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+        max_position_embeddings=131072, rms_norm_eps=1e-6, rope_theta=10000.0,
+        kv_source_layer_ids=[0, 4, 8, 12], sliding_window=128, index_topk=2048,
+        index_n_heads=8, index_head_dim=64,
+    ),
+}
+# The V4.1-style tiny variant used by the replay / sharing / indexer tests.
+PRESETS["tiny-v4"] = dict(PRESETS["tiny"], kv_source_layer_ids=[0, 2], sliding_window=8,
+                          index_topk=16, index_n_heads=2, index_head_dim=16)
+
+
+def preset(name: str, **overrides) -> ModelConfig:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown model preset {name!r}; known: {sorted(PRESETS)}")
+    return ModelConfig.from_dict(dict(PRESETS[name], **overrides))

@@ -1,0 +1,69 @@
+"""Small building blocks of the DeepSeek model."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: the dense layers and the shared experts."""
+
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Rotary:
+    """Rotary position embedding over the rope part of q and k.
+
+    DeepSeek checkpoints lay the rotary dims out as interleaved pairs (x0, x1), (x2, x3)...
+    (`rope_interleave`); otherwise as two halves. Only q.k products matter, so the output
+    layout need not match any other implementation's.
+    """
+
+    def __init__(self, dim: int, base: float, interleave: bool, max_pos: int, device):
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        self.inv_freq = inv_freq.to(device)
+        self.interleave = interleave
+        self._cache_len = 0
+        self._extend(max(max_pos, 1))
+
+    def _extend(self, n: int) -> None:
+        t = torch.arange(n, dtype=torch.float32, device=self.inv_freq.device)
+        freqs = torch.outer(t, self.inv_freq)
+        self.cos, self.sin = freqs.cos(), freqs.sin()
+        self._cache_len = n
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: [T, ..., dim], positions: [T]."""
+        if int(positions.max()) >= self._cache_len:
+            self._extend(2 * int(positions.max()) + 1)
+        shape = (positions.shape[0],) + (1,) * (x.dim() - 2) + (-1,)
+        cos = self.cos[positions].view(shape)
+        sin = self.sin[positions].view(shape)
+        xf = x.float()
+        if self.interleave:
+            x1, x2 = xf[..., 0::2], xf[..., 1::2]
+        else:
+            x1, x2 = xf.chunk(2, dim=-1)
+        out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        return out.to(x.dtype)

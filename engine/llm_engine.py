@@ -1,0 +1,185 @@
+"""The engine's Python API: add and abort requests, step, generate."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from .checkpoint import ensure_checkpoint, load_model
+from .config import EngineConfig
+from .model import DeepseekForCausalLM
+from .model_runner import ModelRunner
+from .sampling import SamplingParams
+from .scheduler import Scheduler
+from .sequence import RequestOutput, Sequence, Status
+from .tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve (bad prompt, too long, duplicate id), named in the message."""
+
+
+class LLMEngine:
+    def __init__(self, model: DeepseekForCausalLM, tokenizer: Tokenizer | None, cfg: EngineConfig | None = None):
+        self.cfg = cfg = cfg or EngineConfig()
+        self.model_cfg = model.cfg
+        self.tokenizer = tokenizer
+        limit = min(model.cfg.max_position_embeddings, cfg.num_blocks * cfg.block_size)
+        if cfg.max_model_len is not None and cfg.max_model_len > limit:
+            raise ValueError(f"max_model_len {cfg.max_model_len} exceeds what the model and KV pool allow ({limit})")
+        self.max_model_len = cfg.max_model_len or limit
+        self.runner = ModelRunner(model, cfg)
+        self.scheduler = Scheduler(model.cfg, cfg)
+        self.requests: dict[str, Sequence] = {}
+        self.eos_token_id = tokenizer.eos_token_id if tokenizer is not None else None
+        self.num_steps = 0
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str | Path, cfg: EngineConfig | None = None,
+                        progress: bool = True) -> "LLMEngine":
+        """A checkpoint directory, or a preset name (its random checkpoint is written on first use)."""
+        cfg = cfg or EngineConfig()
+        path = ensure_checkpoint(str(name_or_path))
+        model = load_model(path, device=cfg.device, dtype=getattr(torch, cfg.dtype), progress=progress)
+        return cls(model, Tokenizer(path), cfg)
+
+    # requests ---------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int] | None = None,
+                    params: SamplingParams | None = None, messages: list[dict] | None = None) -> Sequence:
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise RequestError(f"duplicate request id {request_id!r}")
+        ids = self._prompt_ids(prompt, messages)
+        if len(ids) >= self.max_model_len:
+            raise RequestError(f"prompt is {len(ids)} tokens; the context limit is {self.max_model_len} "
+                               "(prompt plus at least one output token)")
+        seq = Sequence(request_id, ids, params, arrival=time.monotonic())
+        if params.seed is not None:
+            seq.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
+        if self.tokenizer is not None:
+            seq.detok = IncrementalDetokenizer(self.tokenizer)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def _prompt_ids(self, prompt, messages) -> list[int]:
+        if (prompt is None) == (messages is None):
+            raise RequestError("give exactly one of prompt or messages")
+        if messages is not None:
+            if self.tokenizer is None:
+                raise RequestError("chat messages need a tokenizer")
+            if not isinstance(messages, list) or not messages or not all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                    for m in messages):
+                raise RequestError("messages must be a non-empty list of {role, content} objects")
+            ids = self.tokenizer.apply_chat_template(messages)
+        elif isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("a text prompt needs a tokenizer")
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            ids = list(prompt)
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise RequestError("prompt token ids must be integers")
+            bad = [t for t in ids if not 0 <= t < self.model_cfg.vocab_size]
+            if bad:
+                raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.model_cfg.vocab_size - 1})")
+        else:
+            raise RequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise RequestError("prompt is empty")
+        return ids
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        seq = self.requests.pop(request_id, None)
+        if seq is None or seq.is_finished:
+            return None
+        self.scheduler.finish(seq, "abort")
+        return self._output(seq, [], "")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work()
+
+    # stepping ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        self.num_steps += 1
+        try:
+            done, logits = self.runner.run(batch)
+            tokens = self.runner.sample([batch.seqs[i] for i in done], logits) if done else []
+        except Exception as e:  # a failed step fails its requests, never leaks their blocks
+            outputs = []
+            for seq in batch.seqs:
+                self.scheduler.finish(seq, "error", f"{type(e).__name__}: {e}")
+                self.requests.pop(seq.request_id, None)
+                outputs.append(self._output(seq, [], ""))
+            return outputs
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            seq.num_computed_tokens += n
+            self.scheduler.blocks.publish(seq)
+        outputs = []
+        for i, token in zip(done, tokens):
+            outputs.append(self._append(batch.seqs[i], token))
+        return outputs
+
+    def _append(self, seq: Sequence, token: int) -> RequestOutput:
+        seq.output_ids.append(token)
+        p = seq.params
+        delta = seq.detok.step(seq.output_ids) if seq.detok is not None else ""
+        reason = None
+        if not p.ignore_eos and token == self.eos_token_id:
+            reason = "stop"
+        elif token in p.stop_token_ids:
+            reason = "stop"
+        elif p.stop and seq.detok is not None:
+            text = seq.detok.text
+            hit = min((i for i in (text.find(s) for s in p.stop) if i >= 0), default=-1)
+            if hit >= 0:
+                # cut the text at the stop string; the delta never shows it
+                emitted = len(seq.text)
+                seq.detok.text = text[:hit]
+                delta = text[emitted:hit] if hit > emitted else ""
+                reason = "stop"
+        if reason is None and (len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len):
+            reason = "length"
+        seq.text += delta
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            self.requests.pop(seq.request_id, None)
+        return self._output(seq, [token], delta)
+
+    def _output(self, seq: Sequence, new_ids: list[int], delta: str) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id, new_token_ids=new_ids, output_token_ids=list(seq.output_ids),
+            text_delta=delta, text=seq.text, finished=seq.is_finished, finish_reason=seq.finish_reason,
+            num_prompt_tokens=len(seq.prompt_ids), num_cached_tokens=seq.prefix_hit_tokens, error=seq.error)
+
+    # one-process convenience ------------------------------------------------------------
+    def generate(self, prompts: list, params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """Runs the given prompts (strings, token-id lists, or message lists) to completion."""
+        params = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        ids = []
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            rid = f"generate-{self.num_steps}-{i}-{time.monotonic_ns()}"
+            is_chat = isinstance(prompt, list) and prompt and isinstance(prompt[0], dict)
+            self.add_request(rid, None if is_chat else prompt, p, messages=prompt if is_chat else None)
+            ids.append(rid)
+        final: dict[str, RequestOutput] = {}
+        while self.has_unfinished_requests():
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[r] for r in ids]
+
+    def stats(self) -> dict:
+        s = self.scheduler
+        return {
+            "running": len(s.running), "waiting": len(s.waiting),
+            "kv_blocks_used": s.blocks.num_used_blocks, "kv_blocks_total": s.blocks.num_blocks,
+            "prefix_hit_tokens": s.prefix_hit_tokens, "replayed_tokens": s.replayed_tokens,
+            "preemptions": s.num_preemptions, "steps": self.num_steps,
+        }

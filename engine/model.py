@@ -1,0 +1,137 @@
+"""The DeepSeek-family model: MLA attention + DeepSeekMoE, HF parameter names.
+
+With the V4.1-style options off this is DeepSeek-V3 (checked against transformers).
+Parameter names match HF checkpoints, except that routed experts are stacked into
+physical slots (`mlp.w13`, `mlp.w2`); the loader converts.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .attention import AttentionContext, attend, index_topk_mask
+from .config import ModelConfig
+from .layers import MLP, RMSNorm, Rotary
+from .moe import MoE
+
+
+class Indexer(nn.Module):
+    """Scores the global KV for sparse attention (MQA scoring heads).
+
+    Only KV-source layers own `wk` (the index keys are cached beside the global latent);
+    every layer owns its queries and head weights.
+    """
+
+    def __init__(self, cfg: ModelConfig, is_source: bool):
+        super().__init__()
+        self.n_heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
+        self.wq = nn.Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=False)
+        self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)
+        self.wk = nn.Linear(cfg.hidden_size, self.head_dim, bias=False) if is_source else None
+
+
+class MLAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, rotary: Rotary):
+        super().__init__()
+        self.cfg, self.layer, self.rotary = cfg, layer, rotary
+        h = cfg.hidden_size
+        self.n_heads = cfg.num_attention_heads
+        self.is_source = layer in cfg.source_layers
+        self.source = cfg.source_slot(layer)
+        if cfg.q_lora_rank is None:
+            self.q_proj = nn.Linear(h, self.n_heads * cfg.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(h, cfg.q_lora_rank, bias=cfg.attention_bias)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, self.n_heads * cfg.qk_head_dim, bias=False)
+        # A layer computes its own latent when it feeds the global KV or keeps a window.
+        self.has_latent = self.is_source or cfg.sliding_window is not None
+        if self.has_latent:
+            self.kv_a_proj_with_mqa = nn.Linear(h, cfg.latent_dim, bias=cfg.attention_bias)
+            self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, self.n_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim),
+                                   bias=False)
+        self.o_proj = nn.Linear(self.n_heads * cfg.v_head_dim, h, bias=cfg.attention_bias)
+        self.indexer = Indexer(cfg, self.is_source) if cfg.index_topk else None
+        self.scale = cfg.qk_head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        cfg, t = self.cfg, x.shape[0]
+        pos = ctx.positions
+        q = self.q_proj(x) if cfg.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(t, self.n_heads, cfg.qk_head_dim)
+        q_nope, q_rope = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+        q_rope = self.rotary(q_rope, pos)
+        w_kv = self.kv_b_proj.weight.view(self.n_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        w_uk, w_uv = w_kv[:, :cfg.qk_nope_head_dim], w_kv[:, cfg.qk_nope_head_dim:]
+        q_lat = torch.einsum("thd,hdc->thc", q_nope, w_uk)
+        q_full = torch.cat([q_lat, q_rope], dim=-1)[ctx.q_index]  # [B, N, H, D]
+
+        latent = None
+        if self.has_latent:
+            c_kv, k_rope = self.kv_a_proj_with_mqa(x).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+            k_rope = self.rotary(k_rope[:, None, :], pos)[:, 0]
+            latent = torch.cat([self.kv_a_layernorm(c_kv), k_rope], dim=-1)
+        if self.is_source:
+            index_key = self.indexer.wk(x) if self.indexer is not None else None
+            ctx.write_global(self.source, latent, index_key)
+
+        g_keys, idx_keys = ctx.global_keys(self.source)
+        g_mask = ctx.g_mask
+        if self.indexer is not None:
+            idx_q = self.indexer.wq(x).view(t, self.indexer.n_heads, self.indexer.head_dim)[ctx.q_index]
+            idx_w = self.indexer.weights_proj(x)[ctx.q_index] * self.indexer.n_heads ** -0.5
+            g_mask = index_topk_mask(idx_q, idx_w, idx_keys, g_mask, cfg.index_topk)
+        if cfg.sliding_window is not None:
+            keys = torch.cat([g_keys, ctx.window_keys(self.layer, latent)], dim=1)
+            mask = torch.cat([g_mask, ctx.w_mask], dim=-1)
+            ctx.write_window(self.layer, latent)
+        else:
+            keys, mask = g_keys, g_mask
+        out = attend(q_full, keys, mask, self.scale, cfg.kv_lora_rank)  # [B, N, H, kv_lora]
+        out = out[ctx.q_valid]  # [T, H, kv_lora], in token order
+        out = torch.einsum("thc,hvc->thv", out, w_uv).reshape(t, -1)
+        return self.o_proj(out)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, rotary: Rotary):
+        super().__init__()
+        self.self_attn = MLAttention(cfg, layer, rotary)
+        self.mlp = MoE(cfg) if cfg.is_moe_layer(layer) else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DeepseekModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, device="cpu"):
+        super().__init__()
+        rotary = Rotary(cfg.qk_rope_head_dim, cfg.rope_base, cfg.rope_interleave,
+                        cfg.max_position_embeddings, device)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DeepseekForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, device="cpu"):
+        super().__init__()
+        self.cfg = cfg
+        self.model = DeepseekModel(cfg, device)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, ctx)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def moe_layers(self) -> list[MoE]:
+        return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, MoE)]

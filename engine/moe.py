@@ -1,0 +1,134 @@
+"""DeepSeekMoE: group-limited sigmoid routing, routed experts in physical slots, shared experts.
+
+Routed experts live in physical slots (`w13`, `w2` stacked over slots) so that expert
+parallelism and the load balancer can move and replicate them; `ExpertMap` translates
+logical expert ids to slots. Every forward counts tokens per physical slot: the load
+statistics the balancer reads.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .layers import MLP
+
+
+def route(logits: torch.Tensor, bias: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (topk logical expert ids [T, k], weights [T, k]).
+
+    Sigmoid scores; the correction bias steers the choice but not the weights; only the
+    best `topk_group` groups (by the sum of their two best biased scores) are eligible.
+    """
+    scores = logits.float().sigmoid()
+    choice = scores + bias.float()
+    t, e = choice.shape
+    if cfg.n_group > 1:
+        grouped = choice.view(t, cfg.n_group, e // cfg.n_group)
+        group_scores = grouped.topk(2, dim=-1).values.sum(-1)
+        keep = group_scores.topk(cfg.topk_group, dim=-1).indices
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+        choice = choice.masked_fill(~group_mask.repeat_interleave(e // cfg.n_group, dim=1), float("-inf"))
+    ids = choice.topk(cfg.num_experts_per_tok, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if cfg.norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return ids, weights * cfg.routed_scaling_factor
+
+
+class ExpertMap:
+    """Logical expert -> physical slot(s) of one MoE layer.
+
+    `phys2log[s]` is the logical expert held by slot s. A logical expert with several
+    replicas spreads its tokens over them by token index, so a hot expert's load splits.
+    """
+
+    def __init__(self, phys2log: torch.Tensor, num_logical: int):
+        phys2log = torch.as_tensor(phys2log, device="cpu").long()
+        if phys2log.dim() != 1 or phys2log.min() < 0 or phys2log.max() >= num_logical:
+            raise ValueError("phys2log must be a 1-D list of expert ids in range")
+        held = torch.bincount(phys2log, minlength=num_logical)
+        if int(held.min()) == 0:
+            missing = torch.nonzero(held == 0).flatten().tolist()
+            raise ValueError(f"experts with no physical slot: {missing}")
+        self.phys2log = phys2log
+        self.num_replicas = held
+        max_rep = int(held.max())
+        log2phys = torch.full((num_logical, max_rep), -1, dtype=torch.long, device="cpu")
+        fill = [0] * num_logical
+        for slot, e in enumerate(phys2log.tolist()):
+            log2phys[e, fill[e]] = slot
+            fill[e] += 1
+        self.log2phys = log2phys
+
+    @classmethod
+    def identity(cls, num_experts: int) -> "ExpertMap":
+        return cls(torch.arange(num_experts, device="cpu"), num_experts)
+
+    def to(self, device) -> "ExpertMap":
+        self.phys2log = self.phys2log.to(device)
+        self.num_replicas = self.num_replicas.to(device)
+        self.log2phys = self.log2phys.to(device)
+        return self
+
+    def slots_for(self, ids: torch.Tensor) -> torch.Tensor:
+        """Logical ids [T, k] -> physical slots [T, k]."""
+        if self.log2phys.device != ids.device:
+            self.to(ids.device)
+        tok = torch.arange(ids.shape[0], device=ids.device)[:, None]
+        replica = tok % self.num_replicas[ids]
+        return self.log2phys[ids, replica]
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, num_slots: int | None = None):
+        super().__init__()
+        self.cfg = cfg
+        num_slots = num_slots or cfg.n_routed_experts
+        h, i = cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate = nn.Linear(h, cfg.n_routed_experts, bias=False)
+        self.gate.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts))
+        # Physical expert slots: gate and up projections fused.
+        self.w13 = nn.Parameter(torch.empty(num_slots, 2 * i, h))
+        self.w2 = nn.Parameter(torch.empty(num_slots, h, i))
+        self.shared_experts = MLP(h, i * cfg.n_shared_experts) if cfg.n_shared_experts else None
+        self.expert_map = ExpertMap.identity(num_slots) if num_slots == cfg.n_routed_experts else None
+        self.register_buffer("slot_load", torch.zeros(num_slots, dtype=torch.long), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(x.float(), self.gate.weight.float())
+        ids, weights = route(logits, self.gate.e_score_correction_bias, self.cfg)
+        slots = self.expert_map.slots_for(ids)
+        out = self.experts(x, slots, weights)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+    def experts(self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Tokens sorted by slot, one matmul pair per slot that received tokens."""
+        t, k = slots.shape
+        flat = slots.flatten()
+        counts = torch.bincount(flat, minlength=self.w13.shape[0])
+        self.slot_load += counts
+        order = flat.argsort(stable=True)
+        token_of = order // k
+        xs = x[token_of]
+        ws = weights.flatten()[order].to(x.dtype)
+        out = torch.zeros_like(x)
+        start = 0
+        for slot, n in enumerate(counts.tolist()):
+            if n == 0:
+                continue
+            end = start + n
+            gate, up = F.linear(xs[start:end], self.w13[slot]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.w2[slot]) * ws[start:end, None]
+            out.index_add_(0, token_of[start:end], y)
+            start = end
+        return out
+
+    def take_load(self) -> torch.Tensor:
+        """Tokens per physical slot since the last call (the balancer's load window)."""
+        load = self.slot_load.clone()
+        self.slot_load.zero_()
+        return load

@@ -1,0 +1,108 @@
+"""Sampling parameters (validated) and the sampler."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+
+class SamplingError(ValueError):
+    """An invalid sampling parameter, named in the message."""
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1          # -1: off
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    n: int = 1
+
+    MAX_STOP_STRINGS = 64
+    MAX_STOP_LEN = 256
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(name, why):
+            raise SamplingError(f"invalid {name}: {why}")
+
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        for name in ("temperature", "top_p"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+                bad(name, f"must be a finite number, got {v!r}")
+        if self.temperature < 0:
+            bad("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or (self.top_k < 1 and self.top_k != -1):
+            bad("top_k", f"must be -1 (off) or an integer >= 1, got {self.top_k!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            bad("seed", f"must be an integer, got {self.seed!r}")
+        if self.n != 1:
+            bad("n", f"only n=1 is supported, got {self.n!r}")
+        if len(self.stop) > self.MAX_STOP_STRINGS:
+            bad("stop", f"at most {self.MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s or len(s) > self.MAX_STOP_LEN:
+                bad("stop", f"each stop string must be a non-empty string of at most {self.MAX_STOP_LEN} chars")
+        for t in self.stop_token_ids:
+            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                bad("stop_token_ids", f"must be non-negative integers, got {t!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+class Sampler:
+    """Samples one token per row. Rows with a seed draw from their own generator, so a
+    seeded request gives the same tokens whatever else is in the batch."""
+
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
+                 generators: list[torch.Generator | None]) -> list[int]:
+        logits = logits.float()
+        out = logits.argmax(-1)
+        rows = [i for i, p in enumerate(params) if not p.greedy]
+        if rows:
+            idx = torch.tensor(rows, device=logits.device)
+            sub = logits[idx]
+            temp = torch.tensor([params[i].temperature for i in rows], device=logits.device)
+            probs = self._filter(sub / temp[:, None], [params[i] for i in rows]).softmax(-1)
+            for j, i in enumerate(rows):
+                # Exponential race: argmax(p / E) with E ~ Exp(1) samples from p.
+                e = torch.empty_like(probs[j]).exponential_(1.0, generator=generators[i])
+                out[i] = (probs[j] / e).argmax()
+        return out.tolist()
+
+    @staticmethod
+    def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        top_k = [p.top_k for p in params]
+        top_p = [p.top_p for p in params]
+        if any(k > 0 for k in top_k):
+            vocab = logits.shape[-1]
+            k = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_k], device=logits.device)
+            sorted_desc = logits.sort(-1, descending=True).values
+            kth = sorted_desc.gather(1, (k - 1)[:, None])
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if any(p < 1 for p in top_p):
+            p = torch.tensor(top_p, device=logits.device)[:, None]
+            sorted_logits, order = logits.sort(-1, descending=True)
+            probs = sorted_logits.softmax(-1)
+            # drop tokens once the mass before them already reaches top_p; the top token always stays
+            drop = (probs.cumsum(-1) - probs) >= p
+            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+            logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+        return logits

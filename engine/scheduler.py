@@ -1,0 +1,138 @@
+"""Continuous batching with chunked prefill, prefix-cache admission and window-KV replay.
+
+Each step has a token budget. Running requests go first (decodes cost one token, unfinished
+prefills take a chunk); waiting requests are then admitted while budget, blocks and slots
+last. When blocks run out, the most recently admitted request is preempted and later
+recomputed (its prefix blocks usually hit the cache again).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .block_manager import BlockManager, WindowSlots
+from .config import EngineConfig, ModelConfig
+from .sequence import Sequence, Status
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)
+    new_window_slots: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig):
+        self.cfg = cfg
+        self.window = model_cfg.sliding_window
+        self.num_layers = model_cfg.num_hidden_layers
+        self.blocks = BlockManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.window_slots = WindowSlots(cfg.max_num_seqs) if self.window else None
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.prefix_hit_tokens = 0
+        self.replayed_tokens = 0
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def replay_start(self, hit: int) -> int:
+        """Where compute resumes after a prefix hit ending at `hit`: the window KV is never
+        cached, so the last W tokens are replayed (bounded), or enough tokens for every
+        layer's window to be exactly what a cold run computes (exact: W * num_layers)."""
+        if not self.window or hit == 0:
+            return hit
+        span = self.window if self.cfg.replay_mode == "bounded" else self.window * self.num_layers
+        return max(0, hit - span)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.cfg.max_num_batched_tokens
+        queue = deque(self.running)
+        self.running = []
+        while queue and budget > 0:
+            seq = queue.popleft()
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.blocks.can_grow(seq, seq.num_computed_tokens + n):
+                victim = queue.pop() if queue else seq
+                self.preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status != Status.RUNNING:
+                continue
+            self.blocks.grow(seq, seq.num_computed_tokens + n)
+            batch.seqs.append(seq)
+            batch.num_tokens.append(n)
+            self.running.append(seq)
+            budget -= n
+        self.running.extend(queue)
+
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            seq = self.waiting[0]
+            n = self._admit(seq, budget)
+            if n == 0:
+                break
+            self.waiting.popleft()
+            if seq.window_slot is not None:
+                batch.new_window_slots.append(seq.window_slot)
+            batch.seqs.append(seq)
+            batch.num_tokens.append(n)
+            self.running.append(seq)
+            budget -= n
+        return batch
+
+    def _admit(self, seq: Sequence, budget: int) -> int:
+        """Take prefix hits and blocks for the first chunk; 0 if it does not fit now."""
+        hits = self.blocks.match_prefix(seq.token_ids)
+        hit = len(hits) * self.cfg.block_size
+        start = self.replay_start(hit)
+        n = min(seq.num_tokens - start, budget)
+        revived = sum(1 for b in hits if self.blocks.ref_count[b] == 0)  # cached blocks now in the free list
+        need = self.blocks.blocks_needed(start + n) - len(hits)
+        if need > self.blocks.num_free_blocks - revived:
+            return 0
+        self.blocks.take_prefix(seq, hits)
+        self.blocks.grow(seq, start + n)
+        seq.num_cached_tokens = hit
+        seq.num_computed_tokens = start
+        seq.prefix_hit_tokens += hit
+        seq.replayed_tokens += hit - start
+        self.prefix_hit_tokens += hit
+        self.replayed_tokens += hit - start
+        if self.window_slots is not None:
+            seq.window_slot = self.window_slots.take()
+        seq.status = Status.RUNNING
+        return n
+
+    def preempt(self, seq: Sequence) -> None:
+        self._release(seq)
+        seq.status = Status.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_cached_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        if seq.status == Status.RUNNING:
+            self.running.remove(seq)
+        elif seq.status == Status.WAITING:
+            self.waiting.remove(seq)
+        self._release(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        seq.error = error
+
+    def _release(self, seq: Sequence) -> None:
+        self.blocks.release(seq)
+        if seq.window_slot is not None:
+            self.window_slots.give(seq.window_slot)
+            seq.window_slot = None

@@ -1,0 +1,73 @@
+"""A request as the engine tracks it."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from .sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: float = 0.0
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None   # stop | length | abort | error
+    error: str | None = None
+    # KV bookkeeping. Positions < num_cached_tokens have their global KV in shared
+    # prefix-cache blocks (not rewritten); compute resumes at num_computed_tokens, which
+    # is below num_cached_tokens while the window KV is being replayed.
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_hashed_blocks: int = 0
+    prefix_hash: bytes = b""      # chain hash of the last hashed block
+    window_slot: int | None = None
+    generator: torch.Generator | None = None
+    # statistics
+    prefix_hit_tokens: int = 0
+    replayed_tokens: int = 0
+    num_preemptions: int = 0
+    text: str = ""
+    detok: object = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == Status.FINISHED
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed_tokens < self.num_tokens - 1 or not self.output_ids
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    output_token_ids: list[int]
+    text_delta: str
+    text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int      # prompt tokens served from the prefix cache
+    error: str | None = None

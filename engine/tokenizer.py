@@ -1,0 +1,90 @@
+"""Tokenizer and chat template from a checkpoint directory; an offline-built one for random checkpoints."""
+from __future__ import annotations
+
+from pathlib import Path
+
+BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
+USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"
+
+# DeepSeek-style chat template: system text first, user/assistant turns marked by special tokens.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}"
+    "{% elif m['role'] == 'user' %}" + USER + "{{ m['content'] }}"
+    "{% elif m['role'] == 'assistant' %}" + ASSISTANT + "{{ m['content'] }}" + EOS + "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}" + ASSISTANT + "{% endif %}"
+)
+
+# A small corpus to learn merges from; no model hub or dataset is reachable where these are made.
+_CORPUS = """
+The quick brown fox jumps over the lazy dog. A serving system turns requests into tokens and tokens
+into answers. Hello, who are you? I am a language model served by a mixture of experts. Experts are
+small feed-forward networks; a router picks a few of them for every token. The key value cache keeps
+what attention has already seen, so each new token costs little. Prefill reads the whole prompt at
+once; decode adds one token at a time. def main(): print("hello world") return 0
+import torch; x = torch.zeros(4, 8); for i in range(10): total += i * 2
+User: please write a function that sorts a list. Assistant: Here is a function that sorts a list.
+Numbers 0 1 2 3 4 5 6 7 8 9 10 100 1000 and punctuation , . ; : ! ? ( ) [ ] { } " ' - + = * / %
+""" * 4
+
+
+def build_tokenizer(vocab_size: int):
+    """A byte-level BPE tokenizer with DeepSeek's special tokens, trained offline in well under a second."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = [BOS, EOS, USER, ASSISTANT]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=max(vocab_size, 256 + len(specials)), special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([_CORPUS], trainer)
+    if tok.get_vocab_size() > vocab_size:
+        raise ValueError(f"vocab_size {vocab_size} is too small for a byte-level tokenizer")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS,
+                                   chat_template=CHAT_TEMPLATE, model_max_length=1 << 30)
+
+
+class Tokenizer:
+    """What the engine needs of a tokenizer: encode, decode, chat template, EOS."""
+
+    def __init__(self, path: str | Path):
+        from transformers import AutoTokenizer
+
+        path = Path(path)
+        if not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
+            raise FileNotFoundError(f"no tokenizer in {path} (tokenizer.json / tokenizer_config.json)")
+        self.hf = AutoTokenizer.from_pretrained(str(path))
+        self.eos_token_id = self.hf.eos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.hf.decode(ids, skip_special_tokens=True)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        if not self.hf.chat_template:
+            raise ValueError("this checkpoint has no chat template")
+        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return self.encode(text)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of output ids into text deltas for streaming.
+
+    Holds back text that ends in an incomplete UTF-8 sequence (U+FFFD) until it completes.
+    """
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.text = ""
+
+    def step(self, output_ids: list[int]) -> str:
+        full = self.tokenizer.decode(output_ids)
+        if full.endswith("\ufffd"):
+            return ""
+        delta = full[len(self.text):] if full.startswith(self.text) else ""
+        self.text = full
+        return delta
