@@ -105,7 +105,10 @@ def index_topk_mask(idx_q: torch.Tensor, idx_w: torch.Tensor, idx_keys: torch.Te
     s = torch.einsum("bnhd,bcd->bnhc", idx_q.float(), idx_keys.float()).relu()
     s = (s * idx_w.float()[..., None]).sum(2)
     s = s.masked_fill(~g_mask, float("-inf"))
-    chosen = s.topk(topk, dim=-1).indices
+    # relu makes exact-zero ties common; break them towards recent positions, the same way
+    # whatever the padding, so chunked and one-shot prefill choose the same entries.
+    order = s.flip(-1).sort(dim=-1, descending=True, stable=True).indices[..., :topk]
+    chosen = num_ctx - 1 - order
     sel = torch.zeros_like(g_mask).scatter_(-1, chosen, True)
     return g_mask & sel
 

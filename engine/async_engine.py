@@ -1,0 +1,89 @@
+"""An asyncio front for LLMEngine: a background thread steps the engine while callers
+await a stream of outputs per request. The deployments wrap this."""
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import AsyncIterator
+
+from .llm_engine import LLMEngine
+from .sampling import SamplingParams
+from .sequence import RequestOutput
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped; no request can be served."""
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._lock = threading.Lock()          # guards the engine between the loop thread and callers
+        self._wake = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopped = False
+        self._dead: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    async def generate(self, request_id: str, prompt=None, params: SamplingParams | None = None,
+                       messages: list[dict] | None = None) -> AsyncIterator[RequestOutput]:
+        """Yields one RequestOutput per new token; the last has finished=True.
+        Cancelling the iteration (e.g. a client disconnect) aborts the request."""
+        if self._dead is not None:
+            raise EngineDeadError(f"engine loop died: {self._dead!r}")
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            self.engine.add_request(request_id, prompt, params, messages=messages)
+            self._streams[request_id] = (asyncio.get_running_loop(), queue)
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                out = await queue.get()
+                if isinstance(out, BaseException):
+                    raise out
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self.engine.abort_request(request_id)
+        self._streams.pop(request_id, None)
+
+    def stats(self) -> dict:
+        with self._lock:
+            return self.engine.stats()
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    def _loop(self) -> None:
+        try:
+            while not self._stopped:
+                self._wake.clear()  # before looking for work, so a request added meanwhile is not missed
+                with self._lock:
+                    busy = self.engine.has_unfinished_requests()
+                    outputs = self.engine.step() if busy else []
+                for out in outputs:
+                    self._deliver(out.request_id, out)
+                if not busy:
+                    self._wake.wait(timeout=0.5)
+        except BaseException as e:  # the loop must not die silently: every waiter hears of it
+            self._dead = e
+            for rid in list(self._streams):
+                self._deliver(rid, EngineDeadError(f"engine loop died: {e!r}"))
+
+    def _deliver(self, request_id: str, item) -> None:
+        target = self._streams.get(request_id)
+        if target is not None:
+            loop, queue = target
+            loop.call_soon_threadsafe(queue.put_nowait, item)
