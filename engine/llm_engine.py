@@ -128,23 +128,21 @@ class LLMEngine:
     def _append(self, seq: Sequence, token: int) -> RequestOutput:
         seq.output_ids.append(token)
         p = seq.params
-        delta = seq.detok.step(seq.output_ids) if seq.detok is not None else ""
         reason = None
-        if not p.ignore_eos and token == self.eos_token_id:
+        if (not p.ignore_eos and token == self.eos_token_id) or token in p.stop_token_ids:
             reason = "stop"
-        elif token in p.stop_token_ids:
-            reason = "stop"
-        elif p.stop and seq.detok is not None:
+        elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        delta = seq.detok.step(seq.output_ids, final=reason is not None) if seq.detok is not None else ""
+        if p.stop and seq.detok is not None:
             text = seq.detok.text
             hit = min((i for i in (text.find(s) for s in p.stop) if i >= 0), default=-1)
             if hit >= 0:
-                # cut the text at the stop string; the delta never shows it
+                # cut the text at the stop string; no delta ever shows it
                 emitted = len(seq.text)
                 seq.detok.text = text[:hit]
                 delta = text[emitted:hit] if hit > emitted else ""
                 reason = "stop"
-        if reason is None and (len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len):
-            reason = "length"
         seq.text += delta
         if reason is not None:
             self.scheduler.finish(seq, reason)

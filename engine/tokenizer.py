@@ -81,9 +81,9 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.text = ""
 
-    def step(self, output_ids: list[int]) -> str:
+    def step(self, output_ids: list[int], final: bool = False) -> str:
         full = self.tokenizer.decode(output_ids)
-        if full.endswith("\ufffd"):
+        if full.endswith("\ufffd") and not final:
             return ""
         delta = full[len(self.text):] if full.startswith(self.text) else ""
         self.text = full

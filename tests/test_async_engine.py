@@ -1,0 +1,55 @@
+import asyncio
+
+import pytest
+
+from engine.async_engine import AsyncLLMEngine
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine, RequestError
+from engine.sampling import SamplingParams
+
+
+@pytest.fixture
+def aengine(tiny_ckpt):
+    engine = AsyncLLMEngine(LLMEngine.from_pretrained(tiny_ckpt, EngineConfig(block_size=4), progress=False))
+    yield engine
+    engine.shutdown()
+
+
+def test_concurrent_streams_match_offline_generation(aengine, tiny_ckpt):
+    offline = LLMEngine.from_pretrained(tiny_ckpt, EngineConfig(block_size=4), progress=False)
+    prompts = ["hello", "The quick brown fox", "def main():"]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    expect = [o.output_token_ids for o in offline.generate(prompts, params)]
+
+    async def one(i, prompt):
+        tokens = []
+        async for out in aengine.generate(f"req-{i}", prompt, params):
+            tokens += out.new_token_ids
+        return tokens, out
+    async def all_of_them():
+        return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+    results = asyncio.run(asyncio.wait_for(all_of_them(), 60))
+    assert [r[0] for r in results] == expect
+    assert all(r[1].finished and r[1].finish_reason == "length" for r in results)
+
+
+def test_cancelled_stream_aborts_and_frees_blocks(aengine):
+    async def main():
+        params = SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True)
+        seen = 0
+        async for _ in aengine.generate("long", "hello", params):
+            seen += 1
+            if seen == 3:
+                break  # what a client disconnect does to the handler's iteration
+        return seen
+    assert asyncio.run(asyncio.wait_for(main(), 60)) == 3
+    stats = aengine.stats()
+    assert stats["running"] == 0 and stats["waiting"] == 0 and stats["kv_blocks_used"] == 0
+
+
+def test_bad_request_raises_to_the_caller(aengine):
+    async def main():
+        async for _ in aengine.generate("bad", [], SamplingParams()):
+            pass
+    with pytest.raises(RequestError, match="empty"):
+        asyncio.run(main())

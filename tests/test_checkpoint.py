@@ -1,0 +1,89 @@
+"""Checkpoint and config errors are clear and name the problem."""
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine.checkpoint import CheckpointError, load_model
+from engine.config import ConfigError, EngineConfig, ModelConfig, preset
+from engine.model import DeepseekForCausalLM
+
+
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_unknown_config_key_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="hidden_sise: unknown key"):
+        ModelConfig.from_dict(dict(preset("tiny").model_dump(), hidden_sise=3))
+
+
+@pytest.mark.parametrize("override, match", [
+    ({"n_group": 3}, "divisible by n_group"),
+    ({"topk_group": 5}, "topk_group"),
+    ({"kv_source_layer_ids": [1, 2]}, "kv_source_layer_ids"),
+    ({"kv_source_layer_ids": [0, 9]}, "kv_source_layer_ids"),
+    ({"hidden_size": -1}, "hidden_size"),
+    ({"rope_scaling": {"type": "yarn", "factor": 4}}, "rope_scaling"),
+])
+def test_invalid_model_config(override, match):
+    with pytest.raises(ConfigError, match=match):
+        preset("tiny", **override)
+
+
+def test_unknown_preset_and_engine_field():
+    with pytest.raises(ConfigError, match="unknown model preset"):
+        preset("huge")
+    with pytest.raises(ValueError, match="block_sise"):
+        EngineConfig(block_sise=4)
+
+
+def test_missing_directory_and_config(tmp_path):
+    with pytest.raises(CheckpointError, match="not found"):
+        load_model(tmp_path / "nope")
+    with pytest.raises(ConfigError, match="config.json"):
+        load_model(tmp_path)
+
+
+def test_missing_weights_are_listed(tiny_ckpt, tmp_path):
+    d = _copy(tiny_ckpt, tmp_path / "ck")
+    f = next(d.glob("*.safetensors"))
+    tensors = load_file(f)
+    del tensors["model.layers.1.self_attn.kv_b_proj.weight"]
+    del tensors["model.layers.2.mlp.experts.3.up_proj.weight"]
+    save_file(tensors, f)
+    with pytest.raises(CheckpointError, match=r"missing weights: .*kv_b_proj.*mlp\.w13"):
+        load_model(d, progress=False)
+
+
+def test_shape_mismatch_is_named(tiny_ckpt, tmp_path):
+    d = _copy(tiny_ckpt, tmp_path / "ck")
+    f = next(d.glob("*.safetensors"))
+    tensors = load_file(f)
+    tensors["model.norm.weight"] = torch.ones(65)
+    save_file(tensors, f)
+    with pytest.raises(CheckpointError, match=r"shape mismatch for 'model.norm.weight': checkpoint \(65,\)"):
+        load_model(d, progress=False)
+
+
+def test_weights_of_another_config_are_refused(tiny_ckpt, tmp_path):
+    d = _copy(tiny_ckpt, tmp_path / "ck")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["num_hidden_layers"] = 3  # layer 3 is then an MTP-style extra layer: skipped, not an error
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert isinstance(load_model(d, progress=False), DeepseekForCausalLM)
+    cfg["kv_lora_rank"] = 16
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="shape mismatch"):
+        load_model(d, progress=False)
+
+
+def test_no_safetensors(tiny_ckpt, tmp_path):
+    d = _copy(tiny_ckpt, tmp_path / "ck")
+    for f in d.glob("*.safetensors"):
+        f.unlink()
+    with pytest.raises(CheckpointError, match="no \\*.safetensors"):
+        load_model(d, progress=False)

@@ -1,0 +1,82 @@
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling import Sampler, SamplingError, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_ckpt):
+    return LLMEngine.from_pretrained(tiny_ckpt, EngineConfig(), progress=False)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": -3}, "max_tokens"), ({"max_tokens": 1.5}, "max_tokens"),
+    ({"temperature": -1}, "temperature"), ({"temperature": float("nan")}, "temperature"),
+    ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"top_k": 0}, "top_k"), ({"top_k": -2}, "top_k"),
+    ({"seed": "x"}, "seed"), ({"n": 2}, "n"), ({"stop": [""]}, "stop"), ({"stop": ["a"] * 1000}, "stop"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),
+])
+def test_invalid_sampling_parameters(kwargs, match):
+    with pytest.raises(SamplingError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_top_k_and_top_p_filters():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
+    f = Sampler._filter(logits, [SamplingParams(top_k=2)])
+    assert torch.isinf(f[0, [0, 3]]).all() and torch.isfinite(f[0, [1, 2]]).all()
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    f = Sampler._filter(probs, [SamplingParams(top_p=0.7)])
+    assert torch.isfinite(f[0, :2]).all() and torch.isinf(f[0, 2:]).all()  # 0.5 + 0.3 reaches 0.7
+
+
+def test_sampling_follows_the_distribution():
+    logits = torch.tensor([[0.0, 1.0, 2.0]]).log_softmax(-1).repeat(4000, 1)
+    params = [SamplingParams(temperature=1.0)] * 4000
+    gens = [torch.Generator().manual_seed(i) for i in range(4000)]
+    counts = torch.bincount(torch.tensor(Sampler()(logits, params, gens)), minlength=3).float() / 4000
+    expect = torch.tensor([0.0, 1.0, 2.0]).softmax(-1)
+    assert torch.allclose(counts, expect, atol=0.03)
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(engine):
+    p = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True)
+    alone = engine.generate(["hello"], p)[0].output_token_ids
+    batched = engine.generate(["hello", "other prompt", "x"], [p, SamplingParams(seed=1), SamplingParams()])
+    assert batched[0].output_token_ids == alone
+    other = engine.generate(["hello"], SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=8,
+                                                      ignore_eos=True))[0]
+    assert other.output_token_ids != alone
+
+
+def test_top_k_one_is_greedy(engine):
+    greedy = engine.generate(["hello"], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
+    k1 = engine.generate(["hello"], SamplingParams(max_tokens=8, temperature=1.5, top_k=1, ignore_eos=True))[0]
+    assert greedy.output_token_ids == k1.output_token_ids
+
+
+def test_stop_strings_and_stop_ids(engine):
+    full = engine.generate(["hello"], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))[0]
+    assert len(full.text) > 6
+    stop = full.text[3:6]
+    cut = engine.generate(["hello"], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop=[stop]))[0]
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[:full.text.find(stop)]
+    tok = full.output_token_ids[4]
+    by_id = engine.generate(["hello"], SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[tok]))[0]
+    assert by_id.finish_reason == "stop"
+    assert by_id.output_token_ids == full.output_token_ids[:full.output_token_ids.index(tok) + 1]
+
+
+def test_max_tokens_and_streamed_text_adds_up(engine):
+    engine.add_request("stream", "hello", SamplingParams(max_tokens=9, temperature=0, ignore_eos=True))
+    deltas, last = [], None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            deltas.append(out.text_delta)
+            last = out
+    assert last.finished and last.finish_reason == "length"
+    assert len(last.output_token_ids) == 9
+    assert "".join(deltas) == last.text == engine.tokenizer.decode(last.output_token_ids)
