@@ -296,3 +296,25 @@ def test_cluster_yaml_matches_rays_launcher_schema():
     # The per-node domain label comes from discovery at worker start.
     start = " ".join(config["worker_start_ray_commands"])
     assert "placement.discover --labels-file" in start and "--labels-file=" in start
+
+
+def test_check_ranks_reports_misplaced_and_shared_gpus():
+    from placement.ray_groups import check_ranks
+
+    ray_nodes = [{"NodeID": f"{i:02d}" * 28, "Resources": {"GPU": 2.0}, "Labels": {DOMAIN_LABEL: "r0"}} for i in range(2)]
+    plan = make_plan(cluster_from_ray_nodes(ray_nodes), Layout([GroupSpec("decode-0", "decode", 4)]))
+    group = plan.group("decode-0")
+    good = [
+        {"node_id": plan.cluster.node(s.node).ray_node_id, "labels": {DOMAIN_LABEL: "r0"}, "gpu_ids": [str(s.gpu)], "cuda_visible_devices": str(s.gpu)}
+        for s in group.slots
+    ]
+    assert check_ranks(plan, group, good, strict_gpu=True) == []
+    bad = [dict(r) for r in good]
+    bad[1] = {**bad[1], "labels": {DOMAIN_LABEL: "r9"}}
+    bad[2] = {**bad[2], "node_id": good[0]["node_id"], "gpu_ids": ["0"], "cuda_visible_devices": "0"}
+    bad[3] = {**bad[3], "cuda_visible_devices": "0,1"}
+    problems = check_ranks(plan, group, bad, strict_gpu=True)
+    assert any("rank 1: on domain 'r9', planned 'r0'" in p for p in problems)
+    assert any("rank 2: on node" in p for p in problems)
+    assert any("rank 2: shares GPU 0" in p for p in problems)
+    assert any("rank 3: CUDA_VISIBLE_DEVICES='0,1'" in p for p in problems)

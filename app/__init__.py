@@ -1,0 +1,1 @@
+"""The wideep-serve application: config schema, build_app(), ingress and routing."""
