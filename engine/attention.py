@@ -24,9 +24,10 @@ class AttentionContext:
     """Per-forward attention metadata, built once by the model runner and shared by all layers."""
 
     positions: torch.Tensor          # [T] position of each token
-    slot_mapping: torch.Tensor       # [T] flat global-KV slot to write, -1: already cached (replay)
+    write_rows: torch.Tensor         # token rows whose global KV is written (replayed rows are already cached)
+    write_slots: torch.Tensor        # their flat global-KV slots
     q_index: torch.Tensor            # [B, N] token row of each padded query (0 where padding)
-    q_valid: torch.Tensor            # [B, N]
+    q_flat: torch.Tensor             # [T] where each token sits in the flattened [B*N] padding
     q_pos: torch.Tensor              # [B, N] query positions (-1 where padding)
     key_slots: torch.Tensor          # [B, C] flat global-KV slot of context position j
     g_mask: torch.Tensor             # [B, N, C] global keys visible to each query (window-covered ones removed)
@@ -43,11 +44,9 @@ class AttentionContext:
     _gathered: dict = field(default_factory=dict)
 
     def write_global(self, source: int, latent: torch.Tensor, index_key: torch.Tensor | None) -> None:
-        keep = self.slot_mapping >= 0
-        slots = self.slot_mapping[keep]
-        self.global_kv[source, slots] = latent[keep].to(self.global_kv.dtype)
+        self.global_kv[source, self.write_slots] = latent[self.write_rows].to(self.global_kv.dtype)
         if index_key is not None:
-            self.index_keys[source, slots] = index_key[keep].to(self.index_keys.dtype)
+            self.index_keys[source, self.write_slots] = index_key[self.write_rows].to(self.index_keys.dtype)
         self._gathered.pop(source, None)
 
     def global_keys(self, source: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -96,12 +95,13 @@ def index_topk_mask(idx_q: torch.Tensor, idx_w: torch.Tensor, idx_keys: torch.Te
     """Keep only the top-k global keys per query by the indexer's score.
 
     idx_q [B,N,Hi,Di], idx_w [B,N,Hi], idx_keys [B,C,Di]. Score = sum_h w_h * relu(q_h . k).
-    When no query has more than k candidates the mask is returned unchanged, so
-    index_topk >= context is exactly dense attention.
+    A query with at most k candidates keeps exactly its mask, so index_topk >= context is
+    exactly dense attention.
     """
     num_ctx = g_mask.shape[-1]
-    if topk >= num_ctx or int(g_mask.sum(-1).max()) <= topk:
+    if topk >= num_ctx:
         return g_mask
+    # A query with <= k candidates keeps them all: their scores are >= 0, the rest -inf.
     s = torch.einsum("bnhd,bcd->bnhc", idx_q.float(), idx_keys.float()).relu()
     s = (s * idx_w.float()[..., None]).sum(2)
     s = s.masked_fill(~g_mask, float("-inf"))

@@ -53,10 +53,13 @@ class Rotary:
         self.cos, self.sin = freqs.cos(), freqs.sin()
         self._cache_len = n
 
+    def ensure(self, max_position: int) -> None:
+        """Grow the tables on the host's word, so the forward never syncs to check."""
+        if max_position >= self._cache_len:
+            self._extend(2 * max_position + 1)
+
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [T, ..., dim], positions: [T]."""
-        if int(positions.max()) >= self._cache_len:
-            self._extend(2 * int(positions.max()) + 1)
+        """x: [T, ..., dim], positions: [T], all below the length given to ensure()."""
         shape = (positions.shape[0],) + (1,) * (x.dim() - 2) + (-1,)
         cos = self.cos[positions].view(shape)
         sin = self.sin[positions].view(shape)

@@ -89,7 +89,7 @@ class MLAttention(nn.Module):
         else:
             keys, mask = g_keys, g_mask
         out = attend(q_full, keys, mask, self.scale, cfg.kv_lora_rank)  # [B, N, H, kv_lora]
-        out = out[ctx.q_valid]  # [T, H, kv_lora], in token order
+        out = out.flatten(0, 1)[ctx.q_flat]  # [T, H, kv_lora], in token order
         out = torch.einsum("thc,hvc->thv", out, w_uv).reshape(t, -1)
         return self.o_proj(out)
 
@@ -110,8 +110,8 @@ class DecoderLayer(nn.Module):
 class DeepseekModel(nn.Module):
     def __init__(self, cfg: ModelConfig, device="cpu"):
         super().__init__()
-        rotary = Rotary(cfg.qk_rope_head_dim, cfg.rope_base, cfg.rope_interleave,
-                        cfg.max_position_embeddings, device)
+        self.rotary = rotary = Rotary(cfg.qk_rope_head_dim, cfg.rope_base, cfg.rope_interleave,
+                                      cfg.max_position_embeddings, device)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

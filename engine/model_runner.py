@@ -45,15 +45,17 @@ class ModelRunner:
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, AttentionContext, list[int]]:
         bs = self.cfg.block_size
-        ids, positions, slots, logit_rows = [], [], [], []
+        ids, positions, write_rows, write_slots, logit_rows = [], [], [], [], []
         starts, ctx_lens = [], []
         for seq, n in zip(batch.seqs, batch.num_tokens):
             start = seq.num_computed_tokens
             tokens = seq.token_ids
             ids.extend(tokens[start:start + n])
             for p in range(start, start + n):
+                if p >= seq.num_cached_tokens:  # replayed positions keep their cached global KV
+                    write_rows.append(len(positions))
+                    write_slots.append(seq.block_table[p // bs] * bs + p % bs)
                 positions.append(p)
-                slots.append(-1 if p < seq.num_cached_tokens else seq.block_table[p // bs] * bs + p % bs)
             starts.append(start)
             ctx_lens.append(start + n)
             if start + n == seq.num_tokens:
@@ -61,11 +63,14 @@ class ModelRunner:
         b, n_max, c_max = len(batch), max(batch.num_tokens), max(ctx_lens)
         q_index = torch.zeros(b, n_max, dtype=torch.long)
         q_pos = torch.full((b, n_max), -1, dtype=torch.long)
+        q_flat = []
         row = 0
         for i, n in enumerate(batch.num_tokens):
             q_index[i, :n] = torch.arange(row, row + n)
             q_pos[i, :n] = torch.arange(starts[i], starts[i] + n)
+            q_flat.extend(range(i * n_max, i * n_max + n))
             row += n
+        self.model.model.rotary.ensure(c_max)
         max_blocks = -(-c_max // bs)
         tables = torch.zeros(b, max_blocks, dtype=torch.long)
         for i, seq in enumerate(batch.seqs):
@@ -78,8 +83,9 @@ class ModelRunner:
         q_index, q_pos, key_slots = q_index.to(dev), q_pos.to(dev), key_slots.to(dev)
         context_lens = self._tensor(ctx_lens)
         ctx = AttentionContext(
-            positions=self._tensor(positions), slot_mapping=self._tensor(slots),
-            q_index=q_index, q_valid=q_pos >= 0, q_pos=q_pos, key_slots=key_slots, g_mask=None,
+            positions=self._tensor(positions), write_rows=self._tensor(write_rows),
+            write_slots=self._tensor(write_slots), q_index=q_index, q_flat=self._tensor(q_flat), q_pos=q_pos,
+            key_slots=key_slots, g_mask=None,
             global_kv=self.kv.global_kv, index_keys=self.kv.index_keys)
         ring_pos = None
         if self.kv.window:

@@ -129,3 +129,23 @@ def test_chat_messages_use_the_checkpoint_template(tiny_ckpt):
     assert text.startswith("<｜begin▁of▁sentence｜><｜User｜>hi") and text.endswith("<｜Assistant｜>")
     out = engine.generate([[{"role": "user", "content": "hi"}]], SamplingParams(max_tokens=3, temperature=0))[0]
     assert out.num_prompt_tokens == len(ids)
+
+
+def test_grouped_expert_gemm_equals_the_per_expert_loop():
+    from engine import moe as moe_mod
+    from engine.config import preset
+    cfg = preset("tiny")
+    layer = moe_mod.MoE(cfg)
+    torch.nn.init.normal_(layer.w13, std=0.1)
+    torch.nn.init.normal_(layer.w2, std=0.1)
+    torch.nn.init.normal_(layer.gate.weight, std=0.1)
+    x = torch.randn(37, cfg.hidden_size)
+    assert moe_mod._grouped_mm_ok(x, layer.w13)
+    fused = layer(x)
+    moe_mod._GROUPED_MM_DISABLED = True
+    try:
+        looped = layer(x)
+    finally:
+        moe_mod._GROUPED_MM_DISABLED = False
+    torch.testing.assert_close(fused, looped, atol=1e-5, rtol=1e-5)
+    assert int(layer.take_load().sum()) == 2 * 37 * cfg.num_experts_per_tok

@@ -1,0 +1,151 @@
+"""Decode throughput of our engine against transformers `generate`, same weights, side by side.
+
+    python -m bench.engine_vs_hf --preset tiny --device cpu --batches 1 8
+    python -m bench.engine_vs_hf --preset bench --device cuda --dtype bfloat16 --batches 1 16 64
+
+transformers only knows DeepSeek-V3, so the comparison runs the preset with the V4.1-style
+options off (same weights minus the indexer's); our engine is also timed with them on.
+Tokens/s = batch x generated tokens / wall time of the whole generation (prompt included;
+prompts are short so decode dominates). Writes a JSON line per measurement.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from engine.checkpoint import load_weights, random_weights
+from engine.config import EngineConfig, ModelConfig, preset
+from engine.llm_engine import LLMEngine
+from engine.model import DeepseekForCausalLM
+from engine.sampling import SamplingParams
+
+V3_OFF = dict(kv_source_layer_ids=None, sliding_window=None, index_topk=None)
+
+
+def build_ours(cfg: ModelConfig, device, dtype, seed=0) -> DeepseekForCausalLM:
+    with torch.device(device):
+        model = DeepseekForCausalLM(cfg, device=device).to(dtype)
+    for moe in model.moe_layers():
+        moe.gate.float()
+    load_weights(model, random_weights(cfg, seed=seed, device=device, dtype=dtype), progress=False)
+    return model.eval()
+
+
+def build_hf(ours: DeepseekForCausalLM, device, dtype):
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    hf_cfg = DeepseekV3Config(**{k: v for k, v in ours.cfg.to_hf_dict().items()
+                                 if k not in ("architectures", "model_type")})
+    with torch.device(device):
+        hf = DeepseekV3ForCausalLM(hf_cfg).to(dtype)
+    state = {}
+    for name, t in ours.state_dict().items():
+        name = name.replace("mlp.w13", "mlp.experts.gate_up_proj").replace("mlp.w2", "mlp.experts.down_proj")
+        state[name] = t
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    missing = [m for m in missing if "rotary" not in m]
+    if missing or unexpected:
+        raise RuntimeError(f"weight mapping to transformers failed: missing={missing[:4]} unexpected={unexpected[:4]}")
+    return hf.eval()
+
+
+def sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def peak_reset(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_gib(device):
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.device(device).type == "cuda" else None
+
+
+def time_ours(model, batch, prompt_len, gen, device, dtype_name, repeats=2):
+    bs = 16
+    blocks = batch * (-(-(prompt_len + gen + 1) // bs)) + 8
+    cfg = EngineConfig(device=str(device), dtype=dtype_name, block_size=bs, num_blocks=blocks, max_num_seqs=batch,
+                       max_num_batched_tokens=max(batch * prompt_len, 512), enable_prefix_caching=False)
+    engine = LLMEngine(model, None, cfg)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(4, model.cfg.vocab_size, (prompt_len,), generator=g).tolist() for _ in range(batch)]
+    params = SamplingParams(max_tokens=gen, temperature=0, ignore_eos=True)
+    engine.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        peak_reset(device)
+        sync(device)
+        t0 = time.perf_counter()
+        outs = engine.generate(prompts, params)
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+        assert all(len(o.output_token_ids) == gen for o in outs)
+    return batch * gen / best, peak_gib(device), engine.runner.kv.nbytes() / 2**30
+
+
+@torch.inference_mode()
+def time_hf(hf, batch, prompt_len, gen, device, vocab, repeats=2):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(4, vocab, (batch, prompt_len), generator=g).to(device)
+    kw = dict(max_new_tokens=gen, min_new_tokens=gen, do_sample=False, pad_token_id=0)
+    hf.generate(ids[:1], **dict(kw, max_new_tokens=4, min_new_tokens=4))
+    best = float("inf")
+    for _ in range(repeats):
+        peak_reset(device)
+        sync(device)
+        t0 = time.perf_counter()
+        out = hf.generate(ids, **kw)
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+        assert out.shape[1] == prompt_len + gen
+    return batch * gen / best, peak_gib(device)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--gen", type=int, default=64)
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--out", default=None, help="append JSON lines here")
+    args = ap.parse_args(argv)
+    dtype = getattr(torch, args.dtype)
+    results = []
+    v3 = preset(args.preset, **V3_OFF)
+    v4 = preset(args.preset)
+    variants = [("v3", v3)] + ([("v4", v4)] if v4 != v3 else [])
+    for label, cfg in variants:
+        ours = build_ours(cfg, args.device, dtype)
+        hf = build_hf(ours, args.device, dtype) if (label == "v3" and not args.skip_hf) else None
+        for b in args.batches:
+            tps, peak, kv_gib = time_ours(ours, b, args.prompt_len, args.gen, args.device, args.dtype)
+            row = dict(preset=args.preset, mode=label, batch=b, device=args.device, dtype=args.dtype,
+                       prompt_len=args.prompt_len, gen=args.gen, ours_tok_s=round(tps, 1),
+                       ours_peak_gib=peak and round(peak, 2), ours_kv_pool_gib=round(kv_gib, 3))
+            if hf is not None:
+                htps, hpeak = time_hf(hf, b, args.prompt_len, args.gen, args.device, cfg.vocab_size)
+                row.update(hf_tok_s=round(htps, 1), hf_peak_gib=hpeak and round(hpeak, 2),
+                           ratio=round(tps / htps, 2))
+            print(json.dumps(row), flush=True)
+            results.append(row)
+        del ours, hf
+        if torch.device(args.device).type == "cuda":
+            torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "a") as f:
+            for r in results:
+                f.write(json.dumps(r) + "\n")
+    return results
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)
