@@ -197,28 +197,38 @@ def _run(cmd: list[str], timeout: float = 20.0) -> str | None:
 
 
 def _nvml_fabric(pynvml: Any, handle: Any) -> dict[str, Any]:
-    getter = getattr(pynvml, "nvmlDeviceGetGpuFabricInfo", None)
-    if getter is None:
-        return {}
-    try:
-        info = getter(handle)
-    except Exception:  # pre-Hopper GPUs and old drivers answer "not supported"
-        return {}
-    # ctypes truncates char arrays at the first NUL, which is wrong for UUID
-    # bytes; read the 16 raw bytes at the field's offset instead.
-    field_desc = getattr(type(info), "clusterUuid", None)
-    raw = b""
-    if field_desc is not None:
-        raw = ctypes.string_at(ctypes.addressof(info) + field_desc.offset, 16)
-    hexs = raw.hex()
-    uuid = f"{hexs[0:8]}-{hexs[8:12]}-{hexs[12:16]}-{hexs[16:20]}-{hexs[20:32]}" if len(hexs) == 32 else None
-    completed = getattr(pynvml, "NVML_GPU_FABRIC_STATE_COMPLETED", 3)
-    return {
-        "state": "Completed" if getattr(info, "state", None) == completed else str(getattr(info, "state", "")),
-        "status": "Success" if getattr(info, "status", 1) == 0 else str(getattr(info, "status", "")),
-        "clique_id": str(getattr(info, "cliqueId", "")),
-        "cluster_uuid": uuid,
-    }
+    """Fabric fields through NVML; {} where the GPU or the binding has none.
+
+    nvidia-ml-py fills a caller-made struct. The versioned call (v2 struct,
+    16-byte UUID) is tried first; the plain one is the fallback for older
+    bindings.
+    """
+    attempts = []
+    v2_cls, v2_ver = getattr(pynvml, "c_nvmlGpuFabricInfo_v2_t", None), getattr(pynvml, "nvmlGpuFabricInfo_v2", None)
+    if v2_cls is not None and v2_ver is not None and hasattr(pynvml, "nvmlDeviceGetGpuFabricInfoV"):
+        attempts.append((pynvml.nvmlDeviceGetGpuFabricInfoV, v2_cls, v2_ver))
+    v1_cls = getattr(pynvml, "c_nvmlGpuFabricInfo_t", None)
+    if v1_cls is not None and hasattr(pynvml, "nvmlDeviceGetGpuFabricInfo"):
+        attempts.append((pynvml.nvmlDeviceGetGpuFabricInfo, v1_cls, None))
+    for fn, cls, version in attempts:
+        info = cls()
+        if version is not None:
+            info.version = version
+        try:
+            fn(handle, ctypes.byref(info))
+        except Exception:  # pre-Hopper GPUs and old drivers answer "not supported"
+            continue
+        raw = bytes(info.clusterUuid)[:16]
+        h = raw.hex()
+        uuid = f"{h[0:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}" if len(h) == 32 else None
+        completed = getattr(pynvml, "NVML_GPU_FABRIC_STATE_COMPLETED", 3)
+        return {
+            "state": "Completed" if info.state == completed else f"state {info.state}",
+            "status": "Success" if info.status == 0 else f"status {info.status}",
+            "clique_id": str(info.cliqueId),
+            "cluster_uuid": uuid,
+        }
+    return {}
 
 
 def _probe_nvml() -> dict[str, Any] | None:
@@ -356,6 +366,13 @@ def discover_local(use_nvml: bool = True) -> dict[str, Any]:
             probe = None  # NVML imported but found nothing usable: ask nvidia-smi
     if probe is None:
         probe = _probe_nvidia_smi()
+    elif not any(g.get("fabric") for g in probe["gpus"]):
+        # A binding too old for the fabric call must not turn an NVL72 tray
+        # into a one-node domain: take the fabric fields from nvidia-smi.
+        query = _run(["nvidia-smi", "-q"])
+        by_bus = {g["bus_id"].lower(): g.get("fabric") or {} for g in parse_query(query or "")}
+        for g in probe["gpus"]:
+            g["fabric"] = by_bus.get(str(g.get("bus_id", "")).lower(), {})
     return build_report(probe, hostname)
 
 

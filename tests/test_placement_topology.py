@@ -102,9 +102,27 @@ def test_topo_hgx_h200x8_is_one_nvlink_island():
     assert discovery.nvlink_islands(8, t["links"]) == [list(range(8))]
 
 
-def test_topo_two_gpu_node():
-    t = discovery.parse_topo_matrix((FIX / "topo-m_h200x2.txt").read_text())
-    assert t["links"] == {(0, 1): "NV18", (1, 0): "NV18"}
+def test_topo_two_gpu_node_recorded_with_terminal_codes():
+    text = (FIX / "topo-m_h200x2.txt").read_text()
+    assert "\x1b[4m" in text  # nvidia-smi underlines the header, even into a file
+    t = discovery.parse_topo_matrix(text)
+    assert t["gpus"] == ["GPU0", "GPU1"] and t["links"] == {(0, 1): "NV18", (1, 0): "NV18"}
+    plain = discovery.parse_topo_matrix(text.replace("\x1b[4m", "").replace("\x1b[0m", ""))
+    assert plain == t
+
+
+def test_recorded_h200_host_is_a_two_gpu_nvlink_domain():
+    gpus = discovery.parse_query((FIX / "q_h200x2.txt").read_text())
+    assert [g["name"] for g in gpus] == ["NVIDIA H200"] * 2
+    assert [g["bus_id"] for g in gpus] == ["00000000:00:06.0", "00000000:00:07.0"]
+    assert gpus[0]["memory_mib"] == 143771
+    # Hopper: fabric registered, but no multi-node cluster behind it.
+    assert gpus[0]["fabric"]["state"] == "Completed" and gpus[0]["fabric"]["clique_id"] == "0"
+    links = discovery.parse_topo_matrix((FIX / "topo-m_h200x2.txt").read_text())["links"]
+    rep = discovery.build_report({"source": "nvidia-smi", "gpus": gpus, "links": links}, "gpu-host")
+    assert (rep["domain"], rep["domain_kind"], rep["nvlink_islands"]) == ("node-gpu-host", "single-node NVLink", [[0, 1]])
+    c = discovery.cluster_from_discovery(rep)
+    assert c.largest_domain.num_gpus == 2 and c.nodes[0].gpu_model == "H200"
 
 
 def test_topo_pcie_box_with_bridged_pairs_splits_islands():
@@ -112,11 +130,7 @@ def test_topo_pcie_box_with_bridged_pairs_splits_islands():
     assert discovery.nvlink_islands(4, t["links"]) == [[0, 1], [2, 3]]
     rep = discovery.build_report({"source": "t", "gpus": [{"name": "L40S"}] * 4, "links": t["links"]}, "box")
     assert rep["domain_kind"] == "pcie" and any("not all NVLink peers" in w for w in rep["warnings"])
-
-
-def test_topo_tolerates_terminal_colour_codes():
-    text = (FIX / "topo-m_h200x2.txt").read_text().replace("\tGPU0\tGPU1", "\t\x1b[4mGPU0\tGPU1", 1)
-    assert discovery.parse_topo_matrix(text)["links"][(0, 1)] == "NV18"
+    assert discovery.cluster_from_discovery(rep).nodes[0].nvlink is False
 
 
 def test_topo_garbage_is_a_clear_error():
@@ -212,3 +226,65 @@ def test_discover_command_on_a_host_without_gpus(tmp_path):
     out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["status"] == "not found"
+
+
+# --- NVML path, through a stand-in for the nvidia-ml-py module ----------------
+
+
+def _fake_pynvml(cluster_uuid: bytes, clique: int, nvlink_pairs: set):
+    import ctypes
+    import types
+
+    class FabricV2(ctypes.Structure):
+        _fields_ = [
+            ("version", ctypes.c_uint),
+            ("clusterUuid", ctypes.c_ubyte * 16),
+            ("status", ctypes.c_uint),
+            ("cliqueId", ctypes.c_uint),
+            ("state", ctypes.c_uint),
+            ("healthMask", ctypes.c_uint),
+        ]
+
+    def fabric_v(handle, ref):
+        info = ref._obj
+        assert info.version == 0x2000024  # the caller must set the struct version
+        ctypes.memmove(info.clusterUuid, cluster_uuid, 16)
+        info.status, info.cliqueId, info.state = 0, clique, 3
+
+    m = types.SimpleNamespace(
+        nvmlInit=lambda: None,
+        nvmlShutdown=lambda: None,
+        nvmlDeviceGetCount=lambda: 4,
+        nvmlDeviceGetHandleByIndex=lambda i: i,
+        nvmlDeviceGetName=lambda h: "NVIDIA GB300",
+        nvmlDeviceGetUUID=lambda h: f"GPU-{h:08d}-0000-0000-0000-000000000000",
+        nvmlDeviceGetMemoryInfo=lambda h: types.SimpleNamespace(total=288 * 1024**3),
+        nvmlDeviceGetPciInfo=lambda h: types.SimpleNamespace(busId=f"0000000{h}:01:00.0".encode()),
+        nvmlDeviceGetP2PStatus=lambda a, b, idx: 0 if (min(a, b), max(a, b)) in nvlink_pairs else 1,
+        c_nvmlGpuFabricInfo_v2_t=FabricV2,
+        nvmlGpuFabricInfo_v2=0x2000024,
+        nvmlDeviceGetGpuFabricInfoV=fabric_v,
+        NVML_GPU_FABRIC_STATE_COMPLETED=3,
+        NVML_P2P_CAPS_INDEX_NVLINK=2,
+        NVML_P2P_STATUS_OK=0,
+    )
+    return m
+
+
+def test_nvml_probe_reads_fabric_and_nvlink(monkeypatch):
+    uuid = bytes.fromhex("9b6f1d247c3e4a85b0d251e8f4a7c639")
+    all_pairs = {(i, j) for i in range(4) for j in range(i + 1, 4)}
+    monkeypatch.setitem(sys.modules, "pynvml", _fake_pynvml(uuid, 7, all_pairs))
+    rep = discovery.discover_local()
+    assert rep["source"] == "nvml" and rep["num_gpus"] == 4
+    assert rep["gpus"][1]["memory_mib"] == 288 * 1024 and rep["gpus"][2]["bus_id"] == "00000002:01:00.0"
+    assert rep["domain"] == "nvl-9b6f1d24-7c3e-4a85-b0d2-51e8f4a7c639-7"
+    assert rep["nvlink_islands"] == [[0, 1, 2, 3]]
+
+
+def test_nvml_zero_uuid_falls_back_to_host_domain(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", _fake_pynvml(bytes(16), 0, {(0, 1)}))
+    monkeypatch.setattr(discovery.socket, "gethostname", lambda: "box7")
+    rep = discovery.discover_local()
+    assert rep["domain"] == "node-box7" and rep["domain_kind"] == "pcie"
+    assert rep["nvlink_islands"] == [[0, 1], [2], [3]]
