@@ -47,7 +47,13 @@ def live_ray_cluster(domain_label: str) -> Cluster:
     import ray
 
     if not ray.is_initialized():
-        ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
+        try:
+            ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
+        except ConnectionError:
+            raise TopologyError(
+                "cluster 'ray': no running Ray cluster found to read nodes from; "
+                "start one (`ray up cluster.yaml`) or pass --cluster with a described-cluster YAML or 'discover'"
+            ) from None
     return cluster_from_ray_nodes(ray.nodes(), domain_label)
 
 

@@ -318,3 +318,15 @@ def test_check_ranks_reports_misplaced_and_shared_gpus():
     assert any("rank 2: on node" in p for p in problems)
     assert any("rank 2: shares GPU 0" in p for p in problems)
     assert any("rank 3: CUDA_VISIBLE_DEVICES='0,1'" in p for p in problems)
+
+
+def test_dry_run_against_ray_without_a_cluster_says_so(monkeypatch, capsys):
+    import ray
+
+    def no_cluster(*a, **kw):
+        raise ConnectionError("Could not find any running Ray instance.")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", no_cluster)
+    assert dryrun.main(["--config", str(CONFIGS / "h200x2.yaml")]) == 2  # the config says cluster: ray
+    assert "no running Ray cluster found" in capsys.readouterr().err

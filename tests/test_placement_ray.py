@@ -8,6 +8,7 @@ Rank actors take num_cpus=0 so they only compete for the fake GPUs.
 """
 
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -43,6 +44,7 @@ def cluster():
             os.environ.pop("RAY_TMPDIR", None)
         else:
             os.environ["RAY_TMPDIR"] = old
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @ray.remote(num_cpus=0)
