@@ -35,13 +35,16 @@ def build_ours(cfg: ModelConfig, device, dtype, seed=0) -> DeepseekForCausalLM:
     return model.eval()
 
 
-def build_hf(ours: DeepseekForCausalLM, device, dtype):
+def build_hf(cfg: ModelConfig, device, dtype, seed=0):
+    """transformers' model with the very weights build_ours(cfg, seed) makes (built one at a
+    time, so each peak-memory figure holds one model)."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    hf_cfg = DeepseekV3Config(**{k: v for k, v in ours.cfg.to_hf_dict().items()
+    hf_cfg = DeepseekV3Config(**{k: v for k, v in cfg.to_hf_dict().items()
                                  if k not in ("architectures", "model_type")})
     with torch.device(device):
         hf = DeepseekV3ForCausalLM(hf_cfg).to(dtype)
+    ours = build_ours(cfg, device, dtype, seed)
     state = {}
     for name, t in ours.state_dict().items():
         name = name.replace("mlp.w13", "mlp.experts.gate_up_proj").replace("mlp.w2", "mlp.experts.down_proj")
@@ -50,12 +53,18 @@ def build_hf(ours: DeepseekForCausalLM, device, dtype):
     missing = [m for m in missing if "rotary" not in m]
     if missing or unexpected:
         raise RuntimeError(f"weight mapping to transformers failed: missing={missing[:4]} unexpected={unexpected[:4]}")
+    del ours, state
     return hf.eval()
 
 
 def sync(device):
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
+
+
+def free_cache(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def peak_reset(device):
@@ -125,21 +134,25 @@ def main(argv=None):
     variants = [("v3", v3)] + ([("v4", v4)] if v4 != v3 else [])
     for label, cfg in variants:
         ours = build_ours(cfg, args.device, dtype)
-        hf = build_hf(ours, args.device, dtype) if (label == "v3" and not args.skip_hf) else None
+        rows = []
         for b in args.batches:
             tps, peak, kv_gib = time_ours(ours, b, args.prompt_len, args.gen, args.device, args.dtype)
-            row = dict(preset=args.preset, mode=label, batch=b, device=args.device, dtype=args.dtype,
-                       prompt_len=args.prompt_len, gen=args.gen, ours_tok_s=round(tps, 1),
-                       ours_peak_gib=peak and round(peak, 2), ours_kv_pool_gib=round(kv_gib, 3))
-            if hf is not None:
-                htps, hpeak = time_hf(hf, b, args.prompt_len, args.gen, args.device, cfg.vocab_size)
+            rows.append(dict(preset=args.preset, mode=label, batch=b, device=args.device, dtype=args.dtype,
+                             prompt_len=args.prompt_len, gen=args.gen, ours_tok_s=round(tps, 1),
+                             ours_peak_gib=peak and round(peak, 2), ours_kv_pool_gib=round(kv_gib, 3)))
+        del ours
+        free_cache(args.device)
+        if label == "v3" and not args.skip_hf:
+            hf = build_hf(cfg, args.device, dtype)
+            for row in rows:
+                htps, hpeak = time_hf(hf, row["batch"], args.prompt_len, args.gen, args.device, cfg.vocab_size)
                 row.update(hf_tok_s=round(htps, 1), hf_peak_gib=hpeak and round(hpeak, 2),
-                           ratio=round(tps / htps, 2))
+                           ratio=round(row["ours_tok_s"] / htps, 2))
+            del hf
+            free_cache(args.device)
+        for row in rows:
             print(json.dumps(row), flush=True)
-            results.append(row)
-        del ours, hf
-        if torch.device(args.device).type == "cuda":
-            torch.cuda.empty_cache()
+        results += rows
     if args.out:
         with open(args.out, "a") as f:
             for r in results:

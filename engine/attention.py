@@ -24,6 +24,7 @@ class AttentionContext:
     """Per-forward attention metadata, built once by the model runner and shared by all layers."""
 
     positions: torch.Tensor          # [T] position of each token
+    rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, rope_dim/2] for those positions
     write_rows: torch.Tensor         # token rows whose global KV is written (replayed rows are already cached)
     write_slots: torch.Tensor        # their flat global-KV slots
     q_index: torch.Tensor            # [B, N] token row of each padded query (0 where padding)

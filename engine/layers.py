@@ -13,10 +13,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 class MLP(nn.Module):
@@ -58,11 +55,15 @@ class Rotary:
         if max_position >= self._cache_len:
             self._extend(2 * max_position + 1)
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [T, ..., dim], positions: [T], all below the length given to ensure()."""
-        shape = (positions.shape[0],) + (1,) * (x.dim() - 2) + (-1,)
-        cos = self.cos[positions].view(shape)
-        sin = self.sin[positions].view(shape)
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin rows for these positions (all below the length given to ensure()); looked
+        up once per forward and shared by every layer."""
+        return self.cos[positions], self.sin[positions]
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [T, ..., dim] rotated by the [T, dim/2] tables."""
+        shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (-1,)
+        cos, sin = cos.view(shape), sin.view(shape)
         xf = x.float()
         if self.interleave:
             x1, x2 = xf[..., 0::2], xf[..., 1::2]

@@ -57,11 +57,10 @@ class MLAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         cfg, t = self.cfg, x.shape[0]
-        pos = ctx.positions
         q = self.q_proj(x) if cfg.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(t, self.n_heads, cfg.qk_head_dim)
         q_nope, q_rope = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
-        q_rope = self.rotary(q_rope, pos)
+        q_rope = self.rotary.apply(q_rope, *ctx.rope)
         w_kv = self.kv_b_proj.weight.view(self.n_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
         w_uk, w_uv = w_kv[:, :cfg.qk_nope_head_dim], w_kv[:, cfg.qk_nope_head_dim:]
         q_lat = torch.einsum("thd,hdc->thc", q_nope, w_uk)
@@ -70,7 +69,7 @@ class MLAttention(nn.Module):
         latent = None
         if self.has_latent:
             c_kv, k_rope = self.kv_a_proj_with_mqa(x).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
-            k_rope = self.rotary(k_rope[:, None, :], pos)[:, 0]
+            k_rope = self.rotary.apply(k_rope, *ctx.rope)
             latent = torch.cat([self.kv_a_layernorm(c_kv), k_rope], dim=-1)
         if self.is_source:
             index_key = self.indexer.wk(x) if self.indexer is not None else None

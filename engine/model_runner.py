@@ -82,8 +82,9 @@ class ModelRunner:
         dev = self.device
         q_index, q_pos, key_slots = q_index.to(dev), q_pos.to(dev), key_slots.to(dev)
         context_lens = self._tensor(ctx_lens)
+        positions = self._tensor(positions)
         ctx = AttentionContext(
-            positions=self._tensor(positions), write_rows=self._tensor(write_rows),
+            positions=positions, rope=self.model.model.rotary.tables(positions), write_rows=self._tensor(write_rows),
             write_slots=self._tensor(write_slots), q_index=q_index, q_flat=self._tensor(q_flat), q_pos=q_pos,
             key_slots=key_slots, g_mask=None,
             global_kv=self.kv.global_kv, index_keys=self.kv.index_keys)

@@ -125,7 +125,9 @@ class MoE(nn.Module):
         where torch has it (no host sync, no per-expert launches), else one matmul pair per slot."""
         t, k = slots.shape
         flat = slots.flatten()
-        counts = torch.bincount(flat, minlength=self.w13.shape[0])
+        # scatter_add, not bincount: bincount on CUDA reads the max back to the host (a sync per layer)
+        counts = torch.zeros(self.w13.shape[0], dtype=torch.long, device=flat.device).scatter_add_(
+            0, flat, torch.ones_like(flat))
         self.slot_load += counts
         order = flat.argsort(stable=True)
         token_of = order // k
