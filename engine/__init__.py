@@ -1,0 +1,9 @@
+"""Ray-free inference engine for DeepSeek-family MoE models."""
+from .async_engine import AsyncLLMEngine
+from .config import ConfigError, EngineConfig, ModelConfig, preset
+from .llm_engine import LLMEngine, RequestError
+from .sampling import SamplingError, SamplingParams
+from .sequence import RequestOutput
+
+__all__ = ["AsyncLLMEngine", "ConfigError", "EngineConfig", "LLMEngine", "ModelConfig", "RequestError",
+           "RequestOutput", "SamplingError", "SamplingParams", "preset"]
