@@ -95,4 +95,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except BrokenPipeError:  # `... | head` closed stdout early; nothing is wrong
+        sys.stderr.close()
+        sys.exit(0)
