@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable, Callable
 
 from .llm_engine import LLMEngine
 from .sampling import SamplingParams
@@ -27,18 +27,39 @@ class AsyncLLMEngine:
         self._thread.start()
 
     async def generate(self, request_id: str, prompt=None, params: SamplingParams | None = None,
-                       messages: list[dict] | None = None) -> AsyncIterator[RequestOutput]:
+                       messages: list[dict] | None = None, hold_kv: bool = False,
+                       remote_prefill: Callable[[dict], Awaitable[int | None]] | None = None,
+                       ) -> AsyncIterator[RequestOutput]:
         """Yields one RequestOutput per new token; the last has finished=True.
-        Cancelling the iteration (e.g. a client disconnect) aborts the request."""
+        Cancelling the iteration (e.g. a client disconnect) aborts the request.
+
+        remote_prefill (decode side): called with the block reservation; it has a prefill
+        server write the prompt's KV and returns the first token, or None when the transfer
+        failed, in which case the prompt is prefilled here. hold_kv (prefill side): keep the
+        KV blocks after finishing, until release_held()."""
         if self._dead is not None:
             raise EngineDeadError(f"engine loop died: {self._dead!r}")
         queue: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
         with self._lock:
-            self.engine.add_request(request_id, prompt, params, messages=messages)
-            self._streams[request_id] = (asyncio.get_running_loop(), queue)
-        self._wake.set()
+            if remote_prefill is None:
+                self.engine.add_request(request_id, prompt, params, messages=messages, hold_kv=hold_kv)
+                reservation = None
+            else:
+                reservation = self.engine.reserve_remote(request_id, prompt, params, messages=messages)
+            self._streams[request_id] = (loop, queue)
         finished = False
         try:
+            if reservation is not None:
+                first = await remote_prefill(reservation)
+                with self._lock:
+                    if first is None:
+                        self.engine.fallback_local(request_id)
+                    else:
+                        out = self.engine.commit_remote(request_id, first)
+                        if out is not None:
+                            queue.put_nowait(out)
+            self._wake.set()
             while True:
                 out = await queue.get()
                 if isinstance(out, BaseException):
@@ -56,6 +77,14 @@ class AsyncLLMEngine:
         with self._lock:
             self.engine.abort_request(request_id)
         self._streams.pop(request_id, None)
+
+    def held_blocks(self, request_id: str) -> list[int]:
+        with self._lock:
+            return self.engine.held_blocks(request_id)
+
+    def release_held(self, request_id: str) -> None:
+        with self._lock:
+            self.engine.release_held(request_id)
 
     def stats(self) -> dict:
         with self._lock:

@@ -46,9 +46,18 @@ class LLMEngine:
 
     # requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int] | None = None,
-                    params: SamplingParams | None = None, messages: list[dict] | None = None) -> Sequence:
+                    params: SamplingParams | None = None, messages: list[dict] | None = None,
+                    hold_kv: bool = False) -> Sequence:
+        """Queue a request. hold_kv (prefill servers): keep its KV blocks after it finishes,
+        until release_held(), so they can be sent to a decode engine."""
+        seq = self._new_sequence(request_id, prompt, params, messages)
+        seq.hold_kv = hold_kv
+        self.scheduler.add(seq)
+        return seq
+
+    def _new_sequence(self, request_id, prompt, params, messages) -> Sequence:
         params = params or SamplingParams()
-        if request_id in self.requests:
+        if request_id in self.requests or request_id in self.scheduler.held:
             raise RequestError(f"duplicate request id {request_id!r}")
         ids = self._prompt_ids(prompt, messages)
         if len(ids) >= self.max_model_len:
@@ -60,8 +69,43 @@ class LLMEngine:
         if self.tokenizer is not None:
             seq.detok = IncrementalDetokenizer(self.tokenizer)
         self.requests[request_id] = seq
-        self.scheduler.add(seq)
         return seq
+
+    # prefill/decode hand-off ------------------------------------------------------------
+    def reserve_remote(self, request_id: str, prompt=None, params: SamplingParams | None = None,
+                       messages: list[dict] | None = None) -> dict | None:
+        """Decode side: allocate blocks for the prompt's KV, to be written by a prefill server.
+        Returns what the prefill server needs, or None when the pool is full right now (the
+        request is then queued for local prefill instead)."""
+        seq = self._new_sequence(request_id, prompt, params, messages)
+        reserved = self.scheduler.reserve_for_remote(seq)
+        if reserved is None:
+            self.scheduler.add(seq)
+            return None
+        cached_blocks, dst_blocks = reserved
+        return {"prompt_token_ids": list(seq.prompt_ids), "cached_blocks": cached_blocks,
+                "dst_blocks": dst_blocks, "block_size": self.cfg.block_size}
+
+    def commit_remote(self, request_id: str, first_token: int) -> RequestOutput | None:
+        """Decode side: the prompt's KV has landed and the prefill server sampled first_token."""
+        seq = self.requests.get(request_id)
+        if seq is None:
+            return None  # aborted meanwhile; its blocks are already free
+        self.scheduler.kv_arrived(seq)
+        return self._append(seq, first_token)
+
+    def fallback_local(self, request_id: str) -> None:
+        """Decode side: the transfer failed or timed out; prefill here instead."""
+        seq = self.requests.get(request_id)
+        if seq is not None:
+            self.scheduler.kv_failed(seq)
+
+    def held_blocks(self, request_id: str) -> list[int]:
+        """Prefill side: the blocks of a finished hold_kv request, in position order."""
+        return list(self.scheduler.held[request_id].block_table)
+
+    def release_held(self, request_id: str) -> None:
+        self.scheduler.release_held(request_id)
 
     def _prompt_ids(self, prompt, messages) -> list[int]:
         if (prompt is None) == (messages is None):
@@ -179,5 +223,6 @@ class LLMEngine:
             "running": len(s.running), "waiting": len(s.waiting),
             "kv_blocks_used": s.blocks.num_used_blocks, "kv_blocks_total": s.blocks.num_blocks,
             "prefix_hit_tokens": s.prefix_hit_tokens, "replayed_tokens": s.replayed_tokens,
+            "awaiting_kv": len(s.awaiting_kv), "held_kv": len(s.held),
             "preemptions": s.num_preemptions, "steps": self.num_steps,
         }

@@ -34,6 +34,8 @@ class Scheduler:
         self.window_slots = WindowSlots(cfg.max_num_seqs) if self.window else None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.awaiting_kv: dict[str, Sequence] = {}
+        self.held: dict[str, Sequence] = {}
         self.prefix_hit_tokens = 0
         self.replayed_tokens = 0
         self.num_preemptions = 0
@@ -43,6 +45,44 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    # KV from a prefill server ---------------------------------------------------------
+    def reserve_for_remote(self, seq: Sequence) -> tuple[int, list[int]] | None:
+        """Blocks for the whole prompt, locally cached prefix included. Returns (number of
+        leading blocks already cached here, blocks the prefill server must fill), or None
+        when the pool cannot hold the prompt right now."""
+        hits = self.blocks.match_prefix(seq.prompt_ids)
+        revived = sum(1 for b in hits if self.blocks.ref_count[b] == 0)
+        need = self.blocks.blocks_needed(len(seq.prompt_ids)) - len(hits)
+        if need > self.blocks.num_free_blocks - revived:
+            return None
+        self.blocks.take_prefix(seq, hits)
+        self.blocks.grow(seq, len(seq.prompt_ids))
+        seq.prefix_hit_tokens += len(hits) * self.cfg.block_size
+        self.prefix_hit_tokens += len(hits) * self.cfg.block_size
+        seq.status = Status.AWAITING_KV
+        self.awaiting_kv[seq.request_id] = seq
+        return len(hits), seq.block_table[len(hits):]
+
+    def kv_arrived(self, seq: Sequence) -> None:
+        """The prompt's global KV is in place: queue it; admission replays only the window."""
+        del self.awaiting_kv[seq.request_id]
+        seq.remote_tokens = len(seq.prompt_ids) - seq.prefix_hit_tokens
+        seq.num_cached_tokens = len(seq.prompt_ids)
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    def kv_failed(self, seq: Sequence) -> None:
+        """The transfer failed or came late: drop the reservation and prefill locally."""
+        del self.awaiting_kv[seq.request_id]
+        self.blocks.release(seq)
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    def release_held(self, request_id: str) -> None:
+        seq = self.held.pop(request_id, None)
+        if seq is not None:
+            self.blocks.release(seq)
 
     def replay_start(self, hit: int) -> int:
         """Where compute resumes after a prefix hit ending at `hit`: the window KV is never
@@ -91,21 +131,28 @@ class Scheduler:
 
     def _admit(self, seq: Sequence, budget: int) -> int:
         """Take prefix hits and blocks for the first chunk; 0 if it does not fit now."""
-        hits = self.blocks.match_prefix(seq.token_ids)
-        hit = len(hits) * self.cfg.block_size
-        start = self.replay_start(hit)
-        n = min(seq.num_tokens - start, budget)
-        revived = sum(1 for b in hits if self.blocks.ref_count[b] == 0)  # cached blocks now in the free list
-        need = self.blocks.blocks_needed(start + n) - len(hits)
-        if need > self.blocks.num_free_blocks - revived:
-            return 0
-        self.blocks.take_prefix(seq, hits)
+        if seq.block_table:  # KV that arrived from a prefill server: its blocks are already held
+            hit = seq.num_cached_tokens
+            start = self.replay_start(hit)
+            n = min(seq.num_tokens - start, budget)
+            if not self.blocks.can_grow(seq, start + n):
+                return 0
+        else:
+            hits = self.blocks.match_prefix(seq.token_ids)
+            hit = len(hits) * self.cfg.block_size
+            start = self.replay_start(hit)
+            n = min(seq.num_tokens - start, budget)
+            revived = sum(1 for b in hits if self.blocks.ref_count[b] == 0)  # cached blocks now in the free list
+            need = self.blocks.blocks_needed(start + n) - len(hits)
+            if need > self.blocks.num_free_blocks - revived:
+                return 0
+            self.blocks.take_prefix(seq, hits)
+            seq.num_cached_tokens = hit
+            seq.prefix_hit_tokens += hit
+            self.prefix_hit_tokens += hit
         self.blocks.grow(seq, start + n)
-        seq.num_cached_tokens = hit
         seq.num_computed_tokens = start
-        seq.prefix_hit_tokens += hit
         seq.replayed_tokens += hit - start
-        self.prefix_hit_tokens += hit
         self.replayed_tokens += hit - start
         if self.window_slots is not None:
             seq.window_slot = self.window_slots.take()
@@ -126,13 +173,22 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status == Status.WAITING:
             self.waiting.remove(seq)
-        self._release(seq)
+        elif seq.status == Status.AWAITING_KV:
+            del self.awaiting_kv[seq.request_id]
+        if seq.hold_kv and reason not in ("abort", "error"):
+            self._release_window(seq)
+            self.held[seq.request_id] = seq
+        else:
+            self._release(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
         seq.error = error
 
     def _release(self, seq: Sequence) -> None:
         self.blocks.release(seq)
+        self._release_window(seq)
+
+    def _release_window(self, seq: Sequence) -> None:
         if seq.window_slot is not None:
             self.window_slots.give(seq.window_slot)
             seq.window_slot = None

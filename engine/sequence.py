@@ -10,6 +10,7 @@ from .sampling import SamplingParams
 
 
 class Status(enum.Enum):
+    AWAITING_KV = "awaiting_kv"   # blocks reserved, a prefill server is writing the prompt's KV
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
@@ -35,8 +36,10 @@ class Sequence:
     prefix_hash: bytes = b""      # chain hash of the last hashed block
     window_slot: int | None = None
     generator: torch.Generator | None = None
+    hold_kv: bool = False           # prefill side: keep the blocks after finishing, until released
     # statistics
     prefix_hit_tokens: int = 0
+    remote_tokens: int = 0          # prompt tokens whose KV arrived from a prefill server
     replayed_tokens: int = 0
     num_preemptions: int = 0
     text: str = ""

@@ -1,0 +1,121 @@
+"""Prefill/decode hand-off inside the engine: reserve on decode, hold on prefill, commit or fall back."""
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+def _prompt(n, seed=0):
+    return torch.randint(4, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _engines(ckpt, **cfg):
+    """A prefill and a decode engine; the decode one counts the tokens it computes."""
+    cfg = EngineConfig(block_size=4, **cfg)
+    prefill = LLMEngine.from_pretrained(ckpt, cfg, progress=False)
+    decode = LLMEngine.from_pretrained(ckpt, cfg, progress=False)
+    decode.computed = []
+    run = decode.runner.run
+
+    def counting(batch):
+        decode.computed.append(sum(batch.num_tokens))
+        return run(batch)
+    decode.runner.run = counting
+    return prefill, decode
+
+
+def _run(engine):
+    outs = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = o
+    return outs
+
+
+def _copy_blocks(src, dst, src_blocks, dst_blocks):
+    """What the KV transport does, by plain tensor copies (both engines in this process)."""
+    bs = src.cfg.block_size
+    pairs = [(src.runner.kv.global_kv, dst.runner.kv.global_kv),
+             (src.runner.kv.index_keys, dst.runner.kv.index_keys)]
+    for s, d in pairs:
+        if s is None:
+            continue
+        for a, b in zip(src_blocks, dst_blocks):
+            d[:, b * bs:(b + 1) * bs] = s[:, a * bs:(a + 1) * bs]
+
+
+def _handoff(prefill, decode, rid, prompt, params):
+    res = decode.reserve_remote(rid, prompt, params)
+    assert res is not None
+    prefill.add_request(rid, res["prompt_token_ids"], SamplingParams(max_tokens=1, temperature=0), hold_kv=True)
+    first = _run(prefill)[rid].output_token_ids[0]
+    src = prefill.held_blocks(rid)[res["cached_blocks"]:]
+    _copy_blocks(prefill, decode, src, res["dst_blocks"])
+    prefill.release_held(rid)
+    decode.commit_remote(rid, first)
+    return res
+
+
+@pytest.mark.parametrize("ckpt, replay", [("tiny_ckpt", "bounded"), ("tiny_v4_ckpt", "exact")])
+def test_pd_output_equals_decode_alone(ckpt, replay, request):
+    path = request.getfixturevalue(ckpt)
+    prefill, decode = _engines(path, replay_mode=replay)
+    alone = LLMEngine.from_pretrained(path, EngineConfig(block_size=4, replay_mode=replay), progress=False)
+    prompt = _prompt(50, 3)
+    res = _handoff(prefill, decode, "r1", prompt, GREEDY)
+    assert res["cached_blocks"] == 0 and len(res["dst_blocks"]) == 13
+    out = _run(decode)["r1"]
+    assert out.output_token_ids == alone.generate([prompt], GREEDY)[0].output_token_ids
+    for e in (prefill, decode):
+        assert e.stats()["kv_blocks_used"] == 0 and e.stats()["held_kv"] == 0
+    w = decode.model_cfg.sliding_window
+    replayed = min(50, w * decode.model_cfg.num_hidden_layers) if w else 0
+    assert decode.stats()["replayed_tokens"] == replayed
+    # Decode computed no prompt token beyond the window replay: the rest came as KV.
+    assert decode.computed == [replayed + 1] + [1] * 10
+
+
+def test_second_turn_sends_only_uncached_blocks(tiny_ckpt):
+    prefill, decode = _engines(tiny_ckpt)
+    turn1 = _prompt(40, 1)
+    _handoff(prefill, decode, "t1", turn1, GREEDY)
+    first = _run(decode)["t1"]
+    turn2 = turn1 + first.output_token_ids + _prompt(20, 2)
+    res = _handoff(prefill, decode, "t2", turn2, GREEDY)
+    assert res["cached_blocks"] == (len(turn1) + len(first.output_token_ids) - 1) // 4
+    assert len(res["dst_blocks"]) == -(-len(turn2) // 4) - res["cached_blocks"]
+    out = _run(decode)["t2"]
+    alone = LLMEngine.from_pretrained(tiny_ckpt, EngineConfig(block_size=4), progress=False)
+    assert out.output_token_ids == alone.generate([turn2], GREEDY)[0].output_token_ids
+
+
+def test_failed_transfer_falls_back_and_abort_frees_reservation(tiny_ckpt):
+    prefill, decode = _engines(tiny_ckpt)
+    prompt = _prompt(30, 4)
+    decode.reserve_remote("lost", prompt, GREEDY)
+    assert decode.stats()["kv_blocks_used"] == 8 and decode.stats()["awaiting_kv"] == 1
+    decode.fallback_local("lost")
+    out = _run(decode)["lost"]
+    assert out.output_token_ids == prefill.generate([prompt], GREEDY)[0].output_token_ids
+    decode.reserve_remote("gone", prompt, GREEDY)
+    decode.abort_request("gone")
+    assert decode.commit_remote("gone", 5) is None  # a late transfer for an aborted request is ignored
+    assert decode.stats()["kv_blocks_used"] == 0 and decode.stats()["awaiting_kv"] == 0
+    # An aborted prefill does not hold its blocks.
+    prefill.add_request("p", prompt, SamplingParams(max_tokens=1), hold_kv=True)
+    prefill.abort_request("p")
+    assert prefill.stats()["held_kv"] == 0 and prefill.stats()["kv_blocks_used"] == 0
+
+
+def test_reservation_refused_when_pool_is_full_queues_locally(tiny_ckpt):
+    decode = LLMEngine.from_pretrained(tiny_ckpt, EngineConfig(block_size=4, num_blocks=12), progress=False)
+    assert decode.reserve_remote("a", _prompt(40, 5), GREEDY) is not None   # 10 of 12 blocks
+    assert decode.reserve_remote("b", _prompt(40, 6), GREEDY) is None       # queued locally instead
+    decode.fallback_local("a")
+    outs = _run(decode)
+    assert set(outs) == {"a", "b"} and decode.stats()["kv_blocks_used"] == 0
