@@ -1,0 +1,310 @@
+"""OpenAI wire format: request models, conversion to engine sampling parameters, and the
+response, stream-chunk and error objects. No I/O here; app/http.py does the serving."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from engine.sampling import SamplingError, SamplingParams
+
+# torch generators take seeds in the signed-to-unsigned 64-bit range; outside it they overflow.
+SEED_MIN, SEED_MAX_EXCLUSIVE = -(2**63), 2**64
+# OpenAI's own default for legacy completions when max_tokens is absent.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
+class APIError(Exception):
+    """An error answered to the client as OpenAI-style JSON with this status."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+# requests ---------------------------------------------------------------------------------
+
+class _Request(BaseModel):
+    # strict: "5" is not a number and 1.0 is not an integer, as in OpenAI's API; extra keys
+    # (logprobs, tools, metadata, ...) are ignored as OpenAI ignores unknown ones.
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class TextPart(_Request):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Request):
+    role: str
+    # assistant turns that only carried tool calls have null content
+    content: str | list[TextPart] | None = None
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Request):
+    model: str | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: Annotated[int, Field(ge=SEED_MIN, lt=SEED_MAX_EXCLUSIVE)] | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    ignore_eos: bool = False
+    session_id: str | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage]
+
+
+class CompletionRequest(_SamplingFields):
+    # a string, token ids, or OpenAI's batch forms holding exactly one of those
+    prompt: str | list[int] | list[str] | list[list[int]]
+
+
+# Chat roles the chat template renders; "developer" is OpenAI's newer name for "system".
+_ROLE_ALIASES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+def parse_request(cls: type[_Request], body: Any) -> Any:
+    """Validate a decoded JSON body, turning pydantic's errors into one 400 naming the field."""
+    if not isinstance(body, dict):
+        raise bad_request(f"the request body must be a JSON object, got {_json_type(body)}")
+    try:
+        return cls.model_validate(body)
+    except ValidationError as e:
+        errors = e.errors()
+        field = errors[0]["loc"][0] if errors[0]["loc"] else None
+        # among a union's failed branches the deepest one is the most specific complaint
+        same_field = [err for err in errors if err["loc"] and err["loc"][0] == field] or errors[:1]
+        worst = max(same_field, key=lambda err: len(err["loc"]))
+        path = _json_path(worst["loc"])
+        if worst["type"] == "missing":
+            msg = f"missing required field {path!r}"
+        else:
+            msg = f"invalid {path or 'body'}: {worst['msg']}"
+            if "input" in worst and worst["type"] != "model_type":
+                msg += f" (got {_short(worst['input'])})"
+        others = len({err["loc"][0] for err in errors if err["loc"]} - {field})
+        if others:
+            msg += f"; and problems in {others} more field{'s' if others > 1 else ''}"
+        raise bad_request(msg, param=str(field) if field is not None else None) from None
+
+
+def _json_path(loc: tuple) -> str:
+    """('messages', 0, 'content', 'str') -> 'messages[0].content', dropping pydantic's union-branch labels."""
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif not _is_union_label(part):
+            path += f".{part}" if path else str(part)
+    return path
+
+
+def _is_union_label(part: Any) -> bool:
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "none")
+                                      or part.startswith(("list[", "function-", "constrained-"))
+                                      or part in {"TextPart", "ChatMessage", "StreamOptions"})
+
+
+def _json_type(value: Any) -> str:
+    return {list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number",
+            type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = json.dumps(value, ensure_ascii=False, default=str)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def chat_messages(req: ChatCompletionRequest) -> list[dict]:
+    """The engine's message form: known roles, content flattened to one string."""
+    if not req.messages:
+        raise bad_request("messages must contain at least one message", param="messages")
+    out = []
+    for i, m in enumerate(req.messages):
+        role = _ROLE_ALIASES.get(m.role)
+        if role is None:
+            raise bad_request(f"messages[{i}].role {m.role!r} is not supported; use system, developer, user or "
+                              "assistant (tool calls are not supported)", param="messages")
+        if isinstance(m.content, list):
+            texts = []
+            for j, part in enumerate(m.content):
+                if part.type != "text" or part.text is None:
+                    raise bad_request(f"messages[{i}].content[{j}]: only text parts are supported, "
+                                      f"got type {part.type!r}", param="messages")
+                texts.append(part.text)
+            content = "\n".join(texts)
+        else:
+            content = m.content or ""
+        out.append({"role": role, "content": content})
+    return out
+
+
+def completion_prompt(req: CompletionRequest) -> tuple[str | None, list[int] | None]:
+    """(text prompt, token-id prompt): exactly one is set."""
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise bad_request(f"only one prompt per request is supported, got {len(prompt)}", param="prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt, None
+    return None, list(prompt)
+
+
+_SAMPLING_ERROR_FIELD = re.compile(r"^invalid (\w+):")
+
+
+def sampling_params(req: _SamplingFields, *, default_max_tokens: int, max_model_len: int,
+                    max_tokens_limit: int | None = None) -> SamplingParams:
+    """Validated engine parameters; every problem is a 400 naming the field."""
+    field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    if max_tokens is None:
+        max_tokens = default_max_tokens
+    elif max_tokens < 1:
+        raise bad_request(f"{field} must be at least 1, got {max_tokens}", param=field)
+    elif max_tokens_limit is not None and max_tokens > max_tokens_limit:
+        raise bad_request(f"{field} is {max_tokens}; this server allows at most {max_tokens_limit}", param=field)
+    elif max_tokens >= max_model_len:
+        # even a one-token prompt leaves only max_model_len - 1 tokens to generate
+        raise bad_request(f"{field} is {max_tokens}; the model's context is {max_model_len} tokens "
+                          "including the prompt", param=field, code="context_length_exceeded")
+    kwargs: dict[str, Any] = {"max_tokens": max_tokens, "ignore_eos": req.ignore_eos, "n": req.n}
+    for name in ("temperature", "top_p", "seed", "stop", "stop_token_ids"):
+        value = getattr(req, name)
+        if value is not None:
+            kwargs[name] = value
+    if req.top_k is not None:
+        kwargs["top_k"] = -1 if req.top_k == 0 else req.top_k  # 0 means "off" in vLLM and SGLang too
+    try:
+        return SamplingParams(**kwargs)
+    except SamplingError as e:
+        m = _SAMPLING_ERROR_FIELD.match(str(e))
+        raise bad_request(str(e), param=m.group(1) if m else None) from None
+
+
+def sampling_dict(params: SamplingParams) -> dict:
+    """SamplingParams as plain data, so a backend in another process can rebuild it."""
+    return dataclasses.asdict(params)
+
+
+# responses --------------------------------------------------------------------------------
+
+def new_request_id(kind: Literal["chat", "completion"]) -> str:
+    return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def chat_completion(request_id: str, model: str, created: int, text: str, finish_reason: str | None,
+                    usage_obj: dict) -> dict:
+    return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "logprobs": None, "finish_reason": finish_reason}],
+            "usage": usage_obj}
+
+
+def text_completion(request_id: str, model: str, created: int, text: str, finish_reason: str | None,
+                    usage_obj: dict) -> dict:
+    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+            "usage": usage_obj}
+
+
+class StreamChunks:
+    """Builds the SSE events of one streamed response, chat or legacy completion."""
+
+    def __init__(self, kind: Literal["chat", "completion"], request_id: str, model: str,
+                 include_usage: bool, created: int | None = None):
+        self.kind = kind
+        self.request_id = request_id
+        self.model = model
+        self.include_usage = include_usage
+        self.created = created if created is not None else int(time.time())
+
+    def _chunk(self, choices: list[dict]) -> dict:
+        chunk = {"id": self.request_id, "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
+                 "created": self.created, "model": self.model, "choices": choices}
+        if self.include_usage:
+            chunk["usage"] = None  # OpenAI sends null usage on every chunk but the last
+        return chunk
+
+    def _choice(self, text: str | None, finish_reason: str | None, role: bool = False) -> dict:
+        if self.kind == "chat":
+            delta: dict[str, Any] = {}
+            if role:
+                delta["role"] = "assistant"
+            if text is not None:
+                delta["content"] = text
+            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+
+    def role(self) -> bytes | None:
+        """Chat streams open with the assistant role and empty content."""
+        return sse(self._chunk([self._choice("", None, role=True)])) if self.kind == "chat" else None
+
+    def delta(self, text: str) -> bytes:
+        return sse(self._chunk([self._choice(text, None)]))
+
+    def finish(self, finish_reason: str | None) -> bytes:
+        return sse(self._chunk([self._choice(None if self.kind == "chat" else "", finish_reason)]))
+
+    def usage(self, usage_obj: dict) -> bytes:
+        chunk = self._chunk([])
+        chunk["usage"] = usage_obj
+        return sse(chunk)
+
+
+def sse(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse_error(message: str, type: str = "server_error", code: str | None = None) -> bytes:
+    return sse(error_body(message, type, None, code))
