@@ -23,6 +23,8 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from engine.config import EngineConfig
+
 from placement.plan import CpuActorSpec, GroupSpec, Layout
 from placement.topology import DOMAIN_LABEL, Cluster, TopologyError, cluster_from_description
 
@@ -158,6 +160,17 @@ class RoutingConfig(_Strict):
     prefix_aware: bool = Field(True, description="Route session-less requests by prefix overlap as well as load.")
 
 
+class HTTPConfig(_Strict):
+    """Limits and access control of the OpenAI HTTP API."""
+
+    max_body_bytes: int = Field(1_000_000, gt=0, description="Larger request bodies get 413.")
+    max_tokens_limit: int | None = Field(
+        None, gt=0, description="Largest max_tokens a request may ask for (default: the context length).")
+    api_key_env: str | None = Field(
+        None, description="Name of an environment variable holding the API key; when set, requests need "
+                          "`Authorization: Bearer <key>`. The key itself never goes into the config file.")
+
+
 class EPLBConfig(_Strict):
     """Expert-parallel load balancer (a CPU actor beside the decode group)."""
 
@@ -221,10 +234,15 @@ class AppConfig(_Strict):
     """The whole application: the `args:` of the Serve application entry."""
 
     model: ModelConfig = Field(default_factory=lambda: ModelConfig(preset="tiny"), description="Model to serve.")
+    engine: EngineConfig = Field(
+        default_factory=EngineConfig,
+        description="Engine of every prefill server and decode rank (KV blocks, batching, dtype, replay mode); "
+                    "`device` is set from prefill.devices / decode.devices.")
     prefill: PrefillConfig = Field(default_factory=PrefillConfig, description="Prefill groups.")
     decode: DecodeConfig = Field(default_factory=DecodeConfig, description="Decode groups.")
     kv_transport: KVTransportConfig = Field(default_factory=KVTransportConfig, description="Prefill -> decode KV hand-off.")
     routing: RoutingConfig = Field(default_factory=RoutingConfig, description="Ingress routing and sessions.")
+    http: HTTPConfig = Field(default_factory=HTTPConfig, description="HTTP API limits and auth.")
     eplb: EPLBConfig = Field(default_factory=EPLBConfig, description="Expert load balancer.")
     placement: PlacementConfig = Field(default_factory=PlacementConfig, description="Cluster and placement.")
 

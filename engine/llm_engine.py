@@ -20,15 +20,21 @@ class RequestError(ValueError):
     """A request the engine cannot serve (bad prompt, too long, duplicate id), named in the message."""
 
 
+def context_limit(model_cfg, cfg: EngineConfig) -> int:
+    """Prompt + output tokens one request may reach: the model's positions, the KV pool, the
+    configured max_model_len, whichever is least."""
+    limit = min(model_cfg.max_position_embeddings, cfg.num_blocks * cfg.block_size)
+    if cfg.max_model_len is not None and cfg.max_model_len > limit:
+        raise ValueError(f"max_model_len {cfg.max_model_len} exceeds what the model and KV pool allow ({limit})")
+    return cfg.max_model_len or limit
+
+
 class LLMEngine:
     def __init__(self, model: DeepseekForCausalLM, tokenizer: Tokenizer | None, cfg: EngineConfig | None = None):
         self.cfg = cfg = cfg or EngineConfig()
         self.model_cfg = model.cfg
         self.tokenizer = tokenizer
-        limit = min(model.cfg.max_position_embeddings, cfg.num_blocks * cfg.block_size)
-        if cfg.max_model_len is not None and cfg.max_model_len > limit:
-            raise ValueError(f"max_model_len {cfg.max_model_len} exceeds what the model and KV pool allow ({limit})")
-        self.max_model_len = cfg.max_model_len or limit
+        self.max_model_len = context_limit(model.cfg, cfg)
         self.runner = ModelRunner(model, cfg)
         self.scheduler = Scheduler(model.cfg, cfg)
         self.requests: dict[str, Sequence] = {}

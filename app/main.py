@@ -1,0 +1,78 @@
+"""`build_app(args)`: the Serve application for `serve run config.yaml`.
+
+    Ingress (HTTP + Python handle API, session binding)
+      -> DecodeGroup (one replica owning the DP rank actors)
+           -> PrefillServer (autoscaled; session-affine request router) for long uncached prompts
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from engine.checkpoint import ensure_checkpoint
+from engine.config import EngineConfig, ModelConfig
+from engine.llm_engine import context_limit
+
+from .config import AppConfig, parse_app_config
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_ROOT = Path(__file__).resolve().parent.parent / "checkpoints"
+
+
+def resolve_model(cfg: AppConfig) -> Path:
+    """The checkpoint directory; a preset's random checkpoint is written on first start."""
+    if cfg.model.path:
+        path = Path(cfg.model.path).expanduser().resolve()
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"model.path {str(path)!r} holds no config.json")
+        return path
+    return ensure_checkpoint(cfg.model.preset, root=CHECKPOINT_ROOT).resolve()
+
+
+def _rank_options(cfg: AppConfig) -> list[dict] | None:
+    """GPU ranks go into one placement group packed into one NVLink domain; CPU ranks need none."""
+    if cfg.decode.devices != "cuda":
+        return None
+    from placement.ray_groups import create_groups, live_plan, rank_options, wait_ready
+
+    plan = live_plan(cfg.layout(), cfg.placement.domain_label)
+    placed = create_groups(plan, domain_label=cfg.placement.domain_label, pin_nodes=cfg.placement.pin_nodes)
+    wait_ready(placed, cfg.placement.ready_timeout_s)
+    group = placed["decode-0"]
+    return [rank_options(group, r, cfg.placement.rank_cpus) for r in range(cfg.decode.dp_size)]
+
+
+def build_app(args: dict | None = None):
+    from deployments.decode_group import DecodeGroup
+    from deployments.ingress import Ingress
+    from deployments.prefill_server import PrefillServer
+    from deployments.session_router import SessionAffinityRouter
+
+    cfg = parse_app_config(args)
+    model_path = str(resolve_model(cfg))
+    engine_cfg = cfg.engine.model_dump(exclude={"device"})
+    cpu_only = {"num_cpus": 0} if "cuda" not in (cfg.prefill.devices, cfg.decode.devices) else None
+
+    prefill = None
+    if cfg.kv_transport.backend != "none" and cfg.prefill.max_groups > 0:
+        scaling = ({"autoscaling_config": cfg.prefill.autoscaling_config.to_serve()}
+                   if cfg.prefill.autoscaling_config else {"num_replicas": cfg.prefill.replicas})
+        actor = {"num_cpus": 0} if cfg.prefill.devices == "cpu" else {"num_gpus": cfg.prefill.group_size}
+        router = RequestRouterConfig(request_router_class=SessionAffinityRouter) \
+            if cfg.routing.session_affinity else None
+        prefill = PrefillServer.options(
+            ray_actor_options=actor, max_ongoing_requests=cfg.engine.max_num_seqs,
+            **({"request_router_config": router} if router else {}), **scaling,
+        ).bind(model_path, engine_cfg, cfg.prefill.devices, cfg.kv_transport.timeout_s)
+
+    decode = DecodeGroup.options(ray_actor_options=cpu_only or {"num_cpus": 0}).bind(
+        model_path, engine_cfg, cfg.decode.dp_size, cfg.decode.devices, prefill,
+        cfg.routing.session_affinity, cfg.routing.max_running_per_rank,
+        cfg.kv_transport.local_prefill_max_tokens, cfg.kv_transport.timeout_s, _rank_options(cfg))
+    max_model_len = context_limit(ModelConfig.from_file(model_path), EngineConfig(**engine_cfg))
+    return Ingress.options(ray_actor_options=cpu_only or {"num_cpus": cfg.placement.ingress_cpus}).bind(
+        decode, cfg.model.served_name, max_model_len, cfg.routing.model_dump(), cfg.http.model_dump())

@@ -1,0 +1,1 @@
+"""Ray Serve deployments and Ray actors: thin wrappers over engine objects."""

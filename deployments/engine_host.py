@@ -1,0 +1,43 @@
+"""What every engine-hosting actor shares: load the engine, keep its metrics fresh, expose
+its KV pool to the transport."""
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+
+import torch
+
+from engine import AsyncLLMEngine, EngineConfig, LLMEngine
+from engine.sequence import RequestOutput
+
+from .metrics import EngineMetrics
+
+
+def load_engine(model_path: str, engine_cfg: dict, device: str) -> AsyncLLMEngine:
+    if device == "cpu":
+        # Several engines share a few cores; one thread each avoids oversubscription.
+        torch.set_num_threads(int(os.environ.get("WIDEEP_CPU_THREADS", "1")))
+    cfg = EngineConfig(**dict(engine_cfg, device="cuda" if device == "cuda" else "cpu"))
+    return AsyncLLMEngine(LLMEngine.from_pretrained(model_path, cfg, progress=False))
+
+
+def make_transport(engine: AsyncLLMEngine, role: str):
+    """A KV transport over the engine's global KV (and indexer keys): the only state that moves."""
+    from engine.kv_transfer import KVTransport
+
+    kv = engine.engine.runner.kv
+    tensors = [t for t in (kv.global_kv, kv.index_keys) if t is not None]
+    return KVTransport(f"{role}-{uuid.uuid4().hex[:8]}", tensors, engine.engine.cfg.block_size)
+
+
+def output_dict(out: RequestOutput) -> dict:
+    return {"text_delta": out.text_delta, "new_token_ids": out.new_token_ids, "finished": out.finished,
+            "finish_reason": out.finish_reason, "num_prompt_tokens": out.num_prompt_tokens,
+            "num_cached_tokens": out.num_cached_tokens, "error": out.error}
+
+
+async def report_stats(engine: AsyncLLMEngine, metrics: EngineMetrics, period_s: float = 1.0) -> None:
+    while True:
+        metrics.observe_stats(engine.stats())
+        await asyncio.sleep(period_s)

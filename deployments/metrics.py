@@ -1,0 +1,39 @@
+"""Ray metrics (Prometheus; shown in the Ray dashboard) for engines and routing."""
+from __future__ import annotations
+
+from ray.util import metrics
+
+_LATENCY_BOUNDARIES = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60]
+
+
+class EngineMetrics:
+    """One engine's figures, tagged with its role ("prefill" / "decode") and rank."""
+
+    def __init__(self, role: str, rank: int | str):
+        self.tags = {"role": role, "rank": str(rank)}
+        keys = ("role", "rank")
+        self.ttft = metrics.Histogram("wideep_ttft_s", "Time to first token (s)", _LATENCY_BOUNDARIES, keys)
+        self.itl = metrics.Histogram("wideep_inter_token_latency_s", "Time between output tokens (s)",
+                                     _LATENCY_BOUNDARIES, keys)
+        self.running = metrics.Gauge("wideep_running_requests", "Requests being computed", keys)
+        self.waiting = metrics.Gauge("wideep_waiting_requests", "Requests queued for KV blocks or a batch slot", keys)
+        self.kv_used = metrics.Gauge("wideep_kv_blocks_used", "KV blocks in use", keys)
+        self.prefix_hit = metrics.Counter("wideep_prefix_hit_tokens", "Prompt tokens served from the prefix cache", keys)
+        self.replayed = metrics.Counter("wideep_replayed_tokens", "Tokens recomputed to rebuild window KV", keys)
+        self.kv_bytes = metrics.Counter("wideep_kv_transfer_bytes", "KV bytes moved between prefill and decode", keys)
+        self.pd = metrics.Counter("wideep_prefill_path_total", "Requests by prefill path (remote, local, fallback)",
+                                  keys + ("path",))
+        self._last = {"prefix_hit_tokens": 0, "replayed_tokens": 0}
+
+    def observe_stats(self, stats: dict) -> None:
+        self.running.set(stats["running"], self.tags)
+        self.waiting.set(stats["waiting"], self.tags)
+        self.kv_used.set(stats["kv_blocks_used"], self.tags)
+        for key, counter in (("prefix_hit_tokens", self.prefix_hit), ("replayed_tokens", self.replayed)):
+            delta = stats[key] - self._last[key]
+            if delta > 0:
+                counter.inc(delta, self.tags)
+            self._last[key] = stats[key]
+
+    def prefill_path(self, path: str) -> None:
+        self.pd.inc(1, dict(self.tags, path=path))
