@@ -33,13 +33,15 @@ class DecodeRank:
         self.metrics = EngineMetrics("decode", rank)
         self.paths = {"remote": 0, "local": 0, "fallback": 0}
         self.kv_bytes = 0
+        self.prefill_side_hits = 0  # prompt tokens the prefill server found in its own cache
         self._reporter = None
 
     def ready(self) -> dict:
         return {"rank": self.rank, "max_model_len": self.engine.engine.max_model_len}
 
     def stats(self) -> dict:
-        return dict(self.engine.stats(), rank=self.rank, kv_bytes_received=self.kv_bytes, **{
+        return dict(self.engine.stats(), rank=self.rank, kv_bytes_received=self.kv_bytes,
+                    prefill_side_hit_tokens=self.prefill_side_hits, **{
             f"prefill_{k}": v for k, v in self.paths.items()})
 
     async def generate(self, request: dict, session_id: str | None = None):
@@ -91,6 +93,7 @@ class DecodeRank:
                 waiter.cancel()
             self._count("remote")
             self.kv_bytes += reply["bytes"]
+            self.prefill_side_hits += reply["prefix_hit_tokens"]
             self.metrics.kv_bytes.inc(reply["bytes"], self.metrics.tags)
             return reply["first_token"]
         return run

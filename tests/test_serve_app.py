@@ -1,0 +1,139 @@
+"""The Serve application end to end: real local Ray, real NIXL between processes, the real
+openai client over HTTP, Python handles."""
+import asyncio
+import socket
+import uuid
+
+import pytest
+import ray
+from ray import serve
+
+from app.main import build_app
+from engine import EngineConfig, LLMEngine, SamplingParams
+
+openai = pytest.importorskip("openai")
+
+ENGINE = {"block_size": 4, "num_blocks": 256, "max_num_seqs": 8, "max_num_batched_tokens": 256}
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(tiny_ckpt, tmp_path_factory):
+    port = _free_port()
+    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=str(tmp_path_factory.mktemp("ray")),
+             logging_level="ERROR", runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        args = {"model": {"path": str(tiny_ckpt), "name": "tiny"}, "engine": ENGINE,
+                "prefill": {"replicas": 2}, "decode": {"dp_size": 2},
+                "kv_transport": {"backend": "nixl", "local_prefill_max_tokens": 0, "timeout_s": 20},
+                "routing": {"max_running_per_rank": 4}, "eplb": {"enabled": False}}
+        serve.run(build_app(args), name="wideep", route_prefix="/", blocking=False)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,
+                               timeout=120)
+        yield client, port
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _decode_stats():
+    return serve.get_deployment_handle("DecodeGroup", app_name="wideep").stats.remote().result()
+
+
+def _messages(text):
+    return [{"role": "user", "content": text}]
+
+
+def test_non_streaming_and_streaming_chat(served):
+    client, _ = served
+    r = client.chat.completions.create(model="tiny", messages=_messages("hello there"), max_tokens=6,
+                                       temperature=0)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 6
+    pieces = []
+    for chunk in client.chat.completions.create(model="tiny", messages=_messages("hello there"), max_tokens=6,
+                                                temperature=0, stream=True):
+        if chunk.choices and chunk.choices[0].delta.content:
+            pieces.append(chunk.choices[0].delta.content)
+    assert "".join(pieces) == r.choices[0].message.content
+
+
+def test_pd_output_equals_decode_rank_alone(served, tiny_ckpt):
+    client, _ = served
+    before = sum(s["prefill_remote"] for s in _decode_stats())
+    text = "The key value cache keeps what attention has already seen. " * 6
+    r = client.chat.completions.create(model="tiny", messages=_messages(text), max_tokens=12, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    stats = _decode_stats()
+    assert sum(s["prefill_remote"] for s in stats) == before + 1
+    assert sum(s["kv_bytes_received"] for s in stats) > 0
+    alone = LLMEngine.from_pretrained(tiny_ckpt, EngineConfig(**ENGINE), progress=False)
+    expect = alone.generate([_messages(text)], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    assert r.choices[0].message.content == expect.text
+
+
+def test_second_turn_hits_prefix_cache(served):
+    client, _ = served
+    session = f"s-{uuid.uuid4().hex[:6]}"
+    history = _messages("Experts are small feed-forward networks; a router picks a few of them. " * 4)
+    first = client.chat.completions.create(model="tiny", messages=history, max_tokens=8, temperature=0,
+                                           extra_headers={"x-session-id": session})
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    history += [{"role": "assistant", "content": first.choices[0].message.content},
+                {"role": "user", "content": "And then?"}]
+    second = client.chat.completions.create(model="tiny", messages=history, max_tokens=8, temperature=0,
+                                            extra_headers={"x-session-id": session})
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    # every full block of turn one's prompt is reused on the session's rank
+    assert cached >= (first.usage.prompt_tokens // 4) * 4 - 4 and cached > 0
+
+
+def test_sessions_stay_sticky_under_load(served):
+    group = serve.get_deployment_handle("DecodeGroup", app_name="wideep").options(stream=True)
+    sessions = [f"sticky-{i}-{uuid.uuid4().hex[:4]}" for i in range(2)]
+    hits_before = sum(s["prefill_side_hit_tokens"] for s in _decode_stats())
+
+    async def turn(session, t, prompt):
+        req = {"request_id": f"{session}-{t}", "prompt_token_ids": prompt,
+               "sampling": {"max_tokens": 3, "temperature": 0, "ignore_eos": True}}
+        ranks, tokens = set(), []
+        async for out in group.generate.remote(req, session_id=session):
+            ranks.add(out["rank"])
+            tokens += out["new_token_ids"]
+        return ranks, tokens
+
+    async def session_run(i, session):
+        prompt, seen = list(range(10 + i, 50 + i)), set()
+        for t in range(3):
+            ranks, tokens = await turn(session, t, prompt)
+            seen |= ranks
+            prompt = prompt + tokens + list(range(60, 70))
+        return seen
+
+    async def main():
+        return await asyncio.gather(*(session_run(i, s) for i, s in enumerate(sessions)))
+    seen = asyncio.run(main())
+    assert all(len(ranks) == 1 for ranks in seen)      # each session kept one decode rank
+    assert seen[0] != seen[1]                            # and the two were spread over the ranks
+    # Turns 2 and 3 of each session found their prefix on the prefill replica of turn 1.
+    gained = sum(s["prefill_side_hit_tokens"] for s in _decode_stats()) - hits_before
+    assert gained >= 2 * 2 * 40
+
+
+def test_handle_api_and_pools_empty(served):
+    time_left = 50
+    while time_left:
+        stats = _decode_stats()
+        if all(s["running"] == 0 and s["kv_blocks_used"] == 0 and s["awaiting_kv"] == 0 for s in stats):
+            break
+        time_left -= 1
+        import time
+        time.sleep(0.2)
+    assert all(s["kv_blocks_used"] == 0 for s in stats)
+    prefill = serve.get_deployment_handle("PrefillServer", app_name="wideep")
+    assert prefill.stats.remote().result()["held_kv"] == 0
