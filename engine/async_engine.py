@@ -102,6 +102,8 @@ class AsyncLLMEngine:
                 with self._lock:
                     busy = self.engine.has_unfinished_requests()
                     outputs = self.engine.step() if busy else []
+                    if not busy:
+                        self.engine.housekeeping()
                 for out in outputs:
                     self._deliver(out.request_id, out)
                 if not busy:

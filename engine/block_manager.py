@@ -96,14 +96,18 @@ class BlockManager:
             seq.block_table.append(b)
 
     def release(self, seq: Sequence) -> None:
-        # Later blocks are the least likely to be shared: free them first so they are evicted first.
-        for b in reversed(seq.block_table):
-            self.ref_count[b] -= 1
-            if self.ref_count[b] == 0:
-                self.free[b] = None
+        self.release_blocks(seq.block_table)
         seq.block_table = []
         seq.num_hashed_blocks = 0
         seq.prefix_hash = b""
+
+
+    def release_blocks(self, blocks: list[int]) -> None:
+        # Later blocks are the least likely to be shared: free them first so they are evicted first.
+        for b in reversed(blocks):
+            self.ref_count[b] -= 1
+            if self.ref_count[b] == 0:
+                self.free[b] = None
 
 
 class WindowSlots:

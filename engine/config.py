@@ -163,6 +163,10 @@ class EngineConfig(BaseModel):
     replay_mode: Literal["bounded", "exact"] = Field(
         "bounded", description="window-KV rebuild after a prefix hit: last W tokens, or far enough to be exact")
     seed: int = 0
+    remote_kv_grace_s: float = Field(
+        30.0, ge=0, description="after an abandoned KV transfer (failed, late, aborted), its reserved blocks "
+                                "stay out of use this long, so a write still in flight cannot land in another "
+                                "request's KV")
 
 
 class ConfigError(ValueError):

@@ -17,10 +17,17 @@ timed out, so the receiver must not hand those blocks to another sequence until 
 notification arrives or the sender reports (through the control plane) that its wait() raised —
 wait() releases the request, which makes NIXL cancel it, before raising.
 
-Threading: callers are asyncio code that either runs the blocking calls through
-asyncio.to_thread or awaits wait_async / wait_notification_async, which poll on the event loop
-(each poll is a non-blocking NIXL call). A lock serialises all use of the agent, whose default
-thread-sync mode assumes a single caller.
+Progress: a UCX write only advances while *both* agents' workers are progressed (connection
+set-up, and the data itself when UCX picks a transport that needs the target's help, as it does
+between processes here). NIXL's own progress thread does that but spins a whole core even when
+idle, so each transport runs a small throttled progress thread instead: fast while a write is in
+flight or someone waits for a notification, slow otherwise. The same thread collects arrived
+notifications and finished writes, so the blocking waits sleep on a condition variable.
+
+Threading: every method may be called from any thread (callers are asyncio code using
+asyncio.to_thread), and wait_async / wait_notification_async poll from the event loop without a
+thread. One lock serialises all use of the agent, whose default thread-sync mode assumes a
+single caller.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import asyncio
 import operator
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,9 +45,11 @@ from nixl._api import nixl_agent, nixl_agent_config
 
 __all__ = ["KVTransport", "TransferError", "TransferHandle"]
 
-# Long enough to stay off a CPU core while a transfer runs, short compared to a block transfer
-# deadline; callers on an event loop pass their own.
-_POLL_S = 0.0005
+# Progress-thread periods. Fast: short against the time a block write takes, while costing a few
+# percent of a core. Slow: only keeps idle connections answering peers that start talking to us,
+# a few ms of extra latency on a peer's first request is harmless.
+_FAST_S = 0.0002
+_IDLE_S = 0.005
 
 
 class TransferError(RuntimeError):
@@ -53,10 +63,31 @@ class TransferHandle:
     nbytes: int
     num_descs: int
     started: float = field(default_factory=time.monotonic)
-    # None when there was nothing to move (empty block list): only the notification was sent
+    # None once released, and from the start when there was nothing to move (empty block list)
     _xfer: object | None = None
     done: bool = False
+    error: str | None = None
 
+    @property
+    def finished(self) -> bool:
+        return self.done or self.error is not None
+
+
+def _progress_loop(ref: "weakref.ref[KVTransport]") -> None:
+    # Holds only a weak reference between rounds so a forgotten transport can still be collected.
+    while True:
+        t = ref()
+        if t is None or t._closed:
+            return
+        with t._lock:
+            if t._closed:
+                return
+            t._progress_locked()
+            busy = bool(t._live_handles) or t._waiters > 0
+        wake = t._wake
+        del t
+        wake.wait(_FAST_S if busy else _IDLE_S)
+        wake.clear()
 
 def _layout(t: torch.Tensor) -> dict:
     return {
@@ -99,7 +130,10 @@ def _descs(layouts: list[dict], block_size: int, starts: np.ndarray, lengths: np
 class KVTransport:
     """One NIXL agent owning an engine's KV pool registration; see the module docstring."""
 
-    def __init__(self, name: str, tensors: list[torch.Tensor], block_size: int, backends=("UCX",)):
+    def __init__(self, name: str, tensors: list[torch.Tensor], block_size: int, backends=("UCX",),
+                 nixl_progress_thread: bool = False):
+        """nixl_progress_thread=True uses NIXL's own (spinning) progress thread in addition to
+        ours; only worth it where a core per agent is cheap and latency matters more."""
         if not tensors:
             raise ValueError("KVTransport needs at least one tensor")
         if block_size <= 0:
@@ -126,13 +160,17 @@ class KVTransport:
         self._layouts = [_layout(t) for t in tensors]
         self._mem = self._layouts[0]["memory"]
         self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)  # signalled when writes finish or notifs arrive
+        self._wake = threading.Event()  # switches the progress thread to its fast period at once
+        self._waiters = 0
         self._peers: dict[str, dict] = {}
         self._pending_notifs: list[bytes] = []
         self._discarded: set[bytes] = set()
         self._live_handles: dict[int, TransferHandle] = {}  # released by close() if still in flight
         self._closed = False
         try:
-            self._agent = nixl_agent(name, nixl_agent_config(backends=self.backends))
+            self._agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=nixl_progress_thread,
+                                                             backends=self.backends))
             missing = [b for b in self.backends if b not in self._agent.backends]
             if missing:
                 raise TransferError(f"NIXL backend(s) {missing} unavailable; plugins: {self._agent.get_plugin_list()}")
@@ -143,6 +181,9 @@ class KVTransport:
             raise TransferError(f"agent {name!r}: NIXL set-up failed: {type(e).__name__}: {e}") from e
         if self._reg is None:
             raise TransferError(f"agent {name!r}: NIXL refused to register the KV tensors")
+        self._thread = threading.Thread(target=_progress_loop, args=(weakref.ref(self),),
+                                        name=f"kv-transfer-{name}", daemon=True)
+        self._thread.start()
 
     # -- peers ---------------------------------------------------------------------------------
 
@@ -235,13 +276,19 @@ class KVTransport:
                 state = self._agent.transfer(xfer)
             except Exception as e:
                 self._release(xfer)
-                raise TransferError(f"{self.name} -> {peer}: write of {len(src)} blocks failed to start: "
-                                    f"{type(e).__name__}: {e}") from e
+                why = ("peer disconnected (its process is gone or closed its transport)"
+                       if "REMOTE_DISCONNECT" in str(e) else f"{type(e).__name__}: {e}")
+                raise TransferError(f"{self.name} -> {peer}: write of {len(src)} blocks failed to start: {why}") from e
             if state == "ERR":
                 self._release(xfer)
                 raise TransferError(f"{self.name} -> {peer}: write of {len(src)} blocks failed to start")
-            handle = TransferHandle(peer, notif, nbytes, len(local), _xfer=xfer)
-            self._live_handles[id(handle)] = handle
+            handle = TransferHandle(peer, notif, nbytes, len(local), _xfer=xfer, done=state == "DONE")
+            if state == "DONE":
+                self._release(xfer)
+                handle._xfer = None
+            else:
+                self._live_handles[id(handle)] = handle
+                self._wake.set()
             return handle
 
     @staticmethod
@@ -255,52 +302,84 @@ class KVTransport:
             raise TransferError(f"{side} block id(s) {bad.tolist()} out of range: {owner!r} has blocks 0..{num_blocks - 1}")
         return ids
 
+
     def poll(self, handle: TransferHandle) -> bool:
-        """Non-blocking: True once the write completed (handle released); TransferError if it
-        failed (handle released); False while in flight."""
+        """Non-blocking: True once the write completed, False while it is in flight; raises
+        TransferError if it failed. Makes progress itself, so a caller polling faster than the
+        progress thread is not held back by it."""
+        with self._lock:
+            if not handle.finished and not self._closed:
+                self._progress_locked()
+            return self._outcome(handle)
+
+    def _outcome(self, handle: TransferHandle) -> bool:
+        if handle.error is not None:
+            raise TransferError(handle.error)
         if handle.done:
             return True
-        with self._lock:
-            if handle._xfer is None:
-                raise TransferError(f"{self.name} -> {handle.peer}: transfer handle already released")
-            try:
-                state = self._agent.check_xfer_state(handle._xfer)
-            except Exception as e:
-                self._finish(handle)
-                raise TransferError(f"{self.name} -> {handle.peer}: transfer failed: {type(e).__name__}: {e}") from e
-            if state == "PROC":
-                return False
-            self._finish(handle)
-            if state == "ERR":
-                raise TransferError(f"{self.name} -> {handle.peer}: transfer of {handle.nbytes} bytes failed "
-                                    "(peer gone or memory no longer registered)")
-            handle.done = True
-            return True
+        if self._closed:
+            raise TransferError(f"transport {self.name!r} closed while the write to {handle.peer} was in flight")
+        return False
 
-    def wait(self, handle: TransferHandle, timeout_s: float, poll_s: float = _POLL_S) -> None:
-        # Polls rather than blocks because NIXL offers no blocking wait; the deadline also covers
-        # the case where a peer's death goes unnoticed by the backend and the state stays PROC.
-        deadline = time.monotonic() + timeout_s
-        while not self.poll(handle):
-            if time.monotonic() >= deadline:
-                self.cancel(handle)
-                raise TransferError(f"{self.name} -> {handle.peer}: transfer of {handle.nbytes} bytes "
-                                    f"timed out after {timeout_s:g} s")
-            time.sleep(poll_s)
+    def _timed_out(self, handle: TransferHandle, timeout_s: float) -> TransferError:
+        self._finish(handle)
+        handle.error = (f"{self.name} -> {handle.peer}: transfer of {handle.nbytes} bytes "
+                        f"timed out after {timeout_s:g} s")
+        return TransferError(handle.error)
+
+    def wait(self, handle: TransferHandle, timeout_s: float) -> None:
+        # NIXL offers no blocking wait: the progress thread polls and signals the condition. The
+        # deadline also covers a peer whose death the backend never notices (state stays PROC).
+        with self._cond:
+            if not self._cond.wait_for(lambda: handle.finished or self._closed, timeout_s):
+                raise self._timed_out(handle, timeout_s)
+            self._outcome(handle)
 
     async def wait_async(self, handle: TransferHandle, timeout_s: float, poll_s: float = 0.001) -> None:
         deadline = time.monotonic() + timeout_s
         while not self.poll(handle):
             if time.monotonic() >= deadline:
-                self.cancel(handle)
-                raise TransferError(f"{self.name} -> {handle.peer}: transfer of {handle.nbytes} bytes "
-                                    f"timed out after {timeout_s:g} s")
+                with self._lock:
+                    raise self._timed_out(handle, timeout_s)
             await asyncio.sleep(poll_s)
 
     def cancel(self, handle: TransferHandle) -> None:
         """Abandon a write: releasing an in-flight NIXL request asks the backend to abort it."""
         with self._lock:
+            if not handle.finished:
+                self._finish(handle)
+                handle.error = f"{self.name} -> {handle.peer}: transfer cancelled"
+
+    def _progress_locked(self) -> None:
+        changed = False
+        try:
+            new = self._agent.get_new_notifs()
+        except Exception:
+            new = {}  # a transient backend error here must not kill the progress thread
+        for msgs in new.values():
+            for msg in msgs:
+                changed = True
+                if msg in self._discarded:
+                    self._discarded.discard(msg)
+                else:
+                    self._pending_notifs.append(msg)
+        for handle in list(self._live_handles.values()):
+            try:
+                state = self._agent.check_xfer_state(handle._xfer)
+            except Exception as e:
+                state, detail = "ERR", f"{type(e).__name__}: {e}"
+            else:
+                detail = "peer gone or its memory no longer registered"
+            if state == "PROC":
+                continue
+            changed = True
             self._finish(handle)
+            if state == "DONE":
+                handle.done = True
+            else:
+                handle.error = f"{self.name} -> {handle.peer}: transfer of {handle.nbytes} bytes failed ({detail})"
+        if changed:
+            self._cond.notify_all()
 
     def _finish(self, handle: TransferHandle) -> None:
         self._live_handles.pop(id(handle), None)
@@ -319,49 +398,56 @@ class KVTransport:
 
     # -- receiver side -------------------------------------------------------------------------
 
+    def _take(self, notif: bytes) -> bool:
+        try:
+            self._pending_notifs.remove(notif)
+            return True
+        except ValueError:
+            return False
+
     def check_notification(self, notif: bytes) -> bool:
         """Non-blocking: True (and consumed) if notif has arrived; others are kept for later."""
         with self._lock:
             self._check_open()
-            try:
-                new = self._agent.get_new_notifs()
-            except Exception as e:
-                raise TransferError(f"{self.name}: reading notifications failed: {type(e).__name__}: {e}") from e
-            for msgs in new.values():
-                for msg in msgs:
-                    if msg in self._discarded:
-                        self._discarded.discard(msg)
-                    else:
-                        self._pending_notifs.append(msg)
-            try:
-                self._pending_notifs.remove(notif)
+            if self._take(notif):
                 return True
-            except ValueError:
-                return False
+            self._progress_locked()
+            return self._take(notif)
 
-    def wait_notification(self, notif: bytes, timeout_s: float, poll_s: float = _POLL_S) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while not self.check_notification(notif):
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(poll_s)
-        return True
+    def wait_notification(self, notif: bytes, timeout_s: float) -> bool:
+        with self._cond:
+            self._check_open()
+            self._waiters += 1
+            self._wake.set()
+            try:
+                return self._cond.wait_for(lambda: self._closed or notif in self._pending_notifs,
+                                           timeout_s) and self._take(notif)
+            finally:
+                self._waiters -= 1
 
     async def wait_notification_async(self, notif: bytes, timeout_s: float, poll_s: float = 0.001) -> bool:
         deadline = time.monotonic() + timeout_s
-        while not self.check_notification(notif):
-            if time.monotonic() >= deadline:
-                return False
-            await asyncio.sleep(poll_s)
-        return True
+        with self._lock:
+            self._waiters += 1  # keeps the progress thread fast; the checks below do no NIXL call
+        self._wake.set()
+        try:
+            while True:
+                with self._lock:
+                    self._check_open()
+                    if self._take(notif):
+                        return True
+                if time.monotonic() >= deadline:
+                    return False
+                await asyncio.sleep(poll_s)
+        finally:
+            with self._lock:
+                self._waiters -= 1
 
     def discard_notification(self, notif: bytes) -> None:
         """The caller no longer waits for notif (its transfer was abandoned): drop it now if it has
         arrived, or when it arrives, so late notifications do not pile up."""
         with self._lock:
-            if notif in self._pending_notifs:
-                self._pending_notifs.remove(notif)
-            else:
+            if not self._take(notif):
                 self._discarded.add(notif)
 
     # -- lifetime ------------------------------------------------------------------------------
@@ -375,6 +461,11 @@ class KVTransport:
             if self._closed:
                 return
             self._closed = True
+            self._cond.notify_all()
+        self._wake.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+        with self._lock:
             for handle in list(self._live_handles.values()):
                 self._finish(handle)
             for peer in list(self._peers):

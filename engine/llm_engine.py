@@ -101,10 +101,15 @@ class LLMEngine:
         return self._append(seq, first_token)
 
     def fallback_local(self, request_id: str) -> None:
-        """Decode side: the transfer failed or timed out; prefill here instead."""
+        """Decode side: the transfer failed or timed out; prefill here instead. The reserved
+        blocks sit out cfg.remote_kv_grace_s, in case the write still lands."""
         seq = self.requests.get(request_id)
         if seq is not None:
-            self.scheduler.kv_failed(seq)
+            self.scheduler.kv_failed(seq, time.monotonic() + self.cfg.remote_kv_grace_s)
+
+    def housekeeping(self) -> None:
+        """Work due with no request to step: return quarantined blocks whose time is up."""
+        self.scheduler.release_quarantine(time.monotonic())
 
     def held_blocks(self, request_id: str) -> list[int]:
         """Prefill side: the blocks of a finished hold_kv request, in position order."""
@@ -230,5 +235,6 @@ class LLMEngine:
             "kv_blocks_used": s.blocks.num_used_blocks, "kv_blocks_total": s.blocks.num_blocks,
             "prefix_hit_tokens": s.prefix_hit_tokens, "replayed_tokens": s.replayed_tokens,
             "awaiting_kv": len(s.awaiting_kv), "held_kv": len(s.held),
+            "quarantined_blocks": sum(len(b) for _, b in s.quarantine),
             "preemptions": s.num_preemptions, "steps": self.num_steps,
         }

@@ -7,6 +7,7 @@ recomputed (its prefix blocks usually hit the cache again).
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -36,6 +37,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.awaiting_kv: dict[str, Sequence] = {}
         self.held: dict[str, Sequence] = {}
+        self.quarantine: list[tuple[float, list[int]]] = []  # (free after, blocks) of abandoned transfers
         self.prefix_hit_tokens = 0
         self.replayed_tokens = 0
         self.num_preemptions = 0
@@ -72,12 +74,32 @@ class Scheduler:
         seq.status = Status.WAITING
         self.waiting.append(seq)
 
-    def kv_failed(self, seq: Sequence) -> None:
-        """The transfer failed or came late: drop the reservation and prefill locally."""
+    def kv_failed(self, seq: Sequence, quarantine_until: float | None = None) -> None:
+        """The transfer failed or came late: drop the reservation and prefill locally.
+        A write that may still be in flight must not land in blocks another request owns, so
+        with quarantine_until the reserved blocks stay out of the pool until that time."""
         del self.awaiting_kv[seq.request_id]
-        self.blocks.release(seq)
+        self._set_aside(seq, quarantine_until)
         seq.status = Status.WAITING
         self.waiting.append(seq)
+
+    def _set_aside(self, seq: Sequence, until: float | None) -> None:
+        if until is None or until <= time.monotonic():
+            self.blocks.release(seq)
+            return
+        self.quarantine.append((until, seq.block_table))
+        seq.block_table = []
+        seq.num_hashed_blocks = 0
+        seq.prefix_hash = b""
+
+    def release_quarantine(self, now: float) -> None:
+        keep = []
+        for until, blocks in self.quarantine:
+            if until <= now:
+                self.blocks.release_blocks(blocks)
+            else:
+                keep.append((until, blocks))
+        self.quarantine = keep
 
     def release_held(self, request_id: str) -> None:
         seq = self.held.pop(request_id, None)
@@ -94,6 +116,8 @@ class Scheduler:
         return max(0, hit - span)
 
     def schedule(self) -> ScheduledBatch:
+        if self.quarantine:
+            self.release_quarantine(time.monotonic())
         batch = ScheduledBatch()
         budget = self.cfg.max_num_batched_tokens
         queue = deque(self.running)
@@ -174,7 +198,9 @@ class Scheduler:
         elif seq.status == Status.WAITING:
             self.waiting.remove(seq)
         elif seq.status == Status.AWAITING_KV:
+            # a prefill server may be writing into its blocks right now
             del self.awaiting_kv[seq.request_id]
+            self._set_aside(seq, time.monotonic() + self.cfg.remote_kv_grace_s)
         if seq.hold_kv and reason not in ("abort", "error"):
             self._release_window(seq)
             self.held[seq.request_id] = seq

@@ -1,4 +1,6 @@
 """Prefill/decode hand-off inside the engine: reserve on decode, hold on prefill, commit or fall back."""
+import time
+
 import pytest
 import torch
 
@@ -95,7 +97,7 @@ def test_second_turn_sends_only_uncached_blocks(tiny_ckpt):
 
 
 def test_failed_transfer_falls_back_and_abort_frees_reservation(tiny_ckpt):
-    prefill, decode = _engines(tiny_ckpt)
+    prefill, decode = _engines(tiny_ckpt, remote_kv_grace_s=0)
     prompt = _prompt(30, 4)
     decode.reserve_remote("lost", prompt, GREEDY)
     assert decode.stats()["kv_blocks_used"] == 8 and decode.stats()["awaiting_kv"] == 1
@@ -112,8 +114,28 @@ def test_failed_transfer_falls_back_and_abort_frees_reservation(tiny_ckpt):
     assert prefill.stats()["held_kv"] == 0 and prefill.stats()["kv_blocks_used"] == 0
 
 
+def test_abandoned_reservation_is_quarantined_then_freed(tiny_ckpt):
+    _, decode = _engines(tiny_ckpt, remote_kv_grace_s=0.3)
+    prompt = _prompt(30, 4)
+    decode.reserve_remote("late", prompt, GREEDY)
+    reserved = list(decode.scheduler.awaiting_kv["late"].block_table)
+    decode.fallback_local("late")
+    out = _run(decode)["late"]
+    assert len(out.output_token_ids) == 12
+    # The local prefill used other blocks: a write still in flight cannot corrupt it.
+    assert decode.stats()["quarantined_blocks"] == 8
+    assert all(decode.scheduler.blocks.ref_count[b] == 1 for b in reserved)
+    decode.reserve_remote("gone", prompt, GREEDY)
+    decode.abort_request("gone")
+    assert decode.stats()["quarantined_blocks"] == 16
+    time.sleep(0.35)
+    decode.housekeeping()
+    assert decode.stats()["quarantined_blocks"] == 0 and decode.stats()["kv_blocks_used"] == 0
+
+
 def test_reservation_refused_when_pool_is_full_queues_locally(tiny_ckpt):
-    decode = LLMEngine.from_pretrained(tiny_ckpt, EngineConfig(block_size=4, num_blocks=12), progress=False)
+    decode = LLMEngine.from_pretrained(tiny_ckpt, EngineConfig(block_size=4, num_blocks=12, remote_kv_grace_s=0),
+                                       progress=False)
     assert decode.reserve_remote("a", _prompt(40, 5), GREEDY) is not None   # 10 of 12 blocks
     assert decode.reserve_remote("b", _prompt(40, 6), GREEDY) is None       # queued locally instead
     decode.fallback_local("a")
