@@ -31,7 +31,7 @@ def _pool(num_blocks: int, seed: int) -> list[torch.Tensor]:
 
 def _patterns(n: int, pool_blocks: int) -> dict[str, tuple[list[int], list[int]]]:
     if 2 * n > pool_blocks:
-        raise SystemExit(f"--pool-blocks must be at least 2 x --blocks for the scattered pattern")
+        raise SystemExit("--pool-blocks must be at least 2 x --blocks for the scattered pattern")
     g = torch.Generator().manual_seed(0)
     # Even ids, shuffled: never two consecutive on either side, so nothing merges.
     src = (torch.randperm(pool_blocks // 2, generator=g)[:n] * 2).tolist()
