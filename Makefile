@@ -5,9 +5,10 @@ PY := .venv/bin/python
 venv:
 	@./scripts/venv.sh
 
-# The main job on the embedded tiny model (CPU); makes the random checkpoint on first use.
+# The main job: the Serve application on the embedded tiny model (CPU), on http://127.0.0.1:8000.
+# The random tiny checkpoint is written to checkpoints/tiny on first start.
 serve: venv
-	$(PY) -m engine.generate --model tiny --prompt "Hello, who are you?" --max-tokens 32
+	.venv/bin/serve run config.yaml
 
 test: venv
 	$(PY) -m pytest -q tests

@@ -74,9 +74,9 @@ class DecodeRank:
             payload = dict(reservation, request_id=rid, notif=notif, kv_peer=self.transport.metadata(),
                            sampling={"temperature": params.temperature, "top_p": params.top_p,
                                      "top_k": params.top_k, "seed": params.seed})
-            # Poll for the notification while the prefill runs: with UCX over TCP the target must
-            # make progress for the write to complete at all.
-            waiter = asyncio.ensure_future(self._notification(notif, time.monotonic() + self.timeout))
+            # Wait for the notification while the prefill runs: with UCX over TCP the target must
+            # make progress (the transport's polling) for the write to complete at all.
+            waiter = asyncio.ensure_future(self.transport.wait_notification_async(notif, self.timeout))
             try:
                 reply = await asyncio.wait_for(self.prefill.prefill.remote(payload, session_id=session_id),
                                                self.timeout)
@@ -97,13 +97,6 @@ class DecodeRank:
             self.metrics.kv_bytes.inc(reply["bytes"], self.metrics.tags)
             return reply["first_token"]
         return run
-
-    async def _notification(self, notif: bytes, deadline: float) -> bool:
-        while time.monotonic() < deadline:
-            if self.transport.check_notification(notif):
-                return True
-            await asyncio.sleep(0.002)
-        return False
 
     def _count(self, path: str) -> None:
         self.paths[path] += 1

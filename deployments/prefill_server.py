@@ -41,7 +41,7 @@ class PrefillServer:
             src = self.engine.held_blocks(rid)[payload["cached_blocks"]:]
             peer = self.transport.connect(payload["kv_peer"])
             handle = self.transport.write_blocks(peer, src, payload["dst_blocks"], payload["notif"])
-            await asyncio.to_thread(self.transport.wait, handle, self.timeout)
+            await self.transport.wait_async(handle, self.timeout)
         finally:
             self.engine.release_held(rid)
         nbytes = len(src) * self._bytes_per_block()
