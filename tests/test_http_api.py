@@ -339,29 +339,39 @@ def _wait_until_idle(engine, timeout=15.0) -> dict:
         time.sleep(0.05)
 
 
+LONG_ANSWER = MAX_MODEL_LEN - 30
+
+
+def _assert_aborted_early(engine, steps_at_disconnect: int) -> None:
+    """Idle and blocks freed, long before the answer could have run to its end on its own."""
+    stats = _wait_until_idle(engine)
+    assert stats["steps"] - steps_at_disconnect < LONG_ANSWER // 2, stats
+
+
 def test_stream_disconnect_aborts_the_request(served, raw):
     _wait_until_idle(served.engine)
-    body = _chat(stream=True, max_tokens=MAX_MODEL_LEN - 30, temperature=0, ignore_eos=True)
+    body = _chat(stream=True, max_tokens=LONG_ANSWER, temperature=0, ignore_eos=True)
     with raw.stream("POST", CHAT, content=body) as resp:
         assert resp.status_code == 200
+        # hold the line iterator: dropping it early would close the connection before the check below
+        lines = resp.iter_lines()
         events = 0
-        for line in resp.iter_lines():
-            events += line.startswith("data: ")
-            if events == 4:
-                break
-        assert served.engine.stats()["running"] == 1
-    _wait_until_idle(served.engine)
+        while events < 4:
+            events += next(lines).startswith("data: ")
+        stats = served.engine.stats()
+        assert stats["running"] == 1, stats
+    _assert_aborted_early(served.engine, steps_at_disconnect=stats["steps"])
 
 
 def test_non_streaming_disconnect_aborts_the_request(served):
     _wait_until_idle(served.engine)
-    body = _chat(max_tokens=MAX_MODEL_LEN - 30, temperature=0, ignore_eos=True)
+    body = _chat(max_tokens=LONG_ANSWER, temperature=0, ignore_eos=True)
     head = (f"POST {CHAT} HTTP/1.1\r\nHost: test\r\nAuthorization: Bearer {API_KEY}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
     with socket.create_connection(("127.0.0.1", served.port), timeout=10) as sock:
         sock.sendall(head + body)
         deadline = time.monotonic() + 15
-        while served.engine.stats()["running"] == 0:
+        while (stats := served.engine.stats())["running"] == 0:
             assert time.monotonic() < deadline, "the request never started"
             time.sleep(0.02)
-    _wait_until_idle(served.engine)
+    _assert_aborted_early(served.engine, steps_at_disconnect=stats["steps"])
