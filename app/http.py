@@ -175,6 +175,8 @@ def build_http_app(backend: Backend, *, session_header: str = "x-session-id", ma
                 # the first output is awaited before any byte is sent, so a rejected request
                 # still gets a proper status code instead of an error inside a 200 stream
                 first = await _unless_disconnected(request, stream.__anext__())
+                if first.get("error"):
+                    raise _GenerationFailed(first["error"])
                 return _ClosingStreamingResponse(
                     _sse_events(stream, first, oa.StreamChunks(kind, request_id, backend.model_name, req.include_usage)),
                     media_type="text/event-stream", headers={**headers, "Cache-Control": "no-cache"})
@@ -184,6 +186,10 @@ def build_http_app(backend: Backend, *, session_header: str = "x-session-id", ma
             return Response(status_code=499)  # nobody is left to read it
         except StopAsyncIteration:
             raise APIError(500, "the backend produced no output", type="server_error") from None
+        except _GenerationFailed as e:
+            await stream.aclose()
+            log.error("request %s failed: %s", request_id, e)
+            raise APIError(500, f"generation failed: {e}", type="server_error") from None
         except Exception as e:
             await stream.aclose()
             raise _backend_error(e, "messages" if kind == "chat" else "prompt") from None
@@ -243,6 +249,10 @@ async def _collect(stream: AsyncIterator[dict]) -> tuple[str, dict, int]:
 
 class _Disconnected(Exception):
     pass
+
+
+class _GenerationFailed(Exception):
+    """The backend reported a failed generation (a server fault, not a bad request)."""
 
 
 async def _unless_disconnected(request: Request, work: Awaitable):

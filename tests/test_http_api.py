@@ -1,5 +1,6 @@
 """The OpenAI HTTP API over a real tiny engine, served by uvicorn and called with the openai client."""
 import asyncio
+import itertools
 import json
 import socket
 import threading
@@ -375,3 +376,44 @@ def test_non_streaming_disconnect_aborts_the_request(served):
             assert time.monotonic() < deadline, "the request never started"
             time.sleep(0.02)
     _assert_aborted_early(served.engine, steps_at_disconnect=stats["steps"])
+
+
+# --- server faults -------------------------------------------------------------------------
+
+def _fail_engine_steps_after(monkeypatch, served, good_steps: int) -> None:
+    """Makes the engine's forward pass fail once `good_steps` steps have run, as a GPU fault would."""
+    runner = served.engine.engine.runner
+    real_run, calls = runner.run, itertools.count()
+
+    def run(batch):
+        if next(calls) >= good_steps:
+            raise RuntimeError("injected step failure")
+        return real_run(batch)
+    monkeypatch.setattr(runner, "run", run)
+
+
+def test_engine_failure_mid_stream_ends_with_error_event(served, raw, monkeypatch):
+    _wait_until_idle(served.engine)
+    _fail_engine_steps_after(monkeypatch, served, good_steps=4)
+    with raw.stream("POST", CHAT, content=_chat(stream=True, max_tokens=50, ignore_eos=True)) as resp:
+        assert resp.status_code == 200
+        events = [line[len("data: "):] for line in resp.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["type"] == "server_error" and "injected step failure" in error["message"]
+    assert json.loads(events[0])["choices"][0]["delta"]["role"] == "assistant"
+    # no regular finish before the error: the client must not take the cut-off text as complete
+    assert all(json.loads(e)["choices"][0]["finish_reason"] is None for e in events[:-2])
+    _wait_until_idle(served.engine)
+
+
+def test_engine_failure_before_any_output_is_500(served, raw, monkeypatch):
+    _wait_until_idle(served.engine)
+    _fail_engine_steps_after(monkeypatch, served, good_steps=0)
+    for streaming in (False, True):
+        resp = raw.post(CHAT, content=_chat(stream=streaming))
+        assert resp.status_code == 500
+        assert _assert_openai_error(resp)["type"] == "server_error"
+    monkeypatch.undo()
+    _wait_until_idle(served.engine)
+    assert raw.post(CHAT, content=_chat(max_tokens=2)).status_code == 200
