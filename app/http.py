@@ -72,7 +72,7 @@ def error_response(exc: APIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
-def _backend_error(exc: BaseException, prompt_param: str | None = None) -> APIError:
+def api_error_from(exc: BaseException, prompt_param: str | None = None) -> APIError:
     """What a backend's exception means to the client."""
     if isinstance(exc, APIError):
         return exc
@@ -192,7 +192,7 @@ def build_http_app(backend: Backend, *, session_header: str = "x-session-id", ma
             raise APIError(500, f"generation failed: {e}", type="server_error") from None
         except Exception as e:
             await stream.aclose()
-            raise _backend_error(e, "messages" if kind == "chat" else "prompt") from None
+            raise api_error_from(e, "messages" if kind == "chat" else "prompt") from None
         text, last, num_tokens = result
         if last.get("error"):
             log.error("request %s failed: %s", request_id, last["error"])
@@ -306,7 +306,7 @@ async def _sse_events(stream: AsyncIterator[dict], first: dict, chunks: oa.Strea
         if chunks.include_usage:
             yield chunks.usage(_usage(last, num_tokens))
     except Exception as e:
-        api_error = _backend_error(e)
+        api_error = api_error_from(e)
         yield oa.sse_error(api_error.message, api_error.type, api_error.code)
     finally:
         with anyio.CancelScope(shield=True):  # a cancelled response must still abort upstream

@@ -13,7 +13,7 @@ import pytest
 import uvicorn
 from starlette.datastructures import Headers
 
-from app.http import build_http_app, pick_session_id
+from app.http import Overloaded, api_error_from, build_http_app, pick_session_id
 from app.local_backend import LocalBackend
 from engine.async_engine import AsyncLLMEngine
 from engine.config import EngineConfig
@@ -417,3 +417,10 @@ def test_engine_failure_before_any_output_is_500(served, raw, monkeypatch):
     monkeypatch.undo()
     _wait_until_idle(served.engine)
     assert raw.post(CHAT, content=_chat(max_tokens=2)).status_code == 200
+
+
+def test_overload_and_unexpected_backend_errors_map_to_5xx():
+    overloaded = api_error_from(Overloaded("all decode ranks are full", retry_after_s=2.4))
+    assert (overloaded.status, overloaded.headers["Retry-After"], overloaded.code) == (503, "2", "overloaded")
+    crashed = api_error_from(KeyError("rank 3"))
+    assert crashed.status == 500 and crashed.type == "server_error" and "rank 3" not in crashed.message
