@@ -1,15 +1,5 @@
-"""The OpenAI-compatible HTTP app (Starlette), in front of any backend with `generate` and
-`health`. Ray-free: the Serve ingress deployment mounts the app this module builds.
-
-Backend contract::
-
-    model_name: str; max_model_len: int
-    async def generate(request: dict, session_id: str | None) -> AsyncIterator[dict]
-    async def health() -> dict
-
-`request` holds request_id, prompt, prompt_token_ids, messages and sampling (SamplingParams
-fields); each yielded dict holds text_delta, new_token_ids, finished, finish_reason,
-num_prompt_tokens, num_cached_tokens and error.
+"""The OpenAI-compatible HTTP app (Starlette): body limits, auth, client disconnects, SSE.
+The endpoints' logic is app/service.py; the Serve ingress deployment mounts the app built here.
 """
 from __future__ import annotations
 
@@ -18,7 +8,7 @@ import hmac
 import json
 import logging
 import time
-from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import anyio
 from starlette.applications import Starlette
@@ -27,30 +17,12 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from engine.llm_engine import RequestError
-from engine.sampling import SamplingError
 
 from . import openai_api as oa
 from .openai_api import APIError, bad_request
+from .service import Backend, OpenAIService
 
 log = logging.getLogger(__name__)
-
-
-class Overloaded(Exception):
-    """The backend cannot take the request now; the client should retry after `retry_after_s`."""
-
-    def __init__(self, message: str = "the server is overloaded; retry later", retry_after_s: float = 1.0):
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-
-class Backend(Protocol):
-    model_name: str
-    max_model_len: int
-
-    def generate(self, request: dict, session_id: str | None) -> AsyncIterator[dict]: ...
-
-    async def health(self) -> dict: ...
 
 
 def pick_session_id(headers, body: dict, session_header: str) -> str | None:
@@ -61,32 +33,8 @@ def pick_session_id(headers, body: dict, session_header: str) -> str | None:
     return None
 
 
-def is_context_length_error(exc: BaseException) -> bool:
-    if getattr(exc, "code", None) == "context_length_exceeded":
-        return True
-    # the engine names the limit in its message; a typed error would be sturdier
-    return isinstance(exc, RequestError) and "context limit" in str(exc)
-
-
 def error_response(exc: APIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
-
-
-def api_error_from(exc: BaseException, prompt_param: str | None = None) -> APIError:
-    """What a backend's exception means to the client."""
-    if isinstance(exc, APIError):
-        return exc
-    if isinstance(exc, Overloaded):
-        return APIError(503, str(exc), type="server_error", code="overloaded",
-                        headers={"Retry-After": str(max(1, round(exc.retry_after_s)))})
-    if is_context_length_error(exc):
-        return bad_request(str(exc), param=prompt_param, code="context_length_exceeded")
-    if isinstance(exc, SamplingError):
-        return bad_request(str(exc))
-    if isinstance(exc, RequestError):
-        return bad_request(str(exc))
-    log.exception("backend failed", exc_info=exc)
-    return APIError(500, f"internal error: {type(exc).__name__}", type="server_error")
 
 
 def build_http_app(backend: Backend, *, session_header: str = "x-session-id", max_body_bytes: int = 1_000_000,
@@ -133,73 +81,32 @@ def build_http_app(backend: Backend, *, session_header: str = "x-session-id", ma
             raise bad_request("the request body contains an unpaired UTF-16 surrogate escape") from None
         return value
 
-    def check_model(req) -> None:
-        if req.model is not None and req.model != backend.model_name:
-            raise APIError(404, f"the model {req.model!r} does not exist; this server serves "
-                                f"{backend.model_name!r}", param="model", code="model_not_found")
+    service = OpenAIService(backend, max_tokens_limit)
 
     async def chat_completions(request: Request) -> Response:
-        check_auth(request)
-        body = await read_json(request)
-        req = oa.parse_request(oa.ChatCompletionRequest, body)
-        check_model(req)
-        messages = oa.chat_messages(req)
-        # chat has no default cap in OpenAI's API; the engine ends the answer at the context
-        default_max = min(max_tokens_limit or backend.max_model_len, backend.max_model_len - 1)
-        params = oa.sampling_params(req, default_max_tokens=default_max,
-                                    max_model_len=backend.max_model_len, max_tokens_limit=max_tokens_limit)
-        engine_request = {"request_id": oa.new_request_id("chat"), "prompt": None, "prompt_token_ids": None,
-                          "messages": messages, "sampling": oa.sampling_dict(params)}
-        return await serve(request, "chat", req, engine_request, pick_session_id(request.headers, body, session_header))
+        return await handle(request, "chat")
 
     async def completions(request: Request) -> Response:
+        return await handle(request, "completion")
+
+    async def handle(request: Request, kind: str) -> Response:
         check_auth(request)
         body = await read_json(request)
-        req = oa.parse_request(oa.CompletionRequest, body)
-        check_model(req)
-        text, token_ids = oa.completion_prompt(req)
-        default_max = min(oa.COMPLETIONS_DEFAULT_MAX_TOKENS, backend.max_model_len - 1)
-        params = oa.sampling_params(req, default_max_tokens=default_max, max_model_len=backend.max_model_len,
-                                    max_tokens_limit=max_tokens_limit)
-        engine_request = {"request_id": oa.new_request_id("completion"), "prompt": text,
-                          "prompt_token_ids": token_ids, "messages": None, "sampling": oa.sampling_dict(params)}
-        return await serve(request, "completion", req, engine_request,
-                           pick_session_id(request.headers, body, session_header))
-
-    async def serve(request: Request, kind: str, req, engine_request: dict, session_id: str | None) -> Response:
-        request_id = engine_request["request_id"]
-        stream = backend.generate(engine_request, session_id)
-        headers = {"x-request-id": request_id}
+        req, engine_request = service.parse(kind, body)
+        session_id = pick_session_id(request.headers, body, session_header)
+        headers = {"x-request-id": engine_request["request_id"]}
         try:
+            # the first output is awaited before any byte is sent, so a rejected request
+            # still gets a proper status code instead of an error inside a 200 stream
+            stream, first = await _unless_disconnected(request, service.open(kind, engine_request, session_id))
             if req.stream:
-                # the first output is awaited before any byte is sent, so a rejected request
-                # still gets a proper status code instead of an error inside a 200 stream
-                first = await _unless_disconnected(request, stream.__anext__())
-                if first.get("error"):
-                    raise _GenerationFailed(first["error"])
-                return _ClosingStreamingResponse(
-                    _sse_events(stream, first, oa.StreamChunks(kind, request_id, backend.model_name, req.include_usage)),
-                    media_type="text/event-stream", headers={**headers, "Cache-Control": "no-cache"})
-            result = await _unless_disconnected(request, _collect(stream))
+                events = _sse(service.chunks(kind, req, engine_request, stream, first))
+                return _ClosingStreamingResponse(events, media_type="text/event-stream",
+                                                 headers={**headers, "Cache-Control": "no-cache"})
+            result = await _unless_disconnected(request, service.collect(kind, req, engine_request, stream, first))
         except _Disconnected:
-            await stream.aclose()
-            return Response(status_code=499)  # nobody is left to read it
-        except StopAsyncIteration:
-            raise APIError(500, "the backend produced no output", type="server_error") from None
-        except _GenerationFailed as e:
-            await stream.aclose()
-            log.error("request %s failed: %s", request_id, e)
-            raise APIError(500, f"generation failed: {e}", type="server_error") from None
-        except Exception as e:
-            await stream.aclose()
-            raise api_error_from(e, "messages" if kind == "chat" else "prompt") from None
-        text, last, num_tokens = result
-        if last.get("error"):
-            log.error("request %s failed: %s", request_id, last["error"])
-            raise APIError(500, f"generation failed: {last['error']}", type="server_error")
-        build = oa.chat_completion if kind == "chat" else oa.text_completion
-        return JSONResponse(build(request_id, backend.model_name, int(time.time()), text, last.get("finish_reason"),
-                                  _usage(last, num_tokens)), headers=headers)
+            return Response(status_code=499)  # nobody is left to read it; the request was aborted
+        return JSONResponse(result, headers=headers)
 
     async def models(request: Request) -> Response:
         check_auth(request)
@@ -234,25 +141,8 @@ def _reject_constant(name: str):
     raise ValueError(f"{name} is not valid JSON")
 
 
-def _usage(last: dict, completion_tokens: int) -> dict:
-    return oa.usage(last.get("num_prompt_tokens", 0), completion_tokens, last.get("num_cached_tokens", 0))
-
-
-async def _collect(stream: AsyncIterator[dict]) -> tuple[str, dict, int]:
-    pieces, num_tokens, last = [], 0, {}
-    async for out in stream:
-        pieces.append(out.get("text_delta", ""))
-        num_tokens += len(out.get("new_token_ids", ()))
-        last = out
-    return "".join(pieces), last, num_tokens
-
-
 class _Disconnected(Exception):
     pass
-
-
-class _GenerationFailed(Exception):
-    """The backend reported a failed generation (a server fault, not a bad request)."""
 
 
 async def _unless_disconnected(request: Request, work: Awaitable):
@@ -282,35 +172,13 @@ async def _wait_for_disconnect(request: Request) -> None:
         pass
 
 
-async def _sse_events(stream: AsyncIterator[dict], first: dict, chunks: oa.StreamChunks) -> AsyncIterator[bytes]:
-    num_tokens, last = 0, first
+async def _sse(chunks: AsyncIterator[dict]) -> AsyncIterator[bytes]:
     try:
-        role = chunks.role()
-        if role is not None:
-            yield role
-        out: dict | None = first
-        while out is not None:
-            last = out
-            if out.get("error"):
-                log.error("request %s failed mid-stream: %s", chunks.request_id, out["error"])
-                yield oa.sse_error(f"generation failed: {out['error']}")
-                yield oa.SSE_DONE
-                return
-            num_tokens += len(out.get("new_token_ids", ()))
-            if out.get("text_delta"):
-                yield chunks.delta(out["text_delta"])
-            if out.get("finished"):
-                break
-            out = await anext(stream, None)
-        yield chunks.finish(last.get("finish_reason"))
-        if chunks.include_usage:
-            yield chunks.usage(_usage(last, num_tokens))
-    except Exception as e:
-        api_error = api_error_from(e)
-        yield oa.sse_error(api_error.message, api_error.type, api_error.code)
+        async for chunk in chunks:
+            yield oa.sse(chunk)
     finally:
-        with anyio.CancelScope(shield=True):  # a cancelled response must still abort upstream
-            await stream.aclose()
+        with anyio.CancelScope(shield=True):
+            await chunks.aclose()
     yield oa.SSE_DONE
 
 

@@ -6,7 +6,6 @@ from typing import AsyncIterator
 
 from engine.async_engine import AsyncLLMEngine
 from engine.sampling import SamplingParams
-from engine.sequence import RequestOutput
 
 
 class LocalBackend:
@@ -24,7 +23,7 @@ class LocalBackend:
         outputs = self.async_engine.generate(request["request_id"], prompt, params, messages=request.get("messages"))
         try:
             async for out in outputs:
-                yield output_dict(out)
+                yield out.stream_dict()
         finally:
             # closing the engine's stream before it finished is what aborts the request there
             await outputs.aclose()
@@ -32,13 +31,7 @@ class LocalBackend:
     async def health(self) -> dict:
         # stats() waits for the engine lock, held for a whole step: keep it off the event loop
         stats = await asyncio.to_thread(self.async_engine.stats)
-        dead = getattr(self.async_engine, "_dead", None)
+        dead = self.async_engine.dead
         if dead is not None:
             raise RuntimeError(f"engine loop stopped: {dead!r}")
         return {"model": self.model_name, **stats}
-
-
-def output_dict(out: RequestOutput) -> dict:
-    return {"text_delta": out.text_delta, "new_token_ids": list(out.new_token_ids), "finished": out.finished,
-            "finish_reason": out.finish_reason, "num_prompt_tokens": out.num_prompt_tokens,
-            "num_cached_tokens": out.num_cached_tokens, "error": out.error}

@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from engine.checkpoint import ensure_checkpoint

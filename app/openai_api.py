@@ -32,8 +32,16 @@ class APIError(Exception):
         self.code = code
         self.headers = headers or {}
 
+    def __reduce__(self):
+        # keyword-only fields: the default reduce would lose them when the error crosses processes
+        return (_rebuild_api_error, (self.status, self.message, self.type, self.param, self.code, self.headers))
+
     def body(self) -> dict:
         return error_body(self.message, self.type, self.param, self.code)
+
+
+def _rebuild_api_error(status, message, type, param, code, headers) -> APIError:
+    return APIError(status, message, type=type, param=param, code=code, headers=headers)
 
 
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
@@ -283,20 +291,20 @@ class StreamChunks:
             return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
 
-    def role(self) -> bytes | None:
+    def role(self) -> dict | None:
         """Chat streams open with the assistant role and empty content."""
-        return sse(self._chunk([self._choice("", None, role=True)])) if self.kind == "chat" else None
+        return self._chunk([self._choice("", None, role=True)]) if self.kind == "chat" else None
 
-    def delta(self, text: str) -> bytes:
-        return sse(self._chunk([self._choice(text, None)]))
+    def delta(self, text: str) -> dict:
+        return self._chunk([self._choice(text, None)])
 
-    def finish(self, finish_reason: str | None) -> bytes:
-        return sse(self._chunk([self._choice(None if self.kind == "chat" else "", finish_reason)]))
+    def finish(self, finish_reason: str | None) -> dict:
+        return self._chunk([self._choice(None if self.kind == "chat" else "", finish_reason)])
 
-    def usage(self, usage_obj: dict) -> bytes:
+    def usage(self, usage_obj: dict) -> dict:
         chunk = self._chunk([])
         chunk["usage"] = usage_obj
-        return sse(chunk)
+        return chunk
 
 
 def sse(obj: dict) -> bytes:
@@ -304,7 +312,3 @@ def sse(obj: dict) -> bytes:
 
 
 SSE_DONE = b"data: [DONE]\n\n"
-
-
-def sse_error(message: str, type: str = "server_error", code: str | None = None) -> bytes:
-    return sse(error_body(message, type, None, code))

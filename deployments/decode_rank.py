@@ -14,7 +14,7 @@ import ray
 
 from engine import SamplingParams
 
-from .engine_host import load_engine, make_transport, output_dict, report_stats
+from .engine_host import load_engine, make_transport, report_stats
 from .metrics import EngineMetrics
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ class DecodeRank:
                 else:
                     self.metrics.itl.observe(now - last, self.metrics.tags)
                 last = now
-            yield output_dict(out)
+            yield out.stream_dict()
 
     def _remote_prefill(self, rid: str, params: SamplingParams, session_id: str | None):
         async def run(reservation: dict) -> int | None:

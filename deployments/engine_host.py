@@ -9,7 +9,6 @@ import uuid
 import torch
 
 from engine import AsyncLLMEngine, EngineConfig, LLMEngine
-from engine.sequence import RequestOutput
 
 from .metrics import EngineMetrics
 
@@ -29,12 +28,6 @@ def make_transport(engine: AsyncLLMEngine, role: str):
     kv = engine.engine.runner.kv
     tensors = [t for t in (kv.global_kv, kv.index_keys) if t is not None]
     return KVTransport(f"{role}-{uuid.uuid4().hex[:8]}", tensors, engine.engine.cfg.block_size)
-
-
-def output_dict(out: RequestOutput) -> dict:
-    return {"text_delta": out.text_delta, "new_token_ids": out.new_token_ids, "finished": out.finished,
-            "finish_reason": out.finish_reason, "num_prompt_tokens": out.num_prompt_tokens,
-            "num_cached_tokens": out.num_cached_tokens, "error": out.error}
 
 
 async def report_stats(engine: AsyncLLMEngine, metrics: EngineMetrics, period_s: float = 1.0) -> None:

@@ -1,5 +1,6 @@
-"""Ingress: the OpenAI HTTP API (and a Python handle API for agent frameworks) in front of
-the decode group. The HTTP layer itself lives in app/http.py; this wraps it for Serve."""
+"""Ingress: the OpenAI HTTP API, and the same endpoints as Python handle methods for agent
+frameworks, in front of the decode group. The logic lives in app/service.py and app/http.py;
+this wraps it for Serve."""
 from __future__ import annotations
 
 import os
@@ -8,6 +9,7 @@ from typing import AsyncIterator
 from ray import serve
 from ray.exceptions import RayTaskError
 
+from app.service import OpenAIService, Overloaded
 from engine.llm_engine import RequestError
 from engine.sampling import SamplingError
 
@@ -28,11 +30,11 @@ class ServeBackend:
                 yield out
         except RayTaskError as e:
             # A bad request raised in a rank reaches us wrapped; give the HTTP layer the original.
-            if isinstance(e.cause, (RequestError, SamplingError)):
+            if isinstance(e.cause, (RequestError, SamplingError, Overloaded)):
                 raise e.cause from None
             raise
         finally:
-            stream.cancel()
+            stream.cancel()  # a no-op once finished; aborts the request upstream otherwise
 
     async def health(self) -> dict:
         return {"model": self.model_name, **await self.info.remote()}
@@ -41,8 +43,22 @@ class ServeBackend:
 @serve.deployment(name="Ingress")
 @serve.ingress()
 class Ingress:
+    """HTTP: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health.
+
+    Python (agent frameworks in the same Ray cluster)::
+
+        handle = serve.get_app_handle("wideep")
+        reply = await handle.chat.remote({"messages": [...], "max_tokens": 64}, session_id="agent-7")
+        async for chunk in handle.options(stream=True).chat_stream.remote(request, session_id="agent-7"):
+            ...
+    Requests are OpenAI request bodies (dicts, or app.openai_api request models); replies are
+    OpenAI response / chunk objects as dicts. Bad requests raise app.openai_api.APIError with
+    the HTTP status it would have had.
+    """
+
     def __init__(self, decode_handle, model_name: str, max_model_len: int, routing: dict, http: dict):
         self.backend = ServeBackend(decode_handle, model_name, max_model_len)
+        self.service = OpenAIService(self.backend, http.get("max_tokens_limit"))
         self.routing = routing
         self.http = http
 
@@ -55,3 +71,37 @@ class Ingress:
         return build_http_app(self.backend, session_header=self.routing["session_header"],
                               max_body_bytes=self.http["max_body_bytes"],
                               max_tokens_limit=self.http.get("max_tokens_limit"), api_key=api_key)
+
+    async def chat(self, request, session_id: str | None = None) -> dict:
+        """A chat completion (non-streaming)."""
+        return await self._complete("chat", request, session_id)
+
+    async def completions(self, request, session_id: str | None = None) -> dict:
+        """A legacy text completion (non-streaming)."""
+        return await self._complete("completion", request, session_id)
+
+    async def chat_stream(self, request, session_id: str | None = None) -> AsyncIterator[dict]:
+        """Chat completion chunks; call through `handle.options(stream=True)`."""
+        async for chunk in self._stream("chat", request, session_id):
+            yield chunk
+
+    async def completions_stream(self, request, session_id: str | None = None) -> AsyncIterator[dict]:
+        """Text completion chunks; call through `handle.options(stream=True)`."""
+        async for chunk in self._stream("completion", request, session_id):
+            yield chunk
+
+    async def _complete(self, kind: str, request, session_id: str | None) -> dict:
+        req, engine_request = self.service.parse(kind, request)
+        stream, first = await self.service.open(kind, engine_request, _session(req, session_id))
+        return await self.service.collect(kind, req, engine_request, stream, first)
+
+    async def _stream(self, kind: str, request, session_id: str | None) -> AsyncIterator[dict]:
+        req, engine_request = self.service.parse(kind, request)
+        stream, first = await self.service.open(kind, engine_request, _session(req, session_id))
+        async for chunk in self.service.chunks(kind, req, engine_request, stream, first):
+            yield chunk
+
+
+def _session(req, session_id: str | None) -> str | None:
+    """The handle argument wins, then OpenAI's `user`, then the `session_id` extension field."""
+    return session_id or getattr(req, "user", None) or getattr(req, "session_id", None)

@@ -41,13 +41,17 @@ class AsyncLLMEngine:
             raise EngineDeadError(f"engine loop died: {self._dead!r}")
         queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        with self._lock:
-            if remote_prefill is None:
-                self.engine.add_request(request_id, prompt, params, messages=messages, hold_kv=hold_kv)
-                reservation = None
-            else:
-                reservation = self.engine.reserve_remote(request_id, prompt, params, messages=messages)
-            self._streams[request_id] = (loop, queue)
+
+        def admit():  # the lock is held for a whole step: take it off the event loop
+            with self._lock:
+                if remote_prefill is None:
+                    self.engine.add_request(request_id, prompt, params, messages=messages, hold_kv=hold_kv)
+                    reservation = None
+                else:
+                    reservation = self.engine.reserve_remote(request_id, prompt, params, messages=messages)
+                self._streams[request_id] = (loop, queue)
+                return reservation
+        reservation = await asyncio.to_thread(admit)
         finished = False
         try:
             if reservation is not None:
@@ -77,6 +81,11 @@ class AsyncLLMEngine:
         with self._lock:
             self.engine.abort_request(request_id)
         self._streams.pop(request_id, None)
+
+    @property
+    def dead(self) -> BaseException | None:
+        """Why the engine loop stopped, or None while it runs."""
+        return self._dead
 
     def held_blocks(self, request_id: str) -> list[int]:
         with self._lock:

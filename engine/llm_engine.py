@@ -12,12 +12,29 @@ from .model import DeepseekForCausalLM
 from .model_runner import ModelRunner
 from .sampling import SamplingParams
 from .scheduler import Scheduler
-from .sequence import RequestOutput, Sequence, Status
+from .sequence import RequestOutput, Sequence
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 class RequestError(ValueError):
     """A request the engine cannot serve (bad prompt, too long, duplicate id), named in the message."""
+
+
+class ContextLengthError(RequestError):
+    """The prompt does not fit the context (with room for one output token)."""
+
+    code = "context_length_exceeded"
+
+
+def _stop_prefix_len(text: str, stops: list[str]) -> int:
+    """Length of the longest end of `text` that a stop string starts with (held back)."""
+    best = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), best, -1):
+            if text.endswith(stop[:k]):
+                best = k
+                break
+    return best
 
 
 def context_limit(model_cfg, cfg: EngineConfig) -> int:
@@ -67,7 +84,7 @@ class LLMEngine:
             raise RequestError(f"duplicate request id {request_id!r}")
         ids = self._prompt_ids(prompt, messages)
         if len(ids) >= self.max_model_len:
-            raise RequestError(f"prompt is {len(ids)} tokens; the context limit is {self.max_model_len} "
+            raise ContextLengthError(f"prompt is {len(ids)} tokens; the context limit is {self.max_model_len} "
                                "(prompt plus at least one output token)")
         seq = Sequence(request_id, ids, params, arrival=time.monotonic())
         if params.seed is not None:
@@ -188,17 +205,19 @@ class LLMEngine:
             reason = "stop"
         elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = "length"
-        delta = seq.detok.step(seq.output_ids, final=reason is not None) if seq.detok is not None else ""
-        if p.stop and seq.detok is not None:
-            text = seq.detok.text
-            hit = min((i for i in (text.find(s) for s in p.stop) if i >= 0), default=-1)
-            if hit >= 0:
-                # cut the text at the stop string; no delta ever shows it
-                emitted = len(seq.text)
-                seq.detok.text = text[:hit]
-                delta = text[emitted:hit] if hit > emitted else ""
-                reason = "stop"
-        seq.text += delta
+        delta = ""
+        if seq.detok is not None:
+            text = seq.detok.text_for(seq.output_ids, final=reason is not None)
+            if p.stop:
+                # Emitted text never holds a stop string or the start of one, so a match can
+                # only begin in the part not yet emitted.
+                hit = min((i for i in (text.find(s, len(seq.text)) for s in p.stop) if i >= 0), default=-1)
+                if hit >= 0:
+                    text, reason = text[:hit], "stop"
+                elif reason is None:
+                    text = text[:len(text) - _stop_prefix_len(text, p.stop)]
+            delta = text[len(seq.text):] if text.startswith(seq.text) else ""
+            seq.text += delta
         if reason is not None:
             self.scheduler.finish(seq, reason)
             self.requests.pop(seq.request_id, None)

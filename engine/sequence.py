@@ -74,3 +74,9 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int      # prompt tokens served from the prefix cache
     error: str | None = None
+
+    def stream_dict(self) -> dict:
+        """The per-token record streamed between processes and to the HTTP layer."""
+        return {"text_delta": self.text_delta, "new_token_ids": list(self.new_token_ids), "finished": self.finished,
+                "finish_reason": self.finish_reason, "num_prompt_tokens": self.num_prompt_tokens,
+                "num_cached_tokens": self.num_cached_tokens, "error": self.error}

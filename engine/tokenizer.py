@@ -72,19 +72,15 @@ class Tokenizer:
 
 
 class IncrementalDetokenizer:
-    """Turns a growing list of output ids into text deltas for streaming.
+    """Text of a growing list of output ids, for streaming deltas.
 
-    Holds back text that ends in an incomplete UTF-8 sequence (U+FFFD) until it completes.
+    Leaves out a trailing incomplete UTF-8 sequence (decoded as U+FFFD) until it completes,
+    unless the output is final.
     """
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
-        self.text = ""
 
-    def step(self, output_ids: list[int], final: bool = False) -> str:
-        full = self.tokenizer.decode(output_ids)
-        if full.endswith("\ufffd") and not final:
-            return ""
-        delta = full[len(self.text):] if full.startswith(self.text) else ""
-        self.text = full
-        return delta
+    def text_for(self, output_ids: list[int], final: bool = False) -> str:
+        text = self.tokenizer.decode(output_ids)
+        return text if final else text.rstrip("\ufffd")

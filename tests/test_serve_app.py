@@ -125,7 +125,48 @@ def test_sessions_stay_sticky_under_load(served):
     assert gained >= 2 * 2 * 40
 
 
-def test_handle_api_and_pools_empty(served):
+def test_python_handle_api(served):
+    handle = serve.get_app_handle("wideep")
+    req = {"model": "tiny", "messages": _messages("hello from an agent"), "max_tokens": 5, "temperature": 0}
+    reply = handle.chat.remote(req, session_id="agent-1").result()
+    assert reply["object"] == "chat.completion" and reply["usage"]["completion_tokens"] == 5
+    chunks = list(handle.options(stream=True).chat_stream.remote(req, session_id="agent-1"))
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text == reply["choices"][0]["message"]["content"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    done = handle.completions.remote({"prompt": [5, 6, 7, 8], "max_tokens": 3}).result()
+    assert done["object"] == "text_completion" and done["usage"]["prompt_tokens"] == 4
+    from app.openai_api import APIError
+    with pytest.raises(APIError) as bad:
+        handle.chat.remote({"messages": [], "max_tokens": 3}).result()
+    assert bad.value.status == 400
+
+
+def test_bad_input_over_http_gets_openai_errors(served):
+    import httpx2 as httpx
+    _, port = served
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    too_long = "x " * 5000  # far over the 1024-token context of this config
+    cases = [
+        (b"{not json", 400, None),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}', 400, None),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4"}', 404, "model_not_found"),
+        (('{"messages": [{"role": "user", "content": "%s"}], "max_tokens": 4}' % too_long).encode(), 400,
+         "context_length_exceeded"),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "stream": true, "max_tokens": 99999}', 400, None),
+    ]
+    for body, status, code in cases:
+        r = httpx.post(url, content=body, headers={"content-type": "application/json"}, timeout=60)
+        assert r.status_code == status, (body[:60], r.text)
+        err = r.json()["error"]
+        assert err["message"] and err["type"]
+        if code:
+            assert err["code"] == code
+    ok = httpx.post(url, json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}, timeout=60)
+    assert ok.status_code == 200
+
+
+def test_pools_empty_after_the_tests(served):
     time_left = 50
     while time_left:
         stats = _decode_stats()
