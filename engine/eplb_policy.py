@@ -411,8 +411,10 @@ def rebalance(load, *, num_slots: int, num_ranks: int, num_domains: int = 1, num
          items are swapped only until the max rank load is within (1 + tolerance) of the
          freshly packed plan's; a row that cannot get there takes the fresh plan with its
          ranks renamed to overlap the current ones. Inside a rank an expert keeps its very
-         slot. Same load and current = the result therefore moves nothing. Replica counts
-         come from `load` alone.
+         slot. The tolerance applies at each level (domains, then ranks), so with several
+         domains the result is within about (1 + tolerance)^2 of a fresh plan. Re-planning the
+         same load with current = its result moves nothing. Replica counts come from `load`
+         alone.
 
     Deterministic: equal inputs give equal outputs (ties go to the lower index).
     """
