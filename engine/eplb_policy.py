@@ -323,9 +323,9 @@ def _refine(bins: np.ndarray, weights: np.ndarray, kinds: np.ndarray | None, num
         new_max = np.maximum(la[:, None, None, None] - d, lb + d)
         valid = (d > 0) & (new_max < la[:, None, None, None] * (1 - 1e-12))
         if sk is not None:
-            ka, kb = sk[r, a], sk[r]
-            i_clash = (kb[:, :, None, :] == ka[:, None, :, None]).any(-1)   # a's item i already in b
-            j_clash = (kb[:, :, :, None] == ka[:, None, None, :]).any(-1)   # b's item j already in a
+            same = sk[r][:, :, :, None] == sk[r, a][:, None, None, :]     # [m, bins, j in b, i in a]
+            i_clash = same.any(2)                                           # a's item i already in b
+            j_clash = same.any(3)                                           # b's item j already in a
             valid &= ~i_clash[:, :, :, None] & ~j_clash[:, :, None, :]
         score = np.where(valid, new_max, np.inf).reshape(len(r), -1)
         best = score.argmin(1)
