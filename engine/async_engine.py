@@ -18,6 +18,7 @@ class EngineDeadError(RuntimeError):
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
+        self.lockstep = engine.ep  # expert parallelism: every rank steps together (see engine.ep)
         self._lock = threading.Lock()          # guards the engine between the loop thread and callers
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -110,13 +111,17 @@ class AsyncLLMEngine:
                 self._wake.clear()  # before looking for work, so a request added meanwhile is not missed
                 with self._lock:
                     busy = self.engine.has_unfinished_requests()
+                if self.lockstep is not None:
+                    busy = self.lockstep.sync(busy)
+                with self._lock:
                     outputs = self.engine.step() if busy else []
                     if not busy:
                         self.engine.housekeeping()
                 for out in outputs:
                     self._deliver(out.request_id, out)
                 if not busy:
-                    self._wake.wait(timeout=0.5)
+                    # lockstep ranks poll together; a lone engine sleeps until a request comes
+                    self._wake.wait(timeout=0.005 if self.lockstep is not None else 0.5)
         except BaseException as e:  # the loop must not die silently: every waiter hears of it
             self._dead = e
             for rid in list(self._streams):

@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from .config import ConfigError, ModelConfig, preset
 from .model import DeepseekForCausalLM
+from .moe import MoE
 
 _EXPERT = re.compile(r"^(model\.layers\.(\d+)\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _FUSED = re.compile(r"^(model\.layers\.(\d+)\.mlp)\.experts\.(gate_up_proj|down_proj)$")
@@ -29,21 +30,27 @@ class CheckpointError(ValueError):
     """Missing, unexpected or mis-shaped weights, with the tensor named."""
 
 
-def _targets(model: DeepseekForCausalLM, name: str, inter: int):
-    """Where an on-disk tensor goes: (parameter, index into it) pairs."""
+def _targets(model: DeepseekForCausalLM, name: str, inter: int) -> list[tuple[str, tuple]]:
+    """Where an on-disk tensor goes: (parameter, index into it) pairs. A routed expert goes to
+    every local slot that holds it (none when another rank holds it)."""
     m = _EXPERT.match(name)
     if m:
-        prefix, _, j, kind = m.groups()
-        j = int(j)
+        prefix, layer, j, kind = m.groups()
+        moe = model.model.layers[int(layer)].mlp
+        if not isinstance(moe, MoE) or not 0 <= int(j) < model.cfg.n_routed_experts:
+            return [(name, ())]  # reported as unexpected
+        slots = [s for s, e in enumerate(moe.local_phys2log) if e == int(j)]
         if kind == "down_proj":
-            return f"{prefix}.w2", (j,)
+            return [(f"{prefix}.w2", (s,)) for s in slots]
         rows = slice(0, inter) if kind == "gate_proj" else slice(inter, 2 * inter)
-        return f"{prefix}.w13", (j, rows)
+        return [(f"{prefix}.w13", (s, rows)) for s in slots]
     m = _FUSED.match(name)
     if m:
-        prefix, _, kind = m.groups()
-        return f"{prefix}.{'w13' if kind == 'gate_up_proj' else 'w2'}", ()
-    return name, ()
+        prefix, layer, kind = m.groups()
+        moe = model.model.layers[int(layer)].mlp
+        local = moe.local_phys2log if isinstance(moe, MoE) else []
+        return [(f"{prefix}.{'w13' if kind == 'gate_up_proj' else 'w2'}", ("fused", local))]
+    return [(name, ())]
 
 
 def load_weights(model: DeepseekForCausalLM, tensors: Iterator[tuple[str, torch.Tensor]],
@@ -53,23 +60,29 @@ def load_weights(model: DeepseekForCausalLM, tensors: Iterator[tuple[str, torch.
     params = dict(model.named_parameters())
     params.update({n: b for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")})
     filled: dict[str, int] = {}
-    expected = {n: (cfg.n_routed_experts * (2 if n.endswith("w13") else 1)
-                    if n.endswith((".w13", ".w2")) else 1) for n in params}
+    # a w13 slot is filled by its gate and its up projection, a w2 slot by its down projection
+    expected = {n: (p.shape[0] * (2 if n.endswith("w13") else 1) if n.endswith((".w13", ".w2")) else 1)
+                for n, p in params.items()}
     for name, tensor in tqdm(tensors, total=total, desc="loading weights", unit="tensor",
                              disable=not progress, file=sys.stderr):
         m = _LAYER.match(name)
         if m and int(m.group(1)) >= cfg.num_hidden_layers:
             continue  # MTP (nextn) layers ship after the main layers; the draft model loads them
-        target, index = _targets(model, name, cfg.moe_intermediate_size)
-        if target not in params:
-            raise CheckpointError(f"unexpected weight {name!r} for this model config")
-        dest = params[target][index] if index else params[target]
-        if tuple(dest.shape) != tuple(tensor.shape):
-            raise CheckpointError(f"shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)}, "
-                                  f"model expects {tuple(dest.shape)}")
-        with torch.no_grad():
-            dest.copy_(tensor.to(dest.dtype))
-        filled[target] = filled.get(target, 0) + (1 if index else expected[target])
+        for target, index in _targets(model, name, cfg.moe_intermediate_size):
+            if target not in params:
+                raise CheckpointError(f"unexpected weight {name!r} for this model config")
+            if index and index[0] == "fused":  # [experts, ...] tensor: take the rows of the local slots
+                if tensor.shape[0] != cfg.n_routed_experts:
+                    raise CheckpointError(f"shape mismatch for {name!r}: {tensor.shape[0]} experts, "
+                                          f"model has {cfg.n_routed_experts}")
+                tensor, index = tensor[index[1]], ()
+            dest = params[target][index] if index else params[target]
+            if tuple(dest.shape) != tuple(tensor.shape):
+                raise CheckpointError(f"shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)}, "
+                                      f"model expects {tuple(dest.shape)}")
+            with torch.no_grad():
+                dest.copy_(tensor.to(dest.dtype))
+            filled[target] = filled.get(target, 0) + (1 if index else expected[target])
     if cfg.tie_word_embeddings and "lm_head.weight" not in filled:
         with torch.no_grad():
             params["lm_head.weight"].copy_(params["model.embed_tokens.weight"])
@@ -102,13 +115,15 @@ def iter_checkpoint(path: str | Path) -> tuple[Iterator[tuple[str, torch.Tensor]
     return gen(), total
 
 
-def load_model(path: str | Path, device="cpu", dtype=torch.float32, progress: bool = True) -> DeepseekForCausalLM:
+def load_model(path: str | Path, device="cpu", dtype=torch.float32, progress: bool = True,
+               local_phys2log: list[list[int]] | None = None) -> DeepseekForCausalLM:
+    """local_phys2log (expert parallelism): per MoE layer, the experts of this rank's slots."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint directory not found: {path}")
     cfg = ModelConfig.from_file(path)
     with torch.device(device):
-        model = DeepseekForCausalLM(cfg, device=device).to(dtype)
+        model = DeepseekForCausalLM(cfg, device=device, local_phys2log=local_phys2log).to(dtype)
     _restore_fp32_router(model)
     tensors, total = iter_checkpoint(path)
     load_weights(model, tensors, total, progress)

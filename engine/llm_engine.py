@@ -47,8 +47,14 @@ def context_limit(model_cfg, cfg: EngineConfig) -> int:
 
 
 class LLMEngine:
-    def __init__(self, model: DeepseekForCausalLM, tokenizer: Tokenizer | None, cfg: EngineConfig | None = None):
+    def __init__(self, model: DeepseekForCausalLM, tokenizer: Tokenizer | None, cfg: EngineConfig | None = None,
+                 ep=None):
+        """ep (engine.ep.ExpertParallel): this engine is one DP rank of an expert-parallel group;
+        every step then runs a forward, an idle one when this rank has nothing to compute."""
         self.cfg = cfg = cfg or EngineConfig()
+        self.ep = ep
+        if ep is not None:
+            ep.attach(model.moe_layers())
         self.model_cfg = model.cfg
         self.tokenizer = tokenizer
         self.max_model_len = context_limit(model.cfg, cfg)
@@ -60,12 +66,13 @@ class LLMEngine:
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | Path, cfg: EngineConfig | None = None,
-                        progress: bool = True) -> "LLMEngine":
+                        progress: bool = True, ep=None) -> "LLMEngine":
         """A checkpoint directory, or a preset name (its random checkpoint is written on first use)."""
         cfg = cfg or EngineConfig()
         path = ensure_checkpoint(str(name_or_path))
-        model = load_model(path, device=cfg.device, dtype=getattr(torch, cfg.dtype), progress=progress)
-        return cls(model, Tokenizer(path), cfg)
+        model = load_model(path, device=cfg.device, dtype=getattr(torch, cfg.dtype), progress=progress,
+                           local_phys2log=ep.local_phys2log() if ep is not None else None)
+        return cls(model, Tokenizer(path), cfg, ep)
 
     # requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int] | None = None,
@@ -177,6 +184,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
         if not batch.seqs:
+            if self.ep is not None:  # the other ranks' MoE layers need this rank's collectives
+                self.runner.run_idle()
+                self.num_steps += 1
             return []
         self.num_steps += 1
         try:

@@ -94,10 +94,10 @@ class MLAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, rotary: Rotary):
+    def __init__(self, cfg: ModelConfig, layer: int, rotary: Rotary, local_phys2log: list[int] | None = None):
         super().__init__()
         self.self_attn = MLAttention(cfg, layer, rotary)
-        self.mlp = MoE(cfg) if cfg.is_moe_layer(layer) else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = MoE(cfg, local_phys2log) if cfg.is_moe_layer(layer) else MLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -107,20 +107,27 @@ class DecoderLayer(nn.Module):
 
 
 class DeepseekModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, device="cpu"):
+    def __init__(self, cfg: ModelConfig, device="cpu", local_phys2log: list[list[int]] | None = None):
         super().__init__()
         self.rotary = rotary = Rotary(cfg.qk_rope_head_dim, cfg.rope_base, cfg.rope_interleave,
                                       cfg.max_position_embeddings, device)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary) for i in range(cfg.num_hidden_layers))
+        moe_ids = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
+        per_layer = {layer: local_phys2log[k] for k, layer in enumerate(moe_ids)} if local_phys2log else {}
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary, per_layer.get(i))
+                                    for i in range(cfg.num_hidden_layers))
+        for k, layer in enumerate(moe_ids):
+            self.layers[layer].mlp.layer_index = k
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class DeepseekForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, device="cpu"):
+    """local_phys2log (expert parallelism): per MoE layer, the logical experts of this rank's slots."""
+
+    def __init__(self, cfg: ModelConfig, device="cpu", local_phys2log: list[list[int]] | None = None):
         super().__init__()
         self.cfg = cfg
-        self.model = DeepseekModel(cfg, device)
+        self.model = DeepseekModel(cfg, device, local_phys2log)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def forward(self, input_ids: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:

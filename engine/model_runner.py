@@ -126,5 +126,13 @@ class ModelRunner:
                 if seq.num_computed_tokens + n == seq.num_tokens]
         return done, (self.model.compute_logits(hidden[logit_rows]) if done else None)
 
+    @torch.inference_mode()
+    def run_idle(self) -> None:
+        """A forward with no tokens: only the MoE layers' collectives, in the same order as a
+        real forward (expert parallelism)."""
+        empty = torch.empty(0, self.model.cfg.hidden_size, device=self.device, dtype=self.dtype)
+        for moe in self.model.moe_layers():
+            moe(empty)
+
     def sample(self, seqs, logits: torch.Tensor) -> list[int]:
         return self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])

@@ -97,10 +97,15 @@ _GROUPED_MM_DISABLED = False
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, num_slots: int | None = None):
+    """One MoE layer. `local_phys2log` names the logical expert of each physical slot this
+    process holds (all experts, in order, without expert parallelism); with expert
+    parallelism `ep` (engine.ep.ExpertParallel) routes tokens to the slots of every rank."""
+
+    def __init__(self, cfg: ModelConfig, local_phys2log: list[int] | None = None):
         super().__init__()
         self.cfg = cfg
-        num_slots = num_slots or cfg.n_routed_experts
+        self.local_phys2log = list(local_phys2log) if local_phys2log is not None else list(range(cfg.n_routed_experts))
+        num_slots = len(self.local_phys2log)
         h, i = cfg.hidden_size, cfg.moe_intermediate_size
         self.gate = nn.Linear(h, cfg.n_routed_experts, bias=False)
         self.gate.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts))
@@ -108,29 +113,40 @@ class MoE(nn.Module):
         self.w13 = nn.Parameter(torch.empty(num_slots, 2 * i, h))
         self.w2 = nn.Parameter(torch.empty(num_slots, h, i))
         self.shared_experts = MLP(h, i * cfg.n_shared_experts) if cfg.n_shared_experts else None
-        self.expert_map = ExpertMap.identity(num_slots) if num_slots == cfg.n_routed_experts else None
+        self.expert_map = ExpertMap(self.local_phys2log, cfg.n_routed_experts) \
+            if local_phys2log is None else None
+        self.ep = None
+        self.layer_index = -1  # position among the model's MoE layers, set by the model
         self.register_buffer("slot_load", torch.zeros(num_slots, dtype=torch.long), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = F.linear(x.float(), self.gate.weight.float())
         ids, weights = route(logits, self.gate.e_score_correction_bias, self.cfg)
-        slots = self.expert_map.slots_for(ids)
-        out = self.experts(x, slots, weights)
+        if self.ep is not None:
+            out = self.ep.moe_forward(self, x, ids, weights)
+        else:
+            out = self.experts(x, self.expert_map.slots_for(ids), weights)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
 
     def experts(self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Routed expert compute over tokens sorted by slot: one grouped GEMM per projection
-        where torch has it (no host sync, no per-expert launches), else one matmul pair per slot."""
+        """Routed experts for tokens x [T, H] routed to local slots [T, k] with weights [T, k]."""
         t, k = slots.shape
-        flat = slots.flatten()
+        token_of = torch.arange(t, device=x.device).repeat_interleave(k)
+        return self.expert_pairs(x, token_of, slots.flatten(), weights.flatten())
+
+    def expert_pairs(self, x: torch.Tensor, token_of: torch.Tensor, slot_of: torch.Tensor,
+                     weight_of: torch.Tensor) -> torch.Tensor:
+        """Sum over (token, local slot, weight) pairs of weight * expert(x[token]), as [T, H].
+        Pairs are sorted by slot: one grouped GEMM per projection where torch has it (no host
+        sync, no per-expert launches), else one matmul pair per slot."""
         # scatter_add, not bincount: bincount on CUDA reads the max back to the host (a sync per layer)
-        counts = torch.zeros(self.w13.shape[0], dtype=torch.long, device=flat.device).scatter_add_(
-            0, flat, torch.ones_like(flat))
+        counts = torch.zeros(self.w13.shape[0], dtype=torch.long, device=x.device).scatter_add_(
+            0, slot_of, torch.ones_like(slot_of))
         self.slot_load += counts
-        order = flat.argsort(stable=True)
-        token_of = order // k
+        order = slot_of.argsort(stable=True)
+        token_of = token_of[order]
         xs = x[token_of]
         if _grouped_mm_ok(xs, self.w13):
             offs = counts.cumsum(0).to(torch.int32)
@@ -138,7 +154,7 @@ class MoE(nn.Module):
             y = torch._grouped_mm(F.silu(gate) * up, self.w2.transpose(1, 2), offs=offs)
         else:
             y = self._experts_loop(xs, counts)
-        y = y * weights.flatten()[order].to(y.dtype)[:, None]
+        y = y * weight_of[order].to(y.dtype)[:, None]
         return torch.zeros_like(x).index_add_(0, token_of, y.to(x.dtype))
 
     def _experts_loop(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,237 @@
+"""Expert parallelism across the data-parallel ranks of a decode group, and live expert
+migration (the EPLB's moving part).
+
+Each rank runs attention on its own requests (DP) and holds `slots_per_rank` physical expert
+slots; global slot s lives on rank s // slots_per_rank. A MoE layer gathers every rank's
+tokens, each rank applies the experts it holds, and a sum across ranks hands each rank its
+tokens' outputs back (all-gather + all-reduce: simple and exact; an all-to-all dispatch is
+the faster form for large groups).
+
+The ranks run in lockstep: before every step they agree (one all-reduce) whether anyone has
+work, and a rank with nothing to do still runs an idle forward so that the MoE collectives
+match. The same all-reduce carries "I have staged and been told to commit plan P": the new
+placement takes effect at the first step every rank reports it, so no rank can switch alone
+and dispatch is never inconsistent. Staging copies incoming experts on a background thread
+over a second process group while decode goes on with the old placement.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .moe import ExpertMap, MoE
+
+
+class PlanError(ValueError):
+    """An expert placement that cannot be applied, named in the message."""
+
+
+def initial_placement(num_layers: int, num_logical: int, num_slots: int) -> torch.Tensor:
+    """Every expert once in order, then redundant slots replicating experts 0, 1, ..."""
+    if num_slots < num_logical:
+        raise PlanError(f"{num_slots} slots cannot hold {num_logical} experts")
+    row = torch.cat([torch.arange(num_logical), torch.arange(num_slots - num_logical) % num_logical])
+    return row.repeat(num_layers, 1)
+
+
+def validate_plan(phys2log: torch.Tensor, num_layers: int, num_slots: int, num_logical: int) -> None:
+    if not isinstance(phys2log, torch.Tensor) or phys2log.dim() != 2:
+        raise PlanError("a plan is a 2-D tensor [moe_layers, slots] of logical expert ids")
+    if tuple(phys2log.shape) != (num_layers, num_slots):
+        raise PlanError(f"plan shape {tuple(phys2log.shape)}, expected {(num_layers, num_slots)}")
+    if phys2log.min() < 0 or phys2log.max() >= num_logical:
+        raise PlanError(f"plan holds expert ids outside 0..{num_logical - 1}")
+    for layer in range(num_layers):
+        held = torch.bincount(phys2log[layer].long(), minlength=num_logical)
+        if int(held.min()) == 0:
+            missing = torch.nonzero(held == 0).flatten().tolist()
+            raise PlanError(f"MoE layer {layer}: experts {missing[:8]} have no slot")
+
+
+@dataclass
+class Migration:
+    plan_id: str
+    phys2log: torch.Tensor                      # [layers, slots], the new placement
+    staged: dict = field(default_factory=dict)  # moe layer -> (w13, w2) for this rank's slots
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+    committed: bool = False
+    bytes_received: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+
+class ExpertParallel:
+    def __init__(self, rank: int, world: int, phys2log: torch.Tensor, num_logical: int,
+                 group=None, migrate_group=None):
+        num_layers, num_slots = phys2log.shape
+        if num_slots % world:
+            raise PlanError(f"{num_slots} expert slots do not split evenly over {world} ranks")
+        validate_plan(phys2log, num_layers, num_slots, num_logical)
+        self.rank, self.world = rank, world
+        self.num_logical = num_logical
+        self.spr = num_slots // world
+        self.base = rank * self.spr
+        self.phys2log = phys2log.clone().long()
+        self.maps = [ExpertMap(self.phys2log[layer], num_logical) for layer in range(num_layers)]
+        self.group, self.migrate_group = group, migrate_group
+        self.moes: list[MoE] = []
+        self.pending: Migration | None = None
+        self.switches = 0
+        self._lock = threading.Lock()
+
+    # set-up -----------------------------------------------------------------------------
+    def local_phys2log(self) -> list[list[int]]:
+        return self.phys2log[:, self.base:self.base + self.spr].tolist()
+
+    def attach(self, moes: list[MoE]) -> None:
+        self.moes = moes
+        for moe in moes:
+            moe.ep = self
+
+    # lockstep ---------------------------------------------------------------------------
+    def sync(self, busy: bool) -> bool:
+        """Called by every rank before every step. Returns whether anyone has work; applies a
+        committed migration once every rank has staged and committed it."""
+        with self._lock:
+            ready = self.pending is not None and self.pending.committed and self.pending.done.is_set() \
+                and self.pending.error is None
+        flags = torch.tensor([int(busy), -int(ready)], dtype=torch.long)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        if int(flags[1]) == -1:  # the minimum of `ready` over ranks is 1
+            self._switch()
+        return bool(flags[0])
+
+    # MoE --------------------------------------------------------------------------------
+    def moe_forward(self, moe: MoE, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        t, hidden = x.shape
+        k = self.moes[0].cfg.num_experts_per_tok if self.moes else ids.shape[1]
+        sizes = [torch.zeros(1, dtype=torch.long, device=x.device) for _ in range(self.world)]
+        dist.all_gather(sizes, torch.tensor([t], device=x.device), group=self.group)
+        sizes = [int(s) for s in sizes]
+        tmax = max(sizes)
+        if tmax == 0:
+            return x.new_zeros(0, hidden)
+        pad = tmax - t
+        xs = self._gather(torch.nn.functional.pad(x, (0, 0, 0, pad)))
+        ids_all = self._gather(torch.nn.functional.pad(ids.reshape(t, k), (0, 0, 0, pad)))
+        w_all = self._gather(torch.nn.functional.pad(weights.reshape(t, k).float(), (0, 0, 0, pad)))
+        valid = torch.cat([torch.arange(tmax, device=x.device) < n for n in sizes])
+        slots = self.maps[moe.layer_index].slots_for(ids_all)
+        local = (slots >= self.base) & (slots < self.base + self.spr) & valid[:, None]
+        pair = local.flatten().nonzero().flatten()
+        out = moe.expert_pairs(xs, pair // k, slots.flatten()[pair] - self.base, w_all.flatten()[pair])
+        dist.all_reduce(out, group=self.group)
+        return out[self.rank * tmax:self.rank * tmax + t]
+
+    def _gather(self, t: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(t) for _ in range(self.world)]
+        dist.all_gather(parts, t.contiguous(), group=self.group)
+        return torch.cat(parts)
+
+    def take_load(self) -> torch.Tensor:
+        """Tokens per local slot per MoE layer since the last call: [layers, slots_per_rank]."""
+        return torch.stack([moe.take_load().cpu() for moe in self.moes])
+
+    # migration --------------------------------------------------------------------------
+    def stage(self, plan_id: str, phys2log: torch.Tensor, delay_s: float = 0.0) -> None:
+        """Start copying the experts this rank lacks under `phys2log` into staging buffers,
+        on a background thread; decode goes on with the current placement meanwhile."""
+        phys2log = torch.as_tensor(phys2log).long()
+        validate_plan(phys2log, *self.phys2log.shape, self.num_logical)
+        with self._lock:
+            if self.pending is not None:
+                raise PlanError(f"plan {self.pending.plan_id!r} is still in progress")
+            self.pending = mig = Migration(plan_id, phys2log)
+        threading.Thread(target=self._stage, args=(mig, delay_s), name=f"stage-{plan_id}", daemon=True).start()
+
+    def wait_staged(self, plan_id: str, timeout_s: float) -> dict:
+        mig = self._current(plan_id)
+        if not mig.done.wait(timeout_s):
+            return {"staged": False, "error": f"staging not finished after {timeout_s} s"}
+        if mig.error is not None:
+            return {"staged": False, "error": f"{type(mig.error).__name__}: {mig.error}"}
+        return {"staged": True, "bytes": mig.bytes_received, "seconds": time.monotonic() - mig.started}
+
+    def commit(self, plan_id: str) -> None:
+        with self._lock:
+            self._current(plan_id).committed = True
+
+    def abort(self, plan_id: str) -> bool:
+        with self._lock:
+            if self.pending is None or self.pending.plan_id != plan_id:
+                return False
+            self.pending = None  # a staging thread still running writes only into its own buffers
+            return True
+
+    def _current(self, plan_id: str) -> Migration:
+        mig = self.pending
+        if mig is None or mig.plan_id != plan_id:
+            raise PlanError(f"no plan {plan_id!r} in progress here")
+        return mig
+
+    def transfers(self, new: torch.Tensor) -> list[tuple[int, int, int, int, int]]:
+        """(layer, src_rank, src_slot, dst_rank, dst_slot) for every slot whose expert its rank
+        does not already hold; the same list on every rank, so sends and receives pair up."""
+        moves = []
+        for layer in range(new.shape[0]):
+            cur = self.phys2log[layer]
+            for dst_slot in range(new.shape[1]):
+                expert = int(new[layer, dst_slot])
+                dst_rank = dst_slot // self.spr
+                mine = cur[dst_rank * self.spr:(dst_rank + 1) * self.spr]
+                if bool((mine == expert).any()):
+                    continue
+                src_slot = int(torch.nonzero(cur == expert)[0])
+                moves.append((layer, src_slot // self.spr, src_slot, dst_rank, dst_slot))
+        return moves
+
+    def _stage(self, mig: Migration, delay_s: float) -> None:
+        try:
+            if delay_s:
+                time.sleep(delay_s)
+            new = mig.phys2log
+            for k, moe in enumerate(self.moes):  # start from local copies of experts already held here
+                w13 = torch.empty_like(moe.w13.data)
+                w2 = torch.empty_like(moe.w2.data)
+                cur = self.phys2log[k, self.base:self.base + self.spr].tolist()
+                for s, expert in enumerate(new[k, self.base:self.base + self.spr].tolist()):
+                    if expert in cur:
+                        w13[s].copy_(moe.w13.data[cur.index(expert)])
+                        w2[s].copy_(moe.w2.data[cur.index(expert)])
+                mig.staged[k] = (w13, w2)
+            requests = []
+            for i, (layer, src_rank, src_slot, dst_rank, dst_slot) in enumerate(self.transfers(new)):
+                moe = self.moes[layer]
+                if src_rank == self.rank:
+                    s = src_slot - self.base
+                    for j, w in enumerate((moe.w13.data[s].clone(), moe.w2.data[s].clone())):
+                        requests.append(dist.isend(w, dst_rank, group=self.migrate_group, tag=2 * i + j))
+                if dst_rank == self.rank:
+                    w13, w2 = mig.staged[layer]
+                    d = dst_slot - self.base
+                    for j, buf in enumerate((w13[d], w2[d])):
+                        requests.append(dist.irecv(buf, src_rank, group=self.migrate_group, tag=2 * i + j))
+                        mig.bytes_received += buf.numel() * buf.element_size()
+            for r in requests:
+                r.wait()
+        except BaseException as e:  # reported through wait_staged; the old placement stays
+            mig.error = e
+        finally:
+            mig.done.set()
+
+    def _switch(self) -> None:
+        """Swap weights and maps; runs on every rank at the same lockstep step."""
+        with self._lock:
+            mig, self.pending = self.pending, None
+        for k, moe in enumerate(self.moes):
+            w13, w2 = mig.staged[k]
+            moe.w13.data.copy_(w13)
+            moe.w2.data.copy_(w2)
+            moe.local_phys2log = mig.phys2log[k, self.base:self.base + self.spr].tolist()
+        self.phys2log = mig.phys2log.clone()
+        self.maps = [ExpertMap(self.phys2log[layer], self.num_logical) for layer in range(self.phys2log.shape[0])]
+        self.switches += 1

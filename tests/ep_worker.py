@@ -1,0 +1,109 @@
+"""Body of one expert-parallel rank for tests/test_ep.py (run in a spawned process)."""
+import asyncio
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from engine import AsyncLLMEngine, EngineConfig, LLMEngine, SamplingParams
+from engine.ep import ExpertParallel, PlanError, initial_placement
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+
+
+def prompts_for(rank):
+    g = torch.Generator().manual_seed(100 + rank)
+    return [torch.randint(4, 500, (n,), generator=g).tolist() for n in ((30, 7) if rank == 0 else (18,))]
+
+
+def setup(rank, world, port, ckpt):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    migrate = dist.new_group(backend="gloo")
+    engine = LLMEngine(*_model_and_tok(ckpt, rank, world, migrate))
+    return AsyncLLMEngine(engine)
+
+
+def _model_and_tok(ckpt, rank, world, migrate):
+    from engine.checkpoint import load_model
+    from engine.config import ModelConfig
+    from engine.tokenizer import Tokenizer
+    cfg = ModelConfig.from_file(ckpt)
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    ep = ExpertParallel(rank, world, initial_placement(moe_layers, cfg.n_routed_experts, cfg.n_routed_experts),
+                        cfg.n_routed_experts, group=dist.group.WORLD, migrate_group=migrate)
+    model = load_model(ckpt, progress=False, local_phys2log=ep.local_phys2log())
+    return model, Tokenizer(ckpt), EngineConfig(block_size=4), ep
+
+
+async def generate_all(aengine, prompts, tag):
+    async def one(i, p):
+        tokens = []
+        async for out in aengine.generate(f"{tag}-{i}", p, GREEDY):
+            tokens += out.new_token_ids
+        return tokens
+    return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+
+
+def run(rank, world, port, ckpt, results, scenario):
+    aengine = setup(rank, world, port, ckpt)
+    engine, ep = aengine.engine, aengine.engine.ep
+    out = {"rank": rank}
+    try:
+        prompts = prompts_for(rank)
+        out["before"] = asyncio.run(generate_all(aengine, prompts, "before"))
+        moe = engine.runner.model.moe_layers()[0]
+        out["slot0_before"] = moe.w13.data[0].clone()
+        # Move every expert to the other rank: all of them must travel.
+        spr = ep.spr
+        new = torch.cat([ep.phys2log[:, spr:], ep.phys2log[:, :spr]], dim=1)
+        for bad in (new[:, :3], torch.zeros_like(new)):
+            try:
+                ep.stage("bad", bad)
+                out.setdefault("refused", []).append("accepted")
+            except PlanError as e:
+                out.setdefault("refused", []).append(str(e))
+        if scenario == "kill" and rank == 1:
+            ep.stage("p1", new, delay_s=0.5)
+            time.sleep(0.1)
+            os._exit(0)  # dies mid-migration
+        ep.stage("p1", new, delay_s=1.0)  # deliberately slow staging
+
+        async def decode_while_staging():
+            long = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+            task = asyncio.ensure_future(_drain(aengine.generate("long", prompts[0], long)))
+            await asyncio.sleep(0.05)
+            steps0 = engine.num_steps
+            staged = await asyncio.to_thread(ep.wait_staged, "p1", 30)
+            steps_during = engine.num_steps - steps0
+            await task
+            return staged, steps_during
+        staged, steps_during = asyncio.run(decode_while_staging())
+        out["staged"], out["steps_during_staging"] = staged, steps_during
+        if not staged["staged"]:
+            ep.abort("p1")
+            out["phys2log_after"] = ep.phys2log.clone()
+            out["slot0_after"] = moe.w13.data[0].clone()
+            return
+        ep.commit("p1")
+        deadline = time.monotonic() + 20
+        while ep.switches == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        out["switched"] = ep.switches
+        out["phys2log_after"] = ep.phys2log.clone()
+        out["slot0_after"] = moe.w13.data[0].clone()
+        out["after"] = asyncio.run(generate_all(aengine, prompts, "after"))
+    except BaseException as e:
+        out["error"] = repr(e)
+    finally:
+        # plain lists: tensors would travel as shared memory that dies with this process
+        results.put({k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in out.items()})
+        if scenario != "kill":
+            aengine.shutdown()
+            dist.destroy_process_group()
+
+
+async def _drain(stream):
+    async for _ in stream:
+        pass
