@@ -217,7 +217,6 @@ def _pack(weights: np.ndarray, num_bins: int, capacity: int, prefer: np.ndarray 
     """
     rows, n = weights.shape
     ar = np.arange(rows)
-    order = np.argsort(-weights, axis=1, kind="stable")
     # A penalty larger than any load difference makes "avoid same kind" a strict preference.
     big = weights.sum(1) + 1.0
 
@@ -231,11 +230,11 @@ def _pack(weights: np.ndarray, num_bins: int, capacity: int, prefer: np.ndarray 
             np.add.at(count, (placed[0], bins[placed]), 1)
             if holds is not None:
                 holds[placed[0], bins[placed], kinds[placed]] = True
-        for k in range(n):
+        # Unplaced items, heaviest first; the loop only runs as far as the longest row's list.
+        order = np.argsort(np.where(bins < 0, -weights, np.inf), axis=1, kind="stable")
+        for k in range(int((bins < 0).sum(1).max(initial=0))):
             item = order[:, k]
             todo = bins[ar, item] < 0
-            if not todo.any():
-                continue
             key = np.where(count >= capacity, np.inf, load)
             if holds is not None:
                 kind = kinds[ar, item]
@@ -257,15 +256,13 @@ def _pack(weights: np.ndarray, num_bins: int, capacity: int, prefer: np.ndarray 
 
     # Keep every item that can stay (its bin has room), place the rest greedily, then swap
     # only as much as the bound requires: far fewer moves than repacking from scratch.
-    sticky = np.full((rows, n), -1, np.int64)
-    count = np.zeros((rows, num_bins), np.int64)
-    for k in range(n):
-        item = order[:, k]
-        p = prefer[ar, item]
-        pc = np.maximum(p, 0)
-        ok = (p >= 0) & (count[ar, pc] < capacity)
-        sticky[ar[ok], item[ok]] = pc[ok]
-        count[ar[ok], pc[ok]] += 1
+    # Where more items prefer a bin than it has room for, the heaviest stay.
+    group = np.where(prefer >= 0, ar[:, None] * num_bins + prefer, -1).ravel()
+    by_group = np.lexsort((-weights.ravel(), group))
+    rank_in_group = np.empty(rows * n, np.int64)
+    rank_in_group[by_group] = _occurrence(group[by_group])
+    stay = (group >= 0) & (rank_in_group < capacity)
+    sticky = np.where(stay.reshape(rows, n), prefer, -1)
     sticky, _ = greedy(sticky)
     sticky, sticky_load = _refine(sticky, weights, kinds, num_bins, capacity, bound)
     keep = sticky_load.max(1) <= bound
