@@ -177,6 +177,11 @@ class EPLBConfig(_Strict):
     enabled: bool = Field(True, description="Run the EPLB controller (only matters when decode.dp_size > 1).")
     interval_s: float = Field(30.0, gt=0, description="Seconds between load-window pulls and re-balancing decisions.")
     redundant_experts: int = Field(0, ge=0, description="Extra physical expert slots per layer for hot-expert replicas.")
+    min_gain: float = Field(
+        0.05, ge=0, description="Re-place only when the predicted drop of max/mean rank load, averaged over layers, "
+                                "is at least this much.")
+    stage_timeout_s: float = Field(
+        30.0, gt=0, description="A migration whose staging or switch takes longer is abandoned; the old placement stays.")
 
 
 ClusterSpec = Union[Literal["ray", "discover"], str, dict[str, Any]]

@@ -25,9 +25,9 @@ class DecodeRank:
     def __init__(self, rank: int, model_path: str, engine_cfg: dict, device: str,
                  prefill_handle=None, local_prefill_max_tokens: int = 256, transfer_timeout_s: float = 30.0):
         self.rank = rank
-        self.engine = load_engine(model_path, engine_cfg, device)
+        self.model_path, self.engine_cfg, self.device = model_path, engine_cfg, device
         self.prefill = prefill_handle
-        self.transport = make_transport(self.engine, f"decode{rank}") if prefill_handle is not None else None
+        self.engine = self.transport = self.ep = None
         self.local_max = local_prefill_max_tokens
         self.timeout = transfer_timeout_s
         self.metrics = EngineMetrics("decode", rank)
@@ -36,8 +36,44 @@ class DecodeRank:
         self.prefill_side_hits = 0  # prompt tokens the prefill server found in its own cache
         self._reporter = None
 
-    def ready(self) -> dict:
+    def endpoint(self) -> tuple[str, int]:
+        """Where rank 0 hosts the group's torch.distributed rendezvous."""
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+    def start(self, ep: dict | None = None) -> dict:
+        """Load the engine; with ep, join the group's expert parallelism first (every rank of
+        the group must be starting at the same time)."""
+        if ep is not None:
+            self.ep = _join_expert_parallel(self.rank, ep, self.model_path)
+        self.engine = load_engine(self.model_path, self.engine_cfg, self.device, self.ep)
+        if self.prefill is not None:
+            self.transport = make_transport(self.engine, f"decode{self.rank}")
         return {"rank": self.rank, "max_model_len": self.engine.engine.max_model_len}
+
+    # expert parallelism, driven by the EPLB controller -------------------------------------
+    async def ep_take_load(self) -> list:
+        return await asyncio.to_thread(self.engine.run_locked, lambda e: e.ep.take_load().tolist())
+
+    def ep_status(self) -> dict:
+        return {"rank": self.rank, "switches": self.ep.switches, "steps": self.engine.engine.num_steps,
+                "phys2log": self.ep.phys2log.tolist()}
+
+    def ep_stage(self, plan_id: str, phys2log: list, delay_s: float = 0.0) -> None:
+        import torch
+        self.ep.stage(plan_id, torch.tensor(phys2log), delay_s)
+
+    async def ep_wait_staged(self, plan_id: str, timeout_s: float) -> dict:
+        return await asyncio.to_thread(self.ep.wait_staged, plan_id, timeout_s)
+
+    def ep_commit(self, plan_id: str) -> None:
+        self.ep.commit(plan_id)
+
+    def ep_abort(self, plan_id: str) -> bool:
+        return self.ep.abort(plan_id)
 
     def stats(self) -> dict:
         return dict(self.engine.stats(), rank=self.rank, kv_bytes_received=self.kv_bytes,
@@ -101,3 +137,21 @@ class DecodeRank:
     def _count(self, path: str) -> None:
         self.paths[path] += 1
         self.metrics.prefill_path(path)
+
+
+def _join_expert_parallel(rank: int, ep: dict, model_path: str):
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from engine.config import ModelConfig
+    from engine.ep import ExpertParallel, initial_placement
+
+    dist.init_process_group(ep["backend"], init_method=f"tcp://{ep['addr']}:{ep['port']}", rank=rank,
+                            world_size=ep["world"], timeout=timedelta(seconds=ep.get("timeout_s", 120)))
+    # staging traffic runs on its own group so it never queues behind the forward's collectives
+    migrate = dist.new_group(backend="gloo")
+    cfg = ModelConfig.from_file(model_path)
+    layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    return ExpertParallel(rank, ep["world"], initial_placement(layers, cfg.n_routed_experts, ep["num_slots"]),
+                          cfg.n_routed_experts, group=dist.group.WORLD, migrate_group=migrate)

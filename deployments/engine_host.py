@@ -13,12 +13,12 @@ from engine import AsyncLLMEngine, EngineConfig, LLMEngine
 from .metrics import EngineMetrics
 
 
-def load_engine(model_path: str, engine_cfg: dict, device: str) -> AsyncLLMEngine:
+def load_engine(model_path: str, engine_cfg: dict, device: str, ep=None) -> AsyncLLMEngine:
     if device == "cpu":
         # Several engines share a few cores; one thread each avoids oversubscription.
         torch.set_num_threads(int(os.environ.get("WIDEEP_CPU_THREADS", "1")))
     cfg = EngineConfig(**dict(engine_cfg, device="cuda" if device == "cuda" else "cpu"))
-    return AsyncLLMEngine(LLMEngine.from_pretrained(model_path, cfg, progress=False))
+    return AsyncLLMEngine(LLMEngine.from_pretrained(model_path, cfg, progress=False, ep=ep))
 
 
 def make_transport(engine: AsyncLLMEngine, role: str):

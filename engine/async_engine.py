@@ -83,6 +83,11 @@ class AsyncLLMEngine:
             self.engine.abort_request(request_id)
         self._streams.pop(request_id, None)
 
+    def run_locked(self, fn):
+        """fn(engine) between two steps (e.g. reading load counters the forward updates)."""
+        with self._lock:
+            return fn(self.engine)
+
     @property
     def dead(self) -> BaseException | None:
         """Why the engine loop stopped, or None while it runs."""
