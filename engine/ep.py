@@ -79,6 +79,9 @@ class ExpertParallel:
         self.maps = [ExpertMap(self.phys2log[layer], num_logical) for layer in range(num_layers)]
         self.group, self.migrate_group = group, migrate_group
         self.moes: list[MoE] = []
+        self.device = torch.device("cpu")
+        self.peers = None        # GPU: every rank's expert weights, opened through CUDA IPC
+        self.copy_stream = None
         self.pending: Migration | None = None
         self.switches = 0
         self._lock = threading.Lock()
@@ -89,8 +92,26 @@ class ExpertParallel:
 
     def attach(self, moes: list[MoE]) -> None:
         self.moes = moes
+        self.device = moes[0].w13.device if moes else torch.device("cpu")
         for moe in moes:
             moe.ep = self
+
+    def share_weights(self) -> None:
+        """GPU ranks of one host: open every peer's expert weights through CUDA IPC once, so
+        staging is a plain peer copy over NVLink on a side stream (no collective to order
+        against the forward's). Call on every rank after the weights are loaded."""
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        mine = [(reduce_tensor(m.w13.data), reduce_tensor(m.w2.data)) for m in self.moes]
+        handles = [None] * self.world
+        dist.all_gather_object(handles, mine, group=self.migrate_group)
+        self.peers = []
+        for r, layers in enumerate(handles):
+            if r == self.rank:
+                self.peers.append([(m.w13.data, m.w2.data) for m in self.moes])
+            else:
+                self.peers.append([(f13(*a13), f2(*a2)) for (f13, a13), (f2, a2) in layers])
+        self.copy_stream = torch.cuda.Stream()
 
     # lockstep ---------------------------------------------------------------------------
     def sync(self, busy: bool) -> bool:
@@ -99,7 +120,8 @@ class ExpertParallel:
         with self._lock:
             ready = self.pending is not None and self.pending.committed and self.pending.done.is_set() \
                 and self.pending.error is None
-        flags = torch.tensor([int(busy), -int(ready)], dtype=torch.long)
+        # on the forward group's device: NCCL reduces only GPU tensors
+        flags = torch.tensor([int(busy), -int(ready)], dtype=torch.long, device=self.device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
         if int(flags[1]) == -1:  # the minimum of `ready` over ranks is 1
             self._switch()
@@ -193,35 +215,58 @@ class ExpertParallel:
         try:
             if delay_s:
                 time.sleep(delay_s)
-            new = mig.phys2log
-            for k, moe in enumerate(self.moes):  # start from local copies of experts already held here
-                w13 = torch.empty_like(moe.w13.data)
-                w2 = torch.empty_like(moe.w2.data)
-                cur = self.phys2log[k, self.base:self.base + self.spr].tolist()
-                for s, expert in enumerate(new[k, self.base:self.base + self.spr].tolist()):
-                    if expert in cur:
-                        w13[s].copy_(moe.w13.data[cur.index(expert)])
-                        w2[s].copy_(moe.w2.data[cur.index(expert)])
-                mig.staged[k] = (w13, w2)
-            requests = []
-            for i, (layer, src_rank, src_slot, dst_rank, dst_slot) in enumerate(self.transfers(new)):
-                moe = self.moes[layer]
-                if src_rank == self.rank:
-                    s = src_slot - self.base
-                    for j, w in enumerate((moe.w13.data[s].clone(), moe.w2.data[s].clone())):
-                        requests.append(dist.isend(w, dst_rank, group=self.migrate_group, tag=2 * i + j))
-                if dst_rank == self.rank:
-                    w13, w2 = mig.staged[layer]
-                    d = dst_slot - self.base
-                    for j, buf in enumerate((w13[d], w2[d])):
-                        requests.append(dist.irecv(buf, src_rank, group=self.migrate_group, tag=2 * i + j))
-                        mig.bytes_received += buf.numel() * buf.element_size()
-            for r in requests:
-                r.wait()
+            if self.copy_stream is not None:  # GPU: keep every staging copy off the forward's stream
+                torch.cuda.set_device(self.copy_stream.device)  # a new thread starts on device 0
+                with torch.cuda.stream(self.copy_stream):
+                    self._stage_copies(mig)
+            else:
+                self._stage_copies(mig)
         except BaseException as e:  # reported through wait_staged; the old placement stays
             mig.error = e
         finally:
             mig.done.set()
+
+    def _stage_copies(self, mig: Migration) -> None:
+        new = mig.phys2log
+        for k, moe in enumerate(self.moes):  # start from local copies of experts already held here
+            w13 = torch.empty_like(moe.w13.data)
+            w2 = torch.empty_like(moe.w2.data)
+            cur = self.phys2log[k, self.base:self.base + self.spr].tolist()
+            for s, expert in enumerate(new[k, self.base:self.base + self.spr].tolist()):
+                if expert in cur:
+                    w13[s].copy_(moe.w13.data[cur.index(expert)])
+                    w2[s].copy_(moe.w2.data[cur.index(expert)])
+            mig.staged[k] = (w13, w2)
+        if self.peers is not None:
+            self._stage_from_peers(mig, new)
+            return
+        requests = []
+        for i, (layer, src_rank, src_slot, dst_rank, dst_slot) in enumerate(self.transfers(new)):
+            moe = self.moes[layer]
+            if src_rank == self.rank:
+                s = src_slot - self.base
+                for j, w in enumerate((moe.w13.data[s].clone(), moe.w2.data[s].clone())):
+                    requests.append(dist.isend(w, dst_rank, group=self.migrate_group, tag=2 * i + j))
+            if dst_rank == self.rank:
+                w13, w2 = mig.staged[layer]
+                d = dst_slot - self.base
+                for j, buf in enumerate((w13[d], w2[d])):
+                    requests.append(dist.irecv(buf, src_rank, group=self.migrate_group, tag=2 * i + j))
+                    mig.bytes_received += buf.numel() * buf.element_size()
+        for r in requests:
+            r.wait()
+
+    def _stage_from_peers(self, mig: Migration, new: torch.Tensor) -> None:
+        for layer, src_rank, src_slot, dst_rank, dst_slot in self.transfers(new):
+            if dst_rank != self.rank:
+                continue
+            src13, src2 = self.peers[src_rank][layer]
+            w13, w2 = mig.staged[layer]
+            s, d = src_slot - src_rank * self.spr, dst_slot - self.base
+            w13[d].copy_(src13[s], non_blocking=True)
+            w2[d].copy_(src2[s], non_blocking=True)
+            mig.bytes_received += (w13[d].numel() + w2[d].numel()) * w13.element_size()
+        self.copy_stream.synchronize()
 
     def _switch(self) -> None:
         """Swap weights and maps; runs on every rank at the same lockstep step."""
