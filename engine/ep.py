@@ -257,15 +257,32 @@ class ExpertParallel:
             r.wait()
 
     def _stage_from_peers(self, mig: Migration, new: torch.Tensor) -> None:
+        """Peer copies, grouped per (layer, source rank): when most of a source's slots are
+        wanted, one bulk copy of its whole layer and a local gather beat hundreds of small
+        copies (and keep this thread off the GIL the forward's launches need)."""
+        wanted: dict[tuple[int, int], list[tuple[int, int]]] = {}
         for layer, src_rank, src_slot, dst_rank, dst_slot in self.transfers(new):
-            if dst_rank != self.rank:
-                continue
+            if dst_rank == self.rank:
+                wanted.setdefault((layer, src_rank), []).append((src_slot - src_rank * self.spr,
+                                                                 dst_slot - self.base))
+        bulk13 = bulk2 = None
+        for (layer, src_rank), pairs in wanted.items():
             src13, src2 = self.peers[src_rank][layer]
             w13, w2 = mig.staged[layer]
-            s, d = src_slot - src_rank * self.spr, dst_slot - self.base
-            w13[d].copy_(src13[s], non_blocking=True)
-            w2[d].copy_(src2[s], non_blocking=True)
-            mig.bytes_received += (w13[d].numel() + w2[d].numel()) * w13.element_size()
+            if 2 * len(pairs) >= self.spr:
+                bulk13 = torch.empty_like(w13) if bulk13 is None else bulk13
+                bulk2 = torch.empty_like(w2) if bulk2 is None else bulk2
+                bulk13.copy_(src13, non_blocking=True)
+                bulk2.copy_(src2, non_blocking=True)
+                src_idx = torch.tensor([p[0] for p in pairs], device=w13.device)
+                dst_idx = torch.tensor([p[1] for p in pairs], device=w13.device)
+                w13.index_copy_(0, dst_idx, bulk13.index_select(0, src_idx))
+                w2.index_copy_(0, dst_idx, bulk2.index_select(0, src_idx))
+            else:
+                for s, d in pairs:
+                    w13[d].copy_(src13[s], non_blocking=True)
+                    w2[d].copy_(src2[s], non_blocking=True)
+            mig.bytes_received += len(pairs) * (w13[0].numel() + w2[0].numel()) * w13.element_size()
         self.copy_stream.synchronize()
 
     def _switch(self) -> None:
