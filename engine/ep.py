@@ -232,10 +232,13 @@ class ExpertParallel:
             w13 = torch.empty_like(moe.w13.data)
             w2 = torch.empty_like(moe.w2.data)
             cur = self.phys2log[k, self.base:self.base + self.spr].tolist()
-            for s, expert in enumerate(new[k, self.base:self.base + self.spr].tolist()):
-                if expert in cur:
-                    w13[s].copy_(moe.w13.data[cur.index(expert)])
-                    w2[s].copy_(moe.w2.data[cur.index(expert)])
+            pairs = [(cur.index(e), s) for s, e in enumerate(new[k, self.base:self.base + self.spr].tolist())
+                     if e in cur]
+            if pairs:  # one gather per layer: few Python calls, so the forward keeps the GIL
+                src = torch.tensor([p[0] for p in pairs], device=w13.device)
+                dst = torch.tensor([p[1] for p in pairs], device=w13.device)
+                w13.index_copy_(0, dst, moe.w13.data.index_select(0, src))
+                w2.index_copy_(0, dst, moe.w2.data.index_select(0, src))
             mig.staged[k] = (w13, w2)
         if self.peers is not None:
             self._stage_from_peers(mig, new)
