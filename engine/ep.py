@@ -79,6 +79,7 @@ class ExpertParallel:
         self.maps = [ExpertMap(self.phys2log[layer], num_logical) for layer in range(num_layers)]
         self.group, self.migrate_group = group, migrate_group
         self.moes: list[MoE] = []
+        self._staging = None
         self.device = torch.device("cpu")
         self.peers = None        # GPU: every rank's expert weights, opened through CUDA IPC
         self.copy_stream = None
@@ -112,6 +113,9 @@ class ExpertParallel:
             else:
                 self.peers.append([(f13(*a13), f2(*a2)) for (f13, a13), (f2, a2) in layers])
         self.copy_stream = torch.cuda.Stream()
+        # Staging buffers for every local slot, allocated once: a fresh multi-GB allocation per
+        # migration costs more than the copies themselves.
+        self._staging = [(torch.empty_like(m.w13.data), torch.empty_like(m.w2.data)) for m in self.moes]
 
     # lockstep ---------------------------------------------------------------------------
     def sync(self, busy: bool) -> bool:
@@ -229,8 +233,8 @@ class ExpertParallel:
     def _stage_copies(self, mig: Migration) -> None:
         new = mig.phys2log
         for k, moe in enumerate(self.moes):  # start from local copies of experts already held here
-            w13 = torch.empty_like(moe.w13.data)
-            w2 = torch.empty_like(moe.w2.data)
+            w13, w2 = self._staging[k] if self._staging else (torch.empty_like(moe.w13.data),
+                                                               torch.empty_like(moe.w2.data))
             cur = self.phys2log[k, self.base:self.base + self.spr].tolist()
             pairs = [(cur.index(e), s) for s, e in enumerate(new[k, self.base:self.base + self.spr].tolist())
                      if e in cur]
