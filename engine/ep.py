@@ -80,6 +80,7 @@ class ExpertParallel:
         self.group, self.migrate_group = group, migrate_group
         self.moes: list[MoE] = []
         self._staging = None
+        self._stager: threading.Thread | None = None
         self.device = torch.device("cpu")
         self.peers = None        # GPU: every rank's expert weights, opened through CUDA IPC
         self.copy_stream = None
@@ -171,8 +172,12 @@ class ExpertParallel:
         with self._lock:
             if self.pending is not None:
                 raise PlanError(f"plan {self.pending.plan_id!r} is still in progress")
+            if self._stager is not None and self._stager.is_alive():  # an abandoned plan's copies
+                raise PlanError("the staging of an abandoned plan is still running; try again shortly")
             self.pending = mig = Migration(plan_id, phys2log)
-        threading.Thread(target=self._stage, args=(mig, delay_s), name=f"stage-{plan_id}", daemon=True).start()
+            self._stager = threading.Thread(target=self._stage, args=(mig, delay_s), name=f"stage-{plan_id}",
+                                            daemon=True)
+        self._stager.start()
 
     def wait_staged(self, plan_id: str, timeout_s: float) -> dict:
         mig = self._current(plan_id)
