@@ -20,6 +20,7 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import socket
 import subprocess
 import sys
@@ -205,7 +206,7 @@ def cmd_run(a) -> None:
     else:
         reqs = generate(_spec(a, max_context), _counter(model_dir))
     sessions = sessions_of(reqs)
-    meta = {"label": a.label or Path(a.out).name, "command": "python -m bench.agentx " + " ".join(sys.argv[1:]),
+    meta = {"label": a.label or Path(a.out).name, "command": shlex.join(["python", "-m", "bench.agentx", *sys.argv[1:]]),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "commit": _commit(), "machine": f"{os.cpu_count()}-core {platform.machine()} CPU host",
             "gpus": a.gpus, "kv_block_size": block, "sessions_per_level": a.sessions,

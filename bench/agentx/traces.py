@@ -32,7 +32,7 @@ import random
 import sys
 from functools import lru_cache
 
-from .workload import Request, _fill_shared_prefix
+from .workload import Request, fill_shared_prefix
 
 
 class TraceError(ValueError):
@@ -130,7 +130,7 @@ def load_agentx(objs: list[tuple[int, dict]], path: str, *, trace_block_size: in
               "(a session ends at its first such request)", file=sys.stderr)
     if not requests:
         raise TraceError(f"{path}: no request fits the context of {max_context_tokens} tokens")
-    _fill_shared_prefix(requests)
+    fill_shared_prefix(requests)
     return requests
 
 

@@ -153,7 +153,7 @@ def generate(spec: WorkloadSpec, count_messages: Callable[[list[dict]], int] | N
                 if spec.think_time_mean_s > 0 else 0.0
             t_arrive += think
         start += rng.expovariate(1 / spec.session_interarrival_s) if spec.session_interarrival_s > 0 else 0.0
-    _fill_shared_prefix(requests)
+    fill_shared_prefix(requests)
     return requests
 
 
@@ -207,7 +207,7 @@ def shared_hash_tokens(prev: Request, cur: Request) -> int:
     return min(k * cur.block_tokens, prev.input_tokens, cur.input_tokens)
 
 
-def _fill_shared_prefix(requests: list[Request]) -> None:
+def fill_shared_prefix(requests: list[Request]) -> None:
     for session in sessions_of(requests):
         session[0].shared_prefix_tokens = 0
         for prev, r in zip(session, session[1:]):
@@ -250,6 +250,6 @@ def read_trace(path: str | Path, **agentx_options) -> list[Request]:
         objs.append((i, obj))
     if "api" in objs[0][1]:
         requests = [request_from_json(obj, f"{path}:{i}") for i, obj in objs]
-        _fill_shared_prefix(requests)
+        fill_shared_prefix(requests)
         return requests
     return load_agentx(objs, str(path), **agentx_options)
