@@ -62,6 +62,10 @@ class Migration:
     committed: bool = False
     bytes_received: int = 0
     started: float = field(default_factory=time.monotonic)
+    not_before: float = 0.0                     # a deliberately slowed migration starts no earlier
+    todo: list | None = None                    # GPU: layers still to enqueue
+    wanted: dict | None = None                  # GPU: (layer, source rank) -> slot pairs
+    event: object = None                        # GPU: recorded after the last copy
 
 
 class ExpertParallel:
@@ -80,6 +84,8 @@ class ExpertParallel:
         self.group, self.migrate_group = group, migrate_group
         self.moes: list[MoE] = []
         self._staging = None
+        self._bulk = None
+        self.layers_per_step = 4
         self._stager: threading.Thread | None = None
         self.device = torch.device("cpu")
         self.peers = None        # GPU: every rank's expert weights, opened through CUDA IPC
@@ -122,6 +128,8 @@ class ExpertParallel:
     def sync(self, busy: bool) -> bool:
         """Called by every rank before every step. Returns whether anyone has work; applies a
         committed migration once every rank has staged and committed it."""
+        if self.peers is not None:
+            self._advance()
         with self._lock:
             ready = self.pending is not None and self.pending.committed and self.pending.done.is_set() \
                 and self.pending.error is None
@@ -165,8 +173,11 @@ class ExpertParallel:
 
     # migration --------------------------------------------------------------------------
     def stage(self, plan_id: str, phys2log: torch.Tensor, delay_s: float = 0.0) -> None:
-        """Start copying the experts this rank lacks under `phys2log` into staging buffers,
-        on a background thread; decode goes on with the current placement meanwhile."""
+        """Start copying the experts this rank lacks under `phys2log` into staging buffers while
+        decode goes on with the current placement. GPU (peers opened): the copies are enqueued
+        on a side stream at step boundaries, `layers_per_step` layers at a time, so no Python
+        thread competes with the forward's kernel launches for the GIL. CPU: a background
+        thread sends and receives over the migration group."""
         phys2log = torch.as_tensor(phys2log).long()
         validate_plan(phys2log, *self.phys2log.shape, self.num_logical)
         with self._lock:
@@ -174,9 +185,14 @@ class ExpertParallel:
                 raise PlanError(f"plan {self.pending.plan_id!r} is still in progress")
             if self._stager is not None and self._stager.is_alive():  # an abandoned plan's copies
                 raise PlanError("the staging of an abandoned plan is still running; try again shortly")
-            self.pending = mig = Migration(plan_id, phys2log)
-            self._stager = threading.Thread(target=self._stage, args=(mig, delay_s), name=f"stage-{plan_id}",
-                                            daemon=True)
+            mig = Migration(plan_id, phys2log, not_before=time.monotonic() + delay_s)
+            if self.peers is not None:
+                mig.todo = list(range(len(self.moes)))
+                mig.wanted = self._wanted(phys2log)
+                self.pending = mig
+                return
+            self.pending = mig
+            self._stager = threading.Thread(target=self._stage, args=(mig,), name=f"stage-{plan_id}", daemon=True)
         self._stager.start()
 
     def wait_staged(self, plan_id: str, timeout_s: float) -> dict:
@@ -220,70 +236,89 @@ class ExpertParallel:
                 moves.append((layer, src_slot // self.spr, src_slot, dst_rank, dst_slot))
         return moves
 
-    def _stage(self, mig: Migration, delay_s: float) -> None:
+    def _stage(self, mig: Migration) -> None:
         try:
-            if delay_s:
-                time.sleep(delay_s)
-            if self.copy_stream is not None:  # GPU: keep every staging copy off the forward's stream
-                torch.cuda.set_device(self.copy_stream.device)  # a new thread starts on device 0
-                with torch.cuda.stream(self.copy_stream):
-                    self._stage_copies(mig)
-            else:
-                self._stage_copies(mig)
+            time.sleep(max(0.0, mig.not_before - time.monotonic()))
+            for k in range(len(self.moes)):
+                self._local_layer(mig, k)
+            requests = []
+            for i, (layer, src_rank, src_slot, dst_rank, dst_slot) in enumerate(self.transfers(mig.phys2log)):
+                moe = self.moes[layer]
+                if src_rank == self.rank:
+                    s = src_slot - self.base
+                    for j, w in enumerate((moe.w13.data[s].clone(), moe.w2.data[s].clone())):
+                        requests.append(dist.isend(w, dst_rank, group=self.migrate_group, tag=2 * i + j))
+                if dst_rank == self.rank:
+                    w13, w2 = mig.staged[layer]
+                    d = dst_slot - self.base
+                    for j, buf in enumerate((w13[d], w2[d])):
+                        requests.append(dist.irecv(buf, src_rank, group=self.migrate_group, tag=2 * i + j))
+                        mig.bytes_received += buf.numel() * buf.element_size()
+            for r in requests:
+                r.wait()
         except BaseException as e:  # reported through wait_staged; the old placement stays
             mig.error = e
         finally:
             mig.done.set()
 
-    def _stage_copies(self, mig: Migration) -> None:
-        new = mig.phys2log
-        for k, moe in enumerate(self.moes):  # start from local copies of experts already held here
-            w13, w2 = self._staging[k] if self._staging else (torch.empty_like(moe.w13.data),
-                                                               torch.empty_like(moe.w2.data))
-            cur = self.phys2log[k, self.base:self.base + self.spr].tolist()
-            pairs = [(cur.index(e), s) for s, e in enumerate(new[k, self.base:self.base + self.spr].tolist())
-                     if e in cur]
-            if pairs:  # one gather per layer: few Python calls, so the forward keeps the GIL
-                src = torch.tensor([p[0] for p in pairs], device=w13.device)
-                dst = torch.tensor([p[1] for p in pairs], device=w13.device)
-                w13.index_copy_(0, dst, moe.w13.data.index_select(0, src))
-                w2.index_copy_(0, dst, moe.w2.data.index_select(0, src))
-            mig.staged[k] = (w13, w2)
-        if self.peers is not None:
-            self._stage_from_peers(mig, new)
+    def _advance(self) -> None:
+        """GPU staging: enqueue the next layers' copies; mark done once the stream got there."""
+        mig = self.pending
+        if mig is None or mig.todo is None or mig.done.is_set() or time.monotonic() < mig.not_before:
             return
-        requests = []
-        for i, (layer, src_rank, src_slot, dst_rank, dst_slot) in enumerate(self.transfers(new)):
-            moe = self.moes[layer]
-            if src_rank == self.rank:
-                s = src_slot - self.base
-                for j, w in enumerate((moe.w13.data[s].clone(), moe.w2.data[s].clone())):
-                    requests.append(dist.isend(w, dst_rank, group=self.migrate_group, tag=2 * i + j))
-            if dst_rank == self.rank:
-                w13, w2 = mig.staged[layer]
-                d = dst_slot - self.base
-                for j, buf in enumerate((w13[d], w2[d])):
-                    requests.append(dist.irecv(buf, src_rank, group=self.migrate_group, tag=2 * i + j))
-                    mig.bytes_received += buf.numel() * buf.element_size()
-        for r in requests:
-            r.wait()
+        try:
+            with torch.cuda.stream(self.copy_stream):
+                for _ in range(min(self.layers_per_step, len(mig.todo))):
+                    k = mig.todo.pop(0)
+                    self._local_layer(mig, k)
+                    self._peer_layer(mig, k)
+                if not mig.todo and mig.event is None:
+                    mig.event = torch.cuda.Event()
+                    mig.event.record(self.copy_stream)
+            if mig.event is not None and mig.event.query():
+                mig.done.set()
+        except BaseException as e:
+            mig.error = e
+            mig.done.set()
 
-    def _stage_from_peers(self, mig: Migration, new: torch.Tensor) -> None:
-        """Peer copies, grouped per (layer, source rank): when most of a source's slots are
-        wanted, one bulk copy of its whole layer and a local gather beat hundreds of small
-        copies (and keep this thread off the GIL the forward's launches need)."""
+    def _local_layer(self, mig: Migration, k: int) -> None:
+        """Staging buffers of layer k, starting from the experts this rank already holds (one
+        gather per layer: few Python calls)."""
+        moe = self.moes[k]
+        w13, w2 = self._staging[k] if self._staging else (torch.empty_like(moe.w13.data),
+                                                           torch.empty_like(moe.w2.data))
+        cur = self.phys2log[k, self.base:self.base + self.spr].tolist()
+        pairs = [(cur.index(e), s) for s, e in enumerate(mig.phys2log[k, self.base:self.base + self.spr].tolist())
+                 if e in cur]
+        if pairs:
+            src = torch.tensor([p[0] for p in pairs], device=w13.device)
+            dst = torch.tensor([p[1] for p in pairs], device=w13.device)
+            w13.index_copy_(0, dst, moe.w13.data.index_select(0, src))
+            w2.index_copy_(0, dst, moe.w2.data.index_select(0, src))
+        mig.staged[k] = (w13, w2)
+
+    def _wanted(self, new: torch.Tensor) -> dict[tuple[int, int], list[tuple[int, int]]]:
+        """(layer, source rank) -> [(source local slot, destination local slot)] this rank pulls."""
         wanted: dict[tuple[int, int], list[tuple[int, int]]] = {}
         for layer, src_rank, src_slot, dst_rank, dst_slot in self.transfers(new):
             if dst_rank == self.rank:
                 wanted.setdefault((layer, src_rank), []).append((src_slot - src_rank * self.spr,
                                                                  dst_slot - self.base))
-        bulk13 = bulk2 = None
-        for (layer, src_rank), pairs in wanted.items():
-            src13, src2 = self.peers[src_rank][layer]
-            w13, w2 = mig.staged[layer]
+        return wanted
+
+    def _peer_layer(self, mig: Migration, k: int) -> None:
+        """Peer copies of layer k: when most of a source's slots are wanted, one bulk copy of its
+        whole layer over NVLink and a local gather beat many small copies."""
+        w13, w2 = mig.staged[k]
+        for src_rank in range(self.world):
+            pairs = mig.wanted.get((k, src_rank))
+            if not pairs:
+                continue
+            src13, src2 = self.peers[src_rank][k]
             if 2 * len(pairs) >= self.spr:
-                bulk13 = torch.empty_like(w13) if bulk13 is None else bulk13
-                bulk2 = torch.empty_like(w2) if bulk2 is None else bulk2
+                if self._bulk is None:
+                    self._bulk = (torch.empty_like(w13), torch.empty_like(w2))
+                bulk13, bulk2 = self._bulk
                 bulk13.copy_(src13, non_blocking=True)
                 bulk2.copy_(src2, non_blocking=True)
                 src_idx = torch.tensor([p[0] for p in pairs], device=w13.device)
@@ -295,7 +330,6 @@ class ExpertParallel:
                     w13[d].copy_(src13[s], non_blocking=True)
                     w2[d].copy_(src2[s], non_blocking=True)
             mig.bytes_received += len(pairs) * (w13[0].numel() + w2[0].numel()) * w13.element_size()
-        self.copy_stream.synchronize()
 
     def _switch(self) -> None:
         """Swap weights and maps; runs on every rank at the same lockstep step."""
