@@ -131,6 +131,9 @@ class DecodeConfig(_Strict):
 
     dp_size: int = Field(1, ge=1, description="Ranks (GPUs) in one decode group (DEP<n>); all in one NVLink domain.")
     num_groups: int = Field(1, ge=1, description="Independent decode groups; each needs its own NVLink domain room.")
+    expert_parallel: bool = Field(
+        True, description="With dp_size > 1, the ranks share the routed experts (DP attention + EP MoE, in "
+                          "lockstep); off, every rank holds all experts and steps on its own.")
     devices: Device = Field("cpu", description="'cuda' to run on GPUs, 'cpu' for the CPU test path.")
 
 

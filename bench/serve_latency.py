@@ -69,11 +69,11 @@ async def drive(port: int, sessions: int, turns: int, max_tokens: int) -> list:
     return rows
 
 
-def run_mode(ckpt: str, mode: str, sessions: int, turns: int, max_tokens: int) -> dict:
+def run_mode(ckpt: str, mode: str, sessions: int, turns: int, max_tokens: int, ep: bool) -> dict:
     kv = ({"backend": "nixl", "local_prefill_max_tokens": 0, "timeout_s": 30} if mode == "pd"
           else {"backend": "none"})
     args = {"model": {"path": ckpt, "name": "tiny"}, "engine": ENGINE, "prefill": {"replicas": 1},
-            "decode": {"dp_size": 2}, "kv_transport": kv, "eplb": {"enabled": False}}
+            "decode": {"dp_size": 2, "expert_parallel": ep}, "kv_transport": kv, "eplb": {"enabled": False}}
     port = _port()
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", _temp_dir=tempfile.mkdtemp())
     try:
@@ -91,7 +91,7 @@ def run_mode(ckpt: str, mode: str, sessions: int, turns: int, max_tokens: int) -
     itl = [x for r in rows for x in r["itl"]]
     first = [r["ttft"] for r in rows if r["turn"] == 0]
     later = [r["ttft"] for r in rows if r["turn"] > 0]
-    return {"mode": mode, "ready_s": round(ready, 1), "requests": len(rows),
+    return {"mode": mode, "expert_parallel": ep, "ready_s": round(ready, 1), "requests": len(rows),
             "ttft_p50_ms": round(1000 * statistics.median(first + later), 1),
             "ttft_p90_ms": round(1000 * pct(first + later, 0.9), 1),
             "ttft_turn1_p50_ms": round(1000 * statistics.median(first), 1),
@@ -108,13 +108,16 @@ def main(argv=None):
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--modes", nargs="+", default=["pd", "local"])
+    ap.add_argument("--ep", choices=["on", "off"], default="off",
+                    help="decode ranks share the experts (lockstep EP) or each holds all of them")
     args = ap.parse_args(argv)
     from engine.checkpoint import write_random_checkpoint
     from engine.config import preset
 
     ckpt = str(write_random_checkpoint(preset("tiny"), tempfile.mkdtemp(), progress=False))
     for mode in args.modes:
-        print(json.dumps(run_mode(ckpt, mode, args.sessions, args.turns, args.max_tokens)), flush=True)
+        print(json.dumps(run_mode(ckpt, mode, args.sessions, args.turns, args.max_tokens, args.ep == "on")),
+              flush=True)
 
 
 if __name__ == "__main__":

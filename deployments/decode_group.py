@@ -20,14 +20,15 @@ class DecodeGroup:
     def __init__(self, model_path: str, engine_cfg: dict, dp_size: int, device: str, prefill_handle=None,
                  session_affinity: bool = True, max_running_per_rank: int = 64,
                  local_prefill_max_tokens: int = 256, transfer_timeout_s: float = 30.0,
-                 rank_options: list[dict] | None = None, max_sessions: int = 100_000, eplb: dict | None = None):
+                 rank_options: list[dict] | None = None, max_sessions: int = 100_000, eplb: dict | None = None,
+                 expert_parallel: bool = True):
         options = rank_options or [{"num_cpus": 0, "num_gpus": 0}] * dp_size
         self.ranks = [
             DecodeRank.options(**options[r]).remote(r, model_path, engine_cfg, device, prefill_handle,
                                                     local_prefill_max_tokens, transfer_timeout_s)
             for r in range(dp_size)]
         eplb = eplb or {}
-        ep = self._expert_parallel(model_path, dp_size, device, eplb) if dp_size > 1 else None
+        ep = self._expert_parallel(model_path, dp_size, device, eplb) if dp_size > 1 and expert_parallel else None
         info = ray.get([rank.start.remote(ep) for rank in self.ranks])
         self.controller = None
         if ep is not None and eplb.get("enabled", True):
