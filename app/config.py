@@ -161,6 +161,11 @@ class RoutingConfig(_Strict):
         64, ge=1, description="A decode rank with this many running requests counts as saturated; sticky sessions move on."
     )
     prefix_aware: bool = Field(True, description="Route session-less requests by prefix overlap as well as load.")
+    max_requests_per_rank: int = Field(
+        256, ge=1, description="Admitted requests (running + queued) per decode rank; beyond it requests get "
+                               "503 with Retry-After at once instead of queueing without bound.")
+    token_timeout_s: float = Field(
+        120.0, gt=0, description="A request whose next token takes longer fails with an error (never hangs).")
 
 
 class HTTPConfig(_Strict):

@@ -20,6 +20,7 @@ from starlette.routing import Route
 
 from . import openai_api as oa
 from .openai_api import APIError, bad_request
+from .openapi import openapi_spec
 from .service import Backend, OpenAIService
 
 log = logging.getLogger(__name__)
@@ -121,12 +122,18 @@ def build_http_app(backend: Backend, *, session_header: str = "x-session-id", ma
             log.warning("health check failed: %r", e)
             return JSONResponse({"status": "unhealthy", "error": f"{type(e).__name__}: {e}"}, status_code=503)
 
+    async def openapi(request: Request) -> Response:
+        return JSONResponse(openapi_spec(backend.model_name, max_model_len=backend.max_model_len,
+                                         max_tokens_limit=max_tokens_limit, max_body_bytes=max_body_bytes,
+                                         auth=api_key is not None))
+
     started = int(time.time())
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
+        Route("/openapi.json", openapi, methods=["GET"]),
     ]
     handlers: dict[Any, Callable] = {APIError: _on_api_error, HTTPException: _on_http_exception,
                                      Exception: _on_unexpected}

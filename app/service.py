@@ -20,7 +20,7 @@ from typing import Any, AsyncIterator, Literal, Protocol
 import anyio
 from pydantic import BaseModel
 
-from engine.llm_engine import RequestError
+from engine.llm_engine import Overloaded, RequestError  # noqa: F401  (backends raise Overloaded)
 from engine.sampling import SamplingError
 
 from . import openai_api as oa
@@ -29,17 +29,6 @@ from .openai_api import APIError, bad_request
 log = logging.getLogger(__name__)
 
 Kind = Literal["chat", "completion"]
-
-
-class Overloaded(Exception):
-    """The backend cannot take the request now; the client should retry after `retry_after_s`."""
-
-    def __init__(self, message: str = "the server is overloaded; retry later", retry_after_s: float = 1.0):
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-    def __reduce__(self):
-        return (Overloaded, (str(self), self.retry_after_s))
 
 
 class Backend(Protocol):

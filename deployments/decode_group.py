@@ -2,17 +2,35 @@
 
 New requests go to the rank with the fewest running requests (decode cost follows the
 request count, not the context length). A session stays on its rank until that rank is
-saturated, so its next turn finds its prefix in that rank's cache.
+saturated, so its next turn finds its prefix in that rank's cache; a request without a
+session goes where the last request with the same leading prompt went (prefix-aware),
+else to the least loaded rank.
+
+Admission is bounded (beyond `max_requests_per_rank` per rank a request gets Overloaded at
+once). A rank that dies is noticed by the request streams and by a watchdog; the group is
+rebuilt (with expert parallelism every rank steps in lockstep, so all ranks restart) and
+each interrupted request is retried on the new ranks from its prompt plus the tokens it had
+already produced, or ends with a clear error.
 """
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
+import logging
+import time
 from collections import OrderedDict
 
 import ray
 from ray import serve
+from ray.exceptions import GetTimeoutError, RayActorError
+
+from engine.llm_engine import Overloaded
 
 from .decode_rank import DecodeRank
+
+log = logging.getLogger(__name__)
+MAX_RETRIES = 2
 
 
 @serve.deployment(name="DecodeGroup")
@@ -21,39 +39,57 @@ class DecodeGroup:
                  session_affinity: bool = True, max_running_per_rank: int = 64,
                  local_prefill_max_tokens: int = 256, transfer_timeout_s: float = 30.0,
                  rank_options: list[dict] | None = None, max_sessions: int = 100_000, eplb: dict | None = None,
-                 expert_parallel: bool = True):
-        options = rank_options or [{"num_cpus": 0, "num_gpus": 0}] * dp_size
-        self.ranks = [
-            DecodeRank.options(**options[r]).remote(r, model_path, engine_cfg, device, prefill_handle,
-                                                    local_prefill_max_tokens, transfer_timeout_s)
-            for r in range(dp_size)]
-        eplb = eplb or {}
-        ep = self._expert_parallel(model_path, dp_size, device, eplb) if dp_size > 1 and expert_parallel else None
-        info = ray.get([rank.start.remote(ep) for rank in self.ranks])
-        self.controller = None
-        if ep is not None and eplb.get("enabled", True):
-            self.controller = self._start_controller(model_path, ep, eplb, engine_cfg)
-        self.max_model_len = min(i["max_model_len"] for i in info)
-        self.running = [0] * dp_size
+                 expert_parallel: bool = True, max_requests_per_rank: int = 256, token_timeout_s: float = 120.0):
+        self.model_path, self.engine_cfg, self.device = model_path, engine_cfg, device
+        self.dp_size, self.prefill_handle = dp_size, prefill_handle
+        self.local_prefill_max_tokens, self.transfer_timeout_s = local_prefill_max_tokens, transfer_timeout_s
+        self.rank_options = rank_options or [{"num_cpus": 0, "num_gpus": 0}] * dp_size
+        self.eplb = eplb or {}
+        self.expert_parallel = expert_parallel and dp_size > 1
         self.session_affinity = session_affinity
         self.saturated_at = max_running_per_rank
+        self.capacity = max_requests_per_rank * dp_size
+        self.token_timeout_s = token_timeout_s
         self.max_sessions = max_sessions
         self.sessions: OrderedDict[str, int] = OrderedDict()
+        self.generation = 0
+        self.recoveries: list[dict] = []
+        self._rebuild_lock = asyncio.Lock()
+        self._watchdog = None
+        info = ray.get(self._launch())
+        self.max_model_len = min(i["max_model_len"] for i in info)
+        self._start_controller_sync()
 
-    def _expert_parallel(self, model_path: str, dp_size: int, device: str, eplb: dict) -> dict:
+    # building the ranks ---------------------------------------------------------------------
+    def _launch(self) -> list:
+        """Create the rank actors and start them; returns the start refs (every rank must be
+        starting at once: they meet in torch.distributed's rendezvous)."""
+        self.ranks = [
+            DecodeRank.options(**self.rank_options[r]).remote(
+                r, self.model_path, self.engine_cfg, self.device, self.prefill_handle,
+                self.local_prefill_max_tokens, self.transfer_timeout_s)
+            for r in range(self.dp_size)]
+        self.running = [0] * self.dp_size
+        self.ep = self._expert_parallel() if self.expert_parallel else None
+        self.controller = None
+        return [rank.start.remote(self.ep) for rank in self.ranks]
+
+    def _expert_parallel(self) -> dict:
         from engine.config import ModelConfig
 
-        cfg = ModelConfig.from_file(model_path)
-        num_slots = cfg.n_routed_experts + eplb.get("redundant_experts", 0)
-        if num_slots % dp_size:
+        cfg = ModelConfig.from_file(self.model_path)
+        num_slots = cfg.n_routed_experts + self.eplb.get("redundant_experts", 0)
+        if num_slots % self.dp_size:
             raise ValueError(f"{cfg.n_routed_experts} experts + eplb.redundant_experts "
-                             f"{eplb.get('redundant_experts', 0)} = {num_slots} slots do not split over "
-                             f"decode.dp_size {dp_size} ranks")
+                             f"{self.eplb.get('redundant_experts', 0)} = {num_slots} slots do not split over "
+                             f"decode.dp_size {self.dp_size} ranks")
         addr, port = ray.get(self.ranks[0].endpoint.remote())
-        return {"addr": addr, "port": port, "world": dp_size, "num_slots": num_slots,
-                "backend": "nccl" if device == "cuda" else "gloo"}
+        return {"addr": addr, "port": port, "world": self.dp_size, "num_slots": num_slots,
+                "backend": "nccl" if self.device == "cuda" else "gloo"}
 
-    def _start_controller(self, model_path: str, ep: dict, eplb: dict, engine_cfg: dict):
+    def _controller_actor(self):
+        if self.ep is None or not self.eplb.get("enabled", True):
+            return None
         import torch
 
         from engine.config import ModelConfig
@@ -61,17 +97,120 @@ class DecodeGroup:
 
         from .eplb_controller import EPLBController
 
-        cfg = ModelConfig.from_file(model_path)
+        cfg = ModelConfig.from_file(self.model_path)
         layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
-        elem = torch.finfo(getattr(torch, engine_cfg.get("dtype", "float32"))).bits // 8
-        controller = EPLBController.options(num_cpus=0).remote(
-            self.ranks, initial_placement(layers, cfg.n_routed_experts, ep["num_slots"]).tolist(),
-            cfg.n_routed_experts, num_groups=cfg.n_group, interval_s=eplb.get("interval_s", 30.0),
-            min_gain=eplb.get("min_gain", 0.05), stage_timeout_s=eplb.get("stage_timeout_s", 30.0),
+        elem = torch.finfo(getattr(torch, self.engine_cfg.get("dtype", "float32"))).bits // 8
+        return EPLBController.options(num_cpus=0).remote(
+            self.ranks, initial_placement(layers, cfg.n_routed_experts, self.ep["num_slots"]).tolist(),
+            cfg.n_routed_experts, num_groups=cfg.n_group, interval_s=self.eplb.get("interval_s", 30.0),
+            min_gain=self.eplb.get("min_gain", 0.05), stage_timeout_s=self.eplb.get("stage_timeout_s", 30.0),
             bytes_per_expert=3 * cfg.hidden_size * cfg.moe_intermediate_size * elem)
-        ray.get(controller.start.remote())
-        return controller
 
+    def _start_controller_sync(self) -> None:
+        self.controller = self._controller_actor()
+        if self.controller is not None:
+            ray.get(self.controller.start.remote())
+
+    async def _rebuild(self, seen_generation: int, why: str) -> None:
+        """Replace every rank (once per failure, however many requests noticed it)."""
+        async with self._rebuild_lock:
+            if self.generation != seen_generation:
+                return
+            t0 = time.monotonic()
+            log.warning("decode group rebuilding: %s", why)
+            for actor in self.ranks + ([self.controller] if self.controller is not None else []):
+                ray.kill(actor, no_restart=True)
+            await asyncio.gather(*self._launch())
+            self.controller = self._controller_actor()
+            if self.controller is not None:
+                await self.controller.start.remote()
+            self.sessions.clear()
+            self.generation += 1
+            self.recoveries.append({"why": why, "seconds": time.monotonic() - t0})
+
+    def _ensure_watchdog(self) -> None:
+        if self._watchdog is None:
+            self._watchdog = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self, period_s: float = 1.0) -> None:
+        """A rank can die with no request on it while the others wait for it in a collective:
+        ping them all, and rebuild when one is gone."""
+        while True:
+            await asyncio.sleep(period_s)
+            generation = self.generation
+            try:
+                await asyncio.wait_for(asyncio.gather(*[r.ping.remote() for r in self.ranks]), 30)
+            except (RayActorError, asyncio.TimeoutError) as e:
+                await self._rebuild(generation, f"watchdog: {type(e).__name__}")
+            except Exception:
+                log.exception("decode group watchdog")
+
+    # routing ----------------------------------------------------------------------------
+    def pick_rank(self, session_id: str | None, request: dict | None = None) -> int:
+        least = min(range(len(self.ranks)), key=lambda r: self.running[r])
+        key = session_id if self.session_affinity else None
+        if key is None and request is not None:
+            key = _prefix_key(request)
+        if key is None:
+            return least
+        bound = self.sessions.get(key)
+        rank = bound if bound is not None and bound < len(self.ranks) and self.running[bound] < self.saturated_at \
+            else least
+        self.sessions[key] = rank
+        self.sessions.move_to_end(key)
+        if len(self.sessions) > self.max_sessions:
+            self.sessions.popitem(last=False)
+        return rank
+
+    async def generate(self, request: dict, session_id: str | None = None):
+        """Streams the rank's per-token dicts, each tagged with the rank that served it."""
+        self._ensure_watchdog()
+        if sum(self.running) >= self.capacity:
+            raise Overloaded(f"all {self.dp_size} decode ranks are full ({self.capacity} requests admitted)",
+                             retry_after_s=1.0)
+        sampling = dict(request.get("sampling", {}))
+        max_tokens = sampling.get("max_tokens", 16)
+        prompt_ids, produced, attempt = None, [], 0
+        current = request
+        while True:
+            rank, generation = self.pick_rank(session_id, request), self.generation
+            self.running[rank] += 1
+            stream = self.ranks[rank].generate.options(num_returns="streaming").remote(current, session_id)
+            try:
+                async for ref in stream:
+                    out = await asyncio.wait_for(ref, self.token_timeout_s)
+                    if prompt_ids is None and out.get("prompt_token_ids") is not None:
+                        prompt_ids = out["prompt_token_ids"]
+                    produced += out["new_token_ids"]
+                    if attempt:  # usage counts the original prompt, not the retry's longer one
+                        out["num_prompt_tokens"] = len(prompt_ids)
+                    yield dict(out, rank=rank)
+                return
+            except (RayActorError, GetTimeoutError, asyncio.TimeoutError) as e:
+                attempt += 1
+                why = f"rank {rank}: {type(e).__name__}"
+                if attempt > MAX_RETRIES:
+                    yield _failed(f"decode failed after {MAX_RETRIES} retries ({why})", prompt_ids, rank)
+                    return
+                await self._rebuild(generation, why)
+                left = max_tokens - len(produced)
+                if left <= 0:
+                    yield dict(_failed(None, prompt_ids, rank), finish_reason="length", error=None)
+                    return
+                current = dict(request, request_id=f"{request['request_id']}:retry{attempt}",
+                               sampling=dict(sampling, max_tokens=left))
+                if prompt_ids is not None:  # continue from the tokens the client already has
+                    current.update(prompt=None, messages=None, prompt_token_ids=prompt_ids + produced)
+            finally:
+                if generation == self.generation:
+                    self.running[rank] -= 1
+                # The client went away (or the rank failed): stop the rank's request so its blocks free.
+                try:
+                    ray.cancel(stream)
+                except Exception:  # the rank is already gone
+                    pass
+
+    # operator tools -----------------------------------------------------------------------
     async def rebalance(self, force: bool = True, stage_delay_s: float = 0.0) -> dict:
         """Re-place experts now (by hand); returns the round's report."""
         if self.controller is None:
@@ -90,34 +229,29 @@ class DecodeGroup:
     async def eplb_status(self) -> dict | None:
         return await self.controller.status.remote() if self.controller is not None else None
 
-    def pick_rank(self, session_id: str | None) -> int:
-        least = min(range(len(self.ranks)), key=lambda r: self.running[r])
-        if not self.session_affinity or session_id is None:
-            return least
-        bound = self.sessions.get(session_id)
-        rank = bound if bound is not None and self.running[bound] < self.saturated_at else least
-        self.sessions[session_id] = rank
-        self.sessions.move_to_end(session_id)
-        if len(self.sessions) > self.max_sessions:
-            self.sessions.popitem(last=False)
-        return rank
-
-    async def generate(self, request: dict, session_id: str | None = None):
-        """Streams the rank's per-token dicts, each tagged with the rank that served it."""
-        rank = self.pick_rank(session_id)
-        self.running[rank] += 1
-        stream = self.ranks[rank].generate.options(num_returns="streaming").remote(request, session_id)
-        try:
-            async for ref in stream:
-                yield dict(await ref, rank=rank)
-        finally:
-            self.running[rank] -= 1
-            # The client went away (or the rank failed): stop the rank's request so its blocks free.
-            ray.cancel(stream)
-
     async def stats(self) -> list[dict]:
         return await asyncio.gather(*[rank.stats.remote() for rank in self.ranks])
 
+    def rank_actors(self) -> list:
+        """The rank actors (for operators and fault drills)."""
+        return list(self.ranks)
+
     def info(self) -> dict:
         return {"dp_size": len(self.ranks), "max_model_len": self.max_model_len, "running": list(self.running),
-                "sessions": len(self.sessions)}
+                "sessions": len(self.sessions), "generation": self.generation, "recoveries": list(self.recoveries)}
+
+
+def _prefix_key(request: dict, chars: int = 2048) -> str | None:
+    """Requests without a session that start alike (same system prompt and first turn) are
+    likely to share a cached prefix: key them by the head of their prompt."""
+    head = request.get("messages")
+    head = json.dumps(head[:2], sort_keys=True) if head else (request.get("prompt")
+                                                              or request.get("prompt_token_ids"))
+    if not head:
+        return None
+    return "prefix:" + hashlib.blake2b(str(head)[:chars].encode(), digest_size=12).hexdigest()
+
+
+def _failed(error: str | None, prompt_ids, rank: int) -> dict:
+    return {"text_delta": "", "new_token_ids": [], "finished": True, "finish_reason": "error", "error": error,
+            "num_prompt_tokens": len(prompt_ids or []), "num_cached_tokens": 0, "rank": rank}

@@ -36,6 +36,9 @@ class DecodeRank:
         self.prefill_side_hits = 0  # prompt tokens the prefill server found in its own cache
         self._reporter = None
 
+    def ping(self) -> bool:
+        return self.engine is not None and self.engine.dead is None
+
     def endpoint(self) -> tuple[str, int]:
         """Where rank 0 hosts the group's torch.distributed rendezvous."""
         import socket

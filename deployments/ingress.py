@@ -9,8 +9,8 @@ from typing import AsyncIterator
 from ray import serve
 from ray.exceptions import RayTaskError
 
-from app.service import OpenAIService, Overloaded
-from engine.llm_engine import RequestError
+from app.service import OpenAIService
+from engine.llm_engine import Overloaded, RequestError
 from engine.sampling import SamplingError
 
 

@@ -1,9 +1,9 @@
 """Ray-free inference engine for DeepSeek-family MoE models."""
 from .async_engine import AsyncLLMEngine
 from .config import ConfigError, EngineConfig, ModelConfig, preset
-from .llm_engine import ContextLengthError, LLMEngine, RequestError
+from .llm_engine import ContextLengthError, LLMEngine, Overloaded, RequestError
 from .sampling import SamplingError, SamplingParams
 from .sequence import RequestOutput
 
-__all__ = ["AsyncLLMEngine", "ConfigError", "ContextLengthError", "EngineConfig", "LLMEngine", "ModelConfig", "RequestError",
+__all__ = ["AsyncLLMEngine", "ConfigError", "ContextLengthError", "EngineConfig", "LLMEngine", "ModelConfig", "Overloaded", "RequestError",
            "RequestOutput", "SamplingError", "SamplingParams", "preset"]

@@ -20,6 +20,17 @@ class RequestError(ValueError):
     """A request the engine cannot serve (bad prompt, too long, duplicate id), named in the message."""
 
 
+class Overloaded(RuntimeError):
+    """The server cannot take the request now; the client should retry after `retry_after_s`."""
+
+    def __init__(self, message: str = "the server is overloaded; retry later", retry_after_s: float = 1.0):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    def __reduce__(self):
+        return (Overloaded, (str(self), self.retry_after_s))
+
+
 class ContextLengthError(RequestError):
     """The prompt does not fit the context (with room for one output token)."""
 
@@ -234,7 +245,9 @@ class LLMEngine:
         return self._output(seq, [token], delta)
 
     def _output(self, seq: Sequence, new_ids: list[int], delta: str) -> RequestOutput:
+        first = len(seq.output_ids) == 1 and bool(new_ids)
         return RequestOutput(
+            prompt_token_ids=list(seq.prompt_ids) if first else None,
             request_id=seq.request_id, new_token_ids=new_ids, output_token_ids=list(seq.output_ids),
             text_delta=delta, text=seq.text, finished=seq.is_finished, finish_reason=seq.finish_reason,
             num_prompt_tokens=len(seq.prompt_ids), num_cached_tokens=seq.prefix_hit_tokens, error=seq.error)

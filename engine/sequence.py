@@ -74,9 +74,11 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int      # prompt tokens served from the prefix cache
     error: str | None = None
+    prompt_token_ids: list[int] | None = None  # on a request's first token only
 
     def stream_dict(self) -> dict:
         """The per-token record streamed between processes and to the HTTP layer."""
         return {"text_delta": self.text_delta, "new_token_ids": list(self.new_token_ids), "finished": self.finished,
                 "finish_reason": self.finish_reason, "num_prompt_tokens": self.num_prompt_tokens,
-                "num_cached_tokens": self.num_cached_tokens, "error": self.error}
+                "num_cached_tokens": self.num_cached_tokens, "error": self.error,
+                **({"prompt_token_ids": self.prompt_token_ids} if self.prompt_token_ids is not None else {})}

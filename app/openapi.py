@@ -1,0 +1,298 @@
+"""The HTTP API's OpenAPI 3.1 description, served at GET /openapi.json.
+
+Request bodies start from the pydantic models in app/openai_api.py, so a field added there
+shows up here; then they are narrowed by what app/openai_api.py and engine/sampling.py check
+after parsing (ranges, roles, prompt forms), because a schema that admits what the server
+rejects would make schema-driven clients and fuzzers report false failures.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from engine.sampling import SamplingParams
+
+from . import openai_api as oa
+
+OPENAPI_VERSION = "3.1.0"
+_REF = "#/components/schemas/{model}"
+
+
+def _ref(name: str) -> dict:
+    return {"$ref": _REF.format(model=name)}
+
+
+def _nullable(schema: dict) -> dict:
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+def _pydantic_schema(model: type, components: dict) -> dict:
+    """The model's JSON schema with its nested models hoisted into `components`."""
+    schema = model.model_json_schema(ref_template=_REF)
+    for name, sub in schema.pop("$defs", {}).items():
+        components.setdefault(name, sub)
+    return schema
+
+
+def _set_branch(prop: dict, schema: dict) -> None:
+    """Replaces the non-null branch of a pydantic `X | None` property (keeping its title/default)."""
+    for i, branch in enumerate(prop["anyOf"]):
+        if branch.get("type") != "null":
+            prop["anyOf"][i] = schema
+            return
+    raise AssertionError(f"no non-null branch in {prop}")
+
+
+def _sampling_fields(props: dict, model_name: str, max_tokens_max: int | None) -> None:
+    stop_string = {"type": "string", "minLength": 1, "maxLength": SamplingParams.MAX_STOP_LEN}
+    # pydantic says only "string or null": the model name is checked after parsing (404)
+    _set_branch(props["model"], {"type": "string", "enum": [model_name]})
+    for name in ("max_tokens", "max_completion_tokens"):
+        bound: dict[str, Any] = {"type": "integer", "minimum": 1}
+        if max_tokens_max is not None:
+            bound["maximum"] = max_tokens_max
+        _set_branch(props[name], bound)
+    props["max_completion_tokens"]["description"] = "Wins over max_tokens when both are set."
+    _set_branch(props["temperature"], {"type": "number", "minimum": 0})
+    _set_branch(props["top_p"], {"type": "number", "exclusiveMinimum": 0, "maximum": 1})
+    _set_branch(props["top_k"], {"type": "integer", "minimum": -1})
+    props["top_k"]["description"] = "Extension: -1 or 0 turn it off."
+    props["stop"]["anyOf"] = [stop_string,
+                              {"type": "array", "items": stop_string, "maxItems": SamplingParams.MAX_STOP_STRINGS},
+                              {"type": "null"}]
+    _set_branch(props["stop_token_ids"], {"type": "array", "items": {"type": "integer", "minimum": 0}})
+    props["stop_token_ids"]["description"] = "Extension: token ids that end the generation."
+    props["n"].update(type="integer", enum=[1], description="Only one choice per request is supported.")
+    props["ignore_eos"]["description"] = "Extension: keep generating past the end-of-sequence token."
+    props["session_id"]["description"] = ("Extension: session key for cache affinity; the session header "
+                                          "and `user` take precedence.")
+
+
+def _request_schemas(components: dict, model_name: str, max_tokens_max: int | None,
+                     vocab_size: int | None) -> tuple[dict, dict]:
+    chat = _pydantic_schema(oa.ChatCompletionRequest, components)
+    completion = _pydantic_schema(oa.CompletionRequest, components)
+    for schema in (chat, completion):
+        _sampling_fields(schema["properties"], model_name, max_tokens_max)
+        # unknown fields (tools, logprobs, metadata, ...) are ignored, as OpenAI ignores them
+        schema["additionalProperties"] = True
+
+    chat["properties"]["messages"]["minItems"] = 1
+    message = components["ChatMessage"]
+    message["properties"]["role"]["enum"] = sorted({"system", "developer", "user", "assistant"})
+    message["additionalProperties"] = True
+    part = components["TextPart"]
+    # the model accepts any part and leaves the rejection of non-text ones to chat_messages()
+    part["properties"]["type"]["enum"] = ["text"]
+    part["properties"]["text"] = {"type": "string", "title": "Text"}
+    part["required"] = ["type", "text"]
+    part["additionalProperties"] = True
+
+    token = {"type": "integer", "minimum": 0}
+    if vocab_size is not None:
+        token["maximum"] = vocab_size - 1
+    token_ids = {"type": "array", "items": token, "minItems": 1}
+    completion["properties"]["prompt"]["anyOf"] = [
+        {"type": "string"},
+        token_ids,
+        # OpenAI's batch forms, limited here to a batch of one
+        {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 1},
+        {"type": "array", "items": token_ids, "minItems": 1, "maxItems": 1},
+    ]
+    completion["properties"]["prompt"]["description"] = (
+        "Text or token ids; together with max_tokens it must fit the model's context "
+        "(else 400 context_length_exceeded).")
+    return chat, completion
+
+
+def _response_schemas() -> dict:
+    usage = {
+        "type": "object",
+        "required": ["prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details"],
+        "properties": {
+            "prompt_tokens": {"type": "integer", "minimum": 0},
+            "completion_tokens": {"type": "integer", "minimum": 0},
+            "total_tokens": {"type": "integer", "minimum": 0},
+            "prompt_tokens_details": {"type": "object", "required": ["cached_tokens"],
+                                      "properties": {"cached_tokens": {"type": "integer", "minimum": 0}}},
+        },
+    }
+    finish = {"anyOf": [{"type": "string", "enum": ["stop", "length"]}, {"type": "null"}]}
+    text_or_null = {"anyOf": [{"type": "string"}, {"type": "null"}]}
+
+    def envelope(obj: str, choice: dict, *, streamed: bool) -> dict:
+        required = ["id", "object", "created", "model", "choices"]
+        if not streamed:
+            required.append("usage")
+        return {
+            "type": "object",
+            "required": required,
+            "properties": {
+                "id": {"type": "string", "pattern": "^(chatcmpl|cmpl)-"},
+                "object": {"type": "string", "enum": [obj]},
+                "created": {"type": "integer"},
+                "model": {"type": "string"},
+                "choices": {"type": "array", "items": choice, **({} if streamed else {"minItems": 1})},
+                "usage": _nullable(_ref("Usage")) if streamed else _ref("Usage"),
+            },
+        }
+
+    def choice(**fields: dict) -> dict:
+        return {"type": "object", "required": ["index", *fields, "finish_reason"],
+                "properties": {"index": {"type": "integer", "minimum": 0}, **fields,
+                               "logprobs": {"type": "null"}, "finish_reason": finish}}
+
+    message = {"type": "object", "required": ["role", "content"],
+               "properties": {"role": {"type": "string", "enum": ["assistant"]}, "content": {"type": "string"}}}
+    delta = {"type": "object", "properties": {"role": {"type": "string", "enum": ["assistant"]}, "content": text_or_null}}
+    return {
+        "Usage": usage,
+        "ChatCompletion": envelope("chat.completion", choice(message=message), streamed=False),
+        "TextCompletion": envelope("text_completion", choice(text={"type": "string"}), streamed=False),
+        "ChatCompletionChunk": envelope("chat.completion.chunk", choice(delta=delta), streamed=True),
+        "TextCompletionChunk": envelope("text_completion", choice(text={"type": "string"}), streamed=True),
+        "Error": {
+            "type": "object",
+            "required": ["error"],
+            "additionalProperties": False,
+            "properties": {"error": {
+                "type": "object",
+                "required": ["message", "type", "param", "code"],
+                "additionalProperties": False,
+                "properties": {
+                    "message": {"type": "string", "minLength": 1},
+                    "type": {"type": "string", "enum": ["invalid_request_error", "server_error"]},
+                    "param": text_or_null,
+                    "code": text_or_null,
+                },
+            }},
+        },
+        "Model": {
+            "type": "object",
+            "required": ["id", "object", "created", "owned_by"],
+            "properties": {"id": {"type": "string"}, "object": {"type": "string", "enum": ["model"]},
+                           "created": {"type": "integer"}, "owned_by": {"type": "string"},
+                           "max_model_len": {"type": "integer", "minimum": 1}},
+        },
+        "ModelList": {
+            "type": "object",
+            "required": ["object", "data"],
+            "properties": {"object": {"type": "string", "enum": ["list"]},
+                           "data": {"type": "array", "items": _ref("Model")}},
+        },
+        "Health": {
+            "type": "object",
+            "required": ["status"],
+            # the rest is the engine's statistics, which differ by backend
+            "properties": {"status": {"type": "string", "enum": ["ok"]}, "model": {"type": "string"}},
+        },
+        "Unhealthy": {
+            "type": "object",
+            "required": ["status", "error"],
+            "properties": {"status": {"type": "string", "enum": ["unhealthy"]}, "error": {"type": "string"}},
+        },
+    }
+
+
+def _error(description: str, headers: dict | None = None) -> dict:
+    out: dict[str, Any] = {"description": description, "content": {"application/json": {"schema": _ref("Error")}}}
+    if headers:
+        out["headers"] = headers
+    return out
+
+
+def _sse_event(chunk: str) -> dict:
+    """One server-sent event of a stream: its `data` is a chunk, an error, or the [DONE] sentinel.
+    Before OpenAPI 3.2 (itemSchema) the `schema` of text/event-stream describes each event."""
+    return {
+        "type": "object",
+        "required": ["data"],
+        "properties": {"data": {"anyOf": [
+            {"type": "string", "const": "[DONE]"},
+            {"type": "string", "contentMediaType": "application/json",
+             "contentSchema": {"anyOf": [_ref(chunk), _ref("Error")]}},
+        ]}},
+    }
+
+
+def _generation_operation(summary: str, request: str, body: str, chunk: str, max_body_bytes: int | None,
+                          auth: bool) -> dict:
+    too_large = "The body is larger than the server's limit"
+    if max_body_bytes is not None:
+        too_large += f" ({max_body_bytes} bytes)"
+    responses = {
+        "200": {
+            "description": (f"A {body} object, or with stream=true a server-sent event stream: one "
+                            f"`data: <{chunk} JSON>` event per piece of text, a last chunk with the "
+                            "finish_reason (and, with stream_options.include_usage, one more with `usage` "
+                            "and no choices), then `data: [DONE]`. A failure mid-stream is sent as a "
+                            "`data: <Error JSON>` event before [DONE]."),
+            "headers": {"x-request-id": {"schema": {"type": "string"}}},
+            "content": {"application/json": {"schema": _ref(body)},
+                        "text/event-stream": {"schema": _sse_event(chunk)}},
+        },
+        "400": _error("Invalid body: not UTF-8 JSON, a wrong field, a value out of range, or a prompt "
+                      "that does not fit the context (code context_length_exceeded); `param` names the field."),
+        "404": _error("The model is not the one this server serves (code model_not_found)."),
+        "413": _error(too_large + " (code request_too_large)."),
+        "500": _error("The engine failed before the first token (type server_error)."),
+        "503": _error("Overloaded (code overloaded); retry after Retry-After seconds.",
+                      {"Retry-After": {"schema": {"type": "string"}}}),
+    }
+    if auth:
+        responses["401"] = _error("Missing or wrong API key (code invalid_api_key).",
+                                  {"WWW-Authenticate": {"schema": {"type": "string"}}})
+    return {"post": {
+        "summary": summary,
+        "operationId": request[0].lower() + request[1:],
+        "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(request)}}},
+        "responses": responses,
+        **({"security": [{"bearerAuth": []}]} if auth else {}),
+    }}
+
+
+def openapi_spec(model_name: str, *, max_model_len: int | None = None, max_tokens_limit: int | None = None,
+                 max_body_bytes: int | None = None, vocab_size: int | None = None, auth: bool = False) -> dict:
+    """The OpenAPI document of build_http_app() serving `model_name`. The optional limits make the
+    schemas as tight as the server that is configured with them; `auth`: an API key is required."""
+    components: dict[str, Any] = {}
+    max_tokens_max = None
+    if max_model_len is not None:
+        # even a one-token prompt leaves only max_model_len - 1 tokens to generate
+        max_tokens_max = max_model_len - 1
+    if max_tokens_limit is not None:
+        max_tokens_max = min(max_tokens_limit, max_tokens_max or max_tokens_limit)
+    chat, completion = _request_schemas(components, model_name, max_tokens_max, vocab_size)
+    components.update(ChatCompletionRequest=chat, CompletionRequest=completion, **_response_schemas())
+
+    models_responses: dict[str, Any] = {"200": {"description": "The served model.",
+                                                "content": {"application/json": {"schema": _ref("ModelList")}}}}
+    if auth:
+        models_responses["401"] = _error("Missing or wrong API key (code invalid_api_key).")
+    spec = {
+        "openapi": OPENAPI_VERSION,
+        "info": {"title": "wideep-serve", "version": "1",
+                 "description": f"OpenAI-compatible API serving {model_name!r}. Every 4xx body is an "
+                                "OpenAI-style error object."},
+        "paths": {
+            "/v1/chat/completions": _generation_operation(
+                "Chat completion", "ChatCompletionRequest", "ChatCompletion", "ChatCompletionChunk",
+                max_body_bytes, auth),
+            "/v1/completions": _generation_operation(
+                "Legacy text completion (max_tokens defaults to 16)", "CompletionRequest", "TextCompletion",
+                "TextCompletionChunk", max_body_bytes, auth),
+            "/v1/models": {"get": {
+                "summary": "The served model", "operationId": "listModels", "responses": models_responses,
+                **({"security": [{"bearerAuth": []}]} if auth else {})}},
+            "/health": {"get": {
+                "summary": "Liveness of the engine (needs no API key)", "operationId": "health",
+                "responses": {
+                    "200": {"description": "Healthy, with the engine's statistics.",
+                            "content": {"application/json": {"schema": _ref("Health")}}},
+                    "503": {"description": "The engine stopped.",
+                            "content": {"application/json": {"schema": _ref("Unhealthy")}}},
+                }}},
+        },
+        "components": {"schemas": components,
+                       "securitySchemes": {"bearerAuth": {"type": "http", "scheme": "bearer"}}},
+    }
+    return spec
