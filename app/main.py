@@ -68,12 +68,17 @@ def build_app(args: dict | None = None):
             **({"request_router_config": router} if router else {}), **scaling,
         ).bind(model_path, engine_cfg, cfg.prefill.devices, cfg.kv_transport.timeout_s)
 
-    decode = DecodeGroup.options(ray_actor_options=cpu_only or {"num_cpus": 0}).bind(
+    # Admission is bounded by the decode group itself (503 + Retry-After beyond its capacity), so
+    # Serve must let every request reach it rather than queue them unboundedly in front of it.
+    capacity = cfg.routing.max_requests_per_rank * cfg.decode.dp_size
+    decode = DecodeGroup.options(ray_actor_options=cpu_only or {"num_cpus": 0},
+                                 max_ongoing_requests=2 * capacity + 16).bind(
         model_path, engine_cfg, cfg.decode.dp_size, cfg.decode.devices, prefill,
         cfg.routing.session_affinity, cfg.routing.max_running_per_rank,
         cfg.kv_transport.local_prefill_max_tokens, cfg.kv_transport.timeout_s, _rank_options(cfg),
         eplb=cfg.eplb.model_dump(), expert_parallel=cfg.decode.expert_parallel,
         max_requests_per_rank=cfg.routing.max_requests_per_rank, token_timeout_s=cfg.routing.token_timeout_s)
     max_model_len = context_limit(ModelConfig.from_file(model_path), EngineConfig(**engine_cfg))
-    return Ingress.options(ray_actor_options=cpu_only or {"num_cpus": cfg.placement.ingress_cpus}).bind(
-        decode, cfg.model.served_name, max_model_len, cfg.routing.model_dump(), cfg.http.model_dump())
+    return Ingress.options(ray_actor_options=cpu_only or {"num_cpus": cfg.placement.ingress_cpus},
+                           max_ongoing_requests=2 * capacity + 16).bind(
+        decode, cfg.model.served_name, max_model_len, cfg.routing.model_dump(), cfg.http.model_dump(), capacity)

@@ -17,13 +17,20 @@ from engine.sampling import SamplingError
 class ServeBackend:
     """The HTTP app's backend: the decode group's streaming `generate`, through a handle."""
 
-    def __init__(self, decode_handle, model_name: str, max_model_len: int):
+    def __init__(self, decode_handle, model_name: str, max_model_len: int, capacity: int | None = None):
         self.decode = decode_handle.options(stream=True)
         self.info = decode_handle.info
         self.model_name = model_name
         self.max_model_len = max_model_len
+        self.capacity = capacity
+        self.inflight = 0
 
     async def generate(self, request: dict, session_id: str | None) -> AsyncIterator[dict]:
+        # Shed here, before any hop: under overload the answer must come fast (the decode group
+        # checks again for callers that reach it through a handle).
+        if self.capacity is not None and self.inflight >= self.capacity:
+            raise Overloaded(f"{self.inflight} requests in flight (capacity {self.capacity})", retry_after_s=1.0)
+        self.inflight += 1
         stream = self.decode.generate.remote(request, session_id=session_id)
         try:
             async for out in stream:
@@ -34,6 +41,7 @@ class ServeBackend:
                 raise e.cause from None
             raise
         finally:
+            self.inflight -= 1
             stream.cancel()  # a no-op once finished; aborts the request upstream otherwise
 
     async def health(self) -> dict:
@@ -56,8 +64,9 @@ class Ingress:
     the HTTP status it would have had.
     """
 
-    def __init__(self, decode_handle, model_name: str, max_model_len: int, routing: dict, http: dict):
-        self.backend = ServeBackend(decode_handle, model_name, max_model_len)
+    def __init__(self, decode_handle, model_name: str, max_model_len: int, routing: dict, http: dict,
+                 capacity: int | None = None):
+        self.backend = ServeBackend(decode_handle, model_name, max_model_len, capacity)
         self.service = OpenAIService(self.backend, http.get("max_tokens_limit"))
         self.routing = routing
         self.http = http
