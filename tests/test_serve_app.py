@@ -166,6 +166,31 @@ def test_bad_input_over_http_gets_openai_errors(served):
     assert ok.status_code == 200
 
 
+def test_client_disconnect_mid_stream_aborts_everywhere(served):
+    import time
+
+    import httpx2 as httpx
+    _, port = served
+    body = {"model": "tiny", "prompt": list(range(5, 200)), "max_tokens": 500, "ignore_eos": True, "stream": True}
+    steps_before = max(s["steps"] for s in _decode_stats())
+    with httpx.Client(timeout=60) as client:
+        with client.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body) as r:
+            lines = 0
+            for line in r.iter_lines():
+                lines += line.startswith("data: ")
+                if lines == 3:
+                    break  # the client goes away mid-stream
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        stats = _decode_stats()
+        if all(s["running"] == 0 and s["kv_blocks_used"] == 0 for s in stats):
+            break
+        time.sleep(0.2)
+    assert all(s["running"] == 0 and s["kv_blocks_used"] == 0 for s in stats), stats
+    # nowhere near 500 tokens were produced: the request was aborted, not finished
+    assert max(s["steps"] for s in stats) - steps_before < 300
+
+
 def test_pools_empty_after_the_tests(served):
     time_left = 50
     while time_left:
