@@ -205,18 +205,22 @@ _SAMPLING_ERROR_FIELD = re.compile(r"^invalid (\w+):")
 def sampling_params(req: _SamplingFields, *, default_max_tokens: int, max_model_len: int,
                     max_tokens_limit: int | None = None) -> SamplingParams:
     """Validated engine parameters; every problem is a 400 naming the field."""
-    field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    # both limits are checked when both are given; the newer max_completion_tokens wins
+    for field in ("max_tokens", "max_completion_tokens"):
+        value = getattr(req, field)
+        if value is None:
+            continue
+        if value < 1:
+            raise bad_request(f"{field} must be at least 1, got {value}", param=field)
+        if max_tokens_limit is not None and value > max_tokens_limit:
+            raise bad_request(f"{field} is {value}; this server allows at most {max_tokens_limit}", param=field)
+        if value >= max_model_len:
+            # even a one-token prompt leaves only max_model_len - 1 tokens to generate
+            raise bad_request(f"{field} is {value}; the model's context is {max_model_len} tokens "
+                              "including the prompt", param=field, code="context_length_exceeded")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is None:
         max_tokens = default_max_tokens
-    elif max_tokens < 1:
-        raise bad_request(f"{field} must be at least 1, got {max_tokens}", param=field)
-    elif max_tokens_limit is not None and max_tokens > max_tokens_limit:
-        raise bad_request(f"{field} is {max_tokens}; this server allows at most {max_tokens_limit}", param=field)
-    elif max_tokens >= max_model_len:
-        # even a one-token prompt leaves only max_model_len - 1 tokens to generate
-        raise bad_request(f"{field} is {max_tokens}; the model's context is {max_model_len} tokens "
-                          "including the prompt", param=field, code="context_length_exceeded")
     kwargs: dict[str, Any] = {"max_tokens": max_tokens, "ignore_eos": req.ignore_eos, "n": req.n}
     for name in ("temperature", "top_p", "seed", "stop", "stop_token_ids"):
         value = getattr(req, name)
