@@ -49,8 +49,7 @@ class ModelRunner:
         starts, ctx_lens = [], []
         for seq, n in zip(batch.seqs, batch.num_tokens):
             start = seq.num_computed_tokens
-            tokens = seq.token_ids
-            ids.extend(tokens[start:start + n])
+            ids.extend(seq.token_slice(start, start + n))
             for p in range(start, start + n):
                 if p >= seq.num_cached_tokens:  # replayed positions keep their cached global KV
                     write_rows.append(len(positions))
