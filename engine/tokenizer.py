@@ -72,7 +72,9 @@ class Tokenizer:
 
 
 class IncrementalDetokenizer:
-    """Text of a growing list of output ids, for streaming deltas.
+    """Text of a growing list of output ids, for streaming deltas, decoding only the newest
+    tokens each step (with the previous token as context, so a tokenizer that drops a
+    leading space at the start of a decode still spaces words right).
 
     Leaves out a trailing incomplete UTF-8 sequence (decoded as U+FFFD) until it completes,
     unless the output is final.
@@ -80,7 +82,15 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
+        self.text = ""
+        self.prefix = 0  # first id of the context window
+        self.read = 0    # ids before this one are in self.text
 
     def text_for(self, output_ids: list[int], final: bool = False) -> str:
-        text = self.tokenizer.decode(output_ids)
-        return text if final else text.rstrip("\ufffd")
+        decode = self.tokenizer.decode
+        seen = decode(output_ids[self.prefix:self.read])
+        window = decode(output_ids[self.prefix:])
+        if len(window) > len(seen) and (final or not window.endswith("\ufffd")):
+            self.text += window[len(seen):]
+            self.prefix, self.read = max(self.read - 1, 0), len(output_ids)
+        return self.text
