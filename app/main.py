@@ -60,13 +60,16 @@ def build_app(args: dict | None = None):
     if cfg.kv_transport.backend != "none" and cfg.prefill.max_groups > 0:
         scaling = ({"autoscaling_config": cfg.prefill.autoscaling_config.to_serve()}
                    if cfg.prefill.autoscaling_config else {"num_replicas": cfg.prefill.replicas})
-        actor = {"num_cpus": 0} if cfg.prefill.devices == "cpu" else {"num_gpus": cfg.prefill.group_size}
+        # a group of one runs its engine in the replica; a larger group's ranks hold the GPUs
+        in_replica = cfg.prefill.devices == "cuda" and cfg.prefill.group_size == 1
+        actor = {"num_cpus": 0, **({"num_gpus": 1} if in_replica else {})}
         router = RequestRouterConfig(request_router_class=SessionAffinityRouter) \
             if cfg.routing.session_affinity else None
         prefill = PrefillServer.options(
-            ray_actor_options=actor, max_ongoing_requests=cfg.engine.max_num_seqs,
+            ray_actor_options=actor, max_ongoing_requests=cfg.engine.max_num_seqs * cfg.prefill.group_size,
             **({"request_router_config": router} if router else {}), **scaling,
-        ).bind(model_path, engine_cfg, cfg.prefill.devices, cfg.kv_transport.timeout_s)
+        ).bind(model_path, engine_cfg, cfg.prefill.devices, cfg.kv_transport.timeout_s, cfg.prefill.group_size,
+               ModelConfig.from_file(model_path).n_routed_experts + cfg.eplb.redundant_experts)
 
     # Admission is bounded by the decode group itself (503 + Retry-After beyond its capacity), so
     # Serve must let every request reach it rather than queue them unboundedly in front of it.
