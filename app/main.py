@@ -32,17 +32,14 @@ def resolve_model(cfg: AppConfig) -> Path:
     return ensure_checkpoint(cfg.model.preset, root=CHECKPOINT_ROOT).resolve()
 
 
-def _rank_options(cfg: AppConfig) -> list[dict] | None:
-    """GPU ranks go into one placement group packed into one NVLink domain; CPU ranks need none."""
+def _rank_placement(cfg: AppConfig) -> dict | None:
+    """GPU decode ranks go into one placement group packed into one NVLink domain, reserved by
+    the DecodeGroup replica that owns them; CPU ranks need none."""
     if cfg.decode.devices != "cuda":
         return None
-    from placement.ray_groups import create_groups, live_plan, rank_options, wait_ready
-
-    plan = live_plan(cfg.layout(), cfg.placement.domain_label)
-    placed = create_groups(plan, domain_label=cfg.placement.domain_label, pin_nodes=cfg.placement.pin_nodes)
-    wait_ready(placed, cfg.placement.ready_timeout_s)
-    group = placed["decode-0"]
-    return [rank_options(group, r, cfg.placement.rank_cpus) for r in range(cfg.decode.dp_size)]
+    return {"layout": cfg.layout(), "group_name": "decode-0", "domain_label": cfg.placement.domain_label,
+            "pin_nodes": cfg.placement.pin_nodes, "rank_cpus": cfg.placement.rank_cpus,
+            "timeout_s": cfg.placement.ready_timeout_s}
 
 
 def build_app(args: dict | None = None):
@@ -78,7 +75,7 @@ def build_app(args: dict | None = None):
                                  max_ongoing_requests=2 * capacity + 16).bind(
         model_path, engine_cfg, cfg.decode.dp_size, cfg.decode.devices, prefill,
         cfg.routing.session_affinity, cfg.routing.max_running_per_rank,
-        cfg.kv_transport.local_prefill_max_tokens, cfg.kv_transport.timeout_s, _rank_options(cfg),
+        cfg.kv_transport.local_prefill_max_tokens, cfg.kv_transport.timeout_s, _rank_placement(cfg),
         eplb=cfg.eplb.model_dump(), expert_parallel=cfg.decode.expert_parallel,
         max_requests_per_rank=cfg.routing.max_requests_per_rank, token_timeout_s=cfg.routing.token_timeout_s)
     max_model_len = context_limit(ModelConfig.from_file(model_path), EngineConfig(**engine_cfg))

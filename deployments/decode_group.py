@@ -38,12 +38,16 @@ class DecodeGroup:
     def __init__(self, model_path: str, engine_cfg: dict, dp_size: int, device: str, prefill_handle=None,
                  session_affinity: bool = True, max_running_per_rank: int = 64,
                  local_prefill_max_tokens: int = 256, transfer_timeout_s: float = 30.0,
-                 rank_options: list[dict] | None = None, max_sessions: int = 100_000, eplb: dict | None = None,
+                 rank_placement: dict | None = None, max_sessions: int = 100_000, eplb: dict | None = None,
                  expert_parallel: bool = True, max_requests_per_rank: int = 256, token_timeout_s: float = 120.0):
         self.model_path, self.engine_cfg, self.device = model_path, engine_cfg, device
         self.dp_size, self.prefill_handle = dp_size, prefill_handle
         self.local_prefill_max_tokens, self.transfer_timeout_s = local_prefill_max_tokens, transfer_timeout_s
-        self.rank_options = rank_options or [{"num_cpus": 0, "num_gpus": 0}] * dp_size
+        if rank_placement is not None:  # GPU: this replica reserves (and owns) its ranks' placement group
+            from placement.ray_groups import group_rank_options
+            self.rank_options = group_rank_options(**rank_placement)
+        else:
+            self.rank_options = [{"num_cpus": 0, "num_gpus": 0}] * dp_size
         self.eplb = eplb or {}
         self.expert_parallel = expert_parallel and dp_size > 1
         self.session_affinity = session_affinity

@@ -164,3 +164,19 @@ def check_ranks(
     if len(reports) != len(group.slots):
         problems.append(f"{group.spec.name}: {len(reports)} reports for {len(group.slots)} ranks")
     return problems
+
+
+def group_rank_options(layout: Layout, group_name: str, domain_label: str = DOMAIN_LABEL, pin_nodes: bool = True,
+                       rank_cpus: float = 0.0, timeout_s: float = 300.0) -> list[dict[str, Any]]:
+    """Plan the whole layout on the live cluster (so a layout that cannot fit fails here, with
+    what is missing), reserve only `group_name`'s placement group, and return the
+    ``.options(...)`` of each of its ranks. Call it from the process that owns the ranks: the
+    group lives as long as that process."""
+    import dataclasses
+
+    plan = live_plan(layout, domain_label)
+    only = dataclasses.replace(plan, groups=[plan.group(group_name)])
+    placed = create_groups(only, domain_label=domain_label, pin_nodes=pin_nodes)
+    wait_ready(placed, timeout_s)
+    group = placed[group_name]
+    return [rank_options(group, r, rank_cpus) for r in range(len(group.plan.slots))]

@@ -143,3 +143,26 @@ def test_domain_selector_alone_keeps_group_inside_the_domain(cluster):
         for a in actors:
             ray.kill(a)
         ray_groups.remove_groups(placed)
+
+
+def test_group_rank_options_reserves_only_the_named_group(cluster):
+    """What a DecodeGroup replica does on GPUs: plan everything, reserve its own group only."""
+    from ray.util.placement_group import placement_group_table
+
+    layout = Layout([GroupSpec("decode-0", "decode", 4), GroupSpec("prefill-0", "prefill", 2, span="node")])
+    before = {pg_id for pg_id, t in placement_group_table().items() if t["state"] == "CREATED"}
+    options = ray_groups.group_rank_options(layout, "decode-0", timeout_s=60)
+    created = [t for pg_id, t in placement_group_table().items() if t["state"] == "CREATED" and pg_id not in before]
+    actors = [Rank.options(**o).remote() for o in options]
+    try:
+        reports = ray.get([a.where.remote() for a in actors], timeout=120)
+        assert len(options) == 4 and len(created) == 1 and len(created[0]["bundles"]) == 4
+        assert len({r["labels"][DOMAIN_LABEL] for r in reports}) == 1
+        assert len({r["cuda_visible_devices"] for r in reports}) == 4  # one GPU each, all different
+    finally:
+        for a in actors:
+            ray.kill(a)
+        from ray.util.placement_group import remove_placement_group
+        remove_placement_group(options[0]["scheduling_strategy"].placement_group)
+    with pytest.raises(PlacementError):
+        ray_groups.group_rank_options(Layout([GroupSpec("decode-0", "decode", 12)]), "decode-0")
