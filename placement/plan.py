@@ -276,8 +276,11 @@ def pg_request(plan: Plan, group: GroupPlan, domain_label: str = DOMAIN_LABEL, p
         pinned = pin_nodes and node is not None and node.ray_node_id is not None
         sel: dict[str, str] = {}
         # A prefill group may land anywhere, so it names a domain only when
-        # pinned to an exact node anyway.
-        if slot.domain and (spec.span == "domain" or pinned):
+        # pinned to an exact node anyway. A domain inferred for a node that carries no
+        # domain label (a lone HGX node) cannot be selected by label: the node pin does it.
+        # Described clusters name their domains for nodes labelled that way when they start.
+        labelled = node is None or node.ray_node_id is None or domain_label in node.labels
+        if slot.domain and labelled and (spec.span == "domain" or pinned):
             sel[domain_label] = label_value(slot.domain)
         if pinned:
             sel[RAY_NODE_ID_LABEL] = node.ray_node_id

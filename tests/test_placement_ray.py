@@ -166,3 +166,16 @@ def test_group_rank_options_reserves_only_the_named_group(cluster):
         remove_placement_group(options[0]["scheduling_strategy"].placement_group)
     with pytest.raises(PlacementError):
         ray_groups.group_rank_options(Layout([GroupSpec("decode-0", "decode", 12)]), "decode-0")
+
+
+def test_unlabelled_gpu_node_is_pinned_by_node_id_not_by_a_domain_label():
+    """A GPU node without a domain label is its own domain; its placement group must not ask
+    for a label the node does not carry (it would never be scheduled)."""
+    from placement.plan import pg_request
+    from placement.topology import cluster_from_ray_nodes
+
+    nodes = [{"NodeID": "ab" * 28, "Alive": True, "Resources": {"GPU": 2.0, "CPU": 8.0}, "Labels": {}}]
+    plan = make_plan(cluster_from_ray_nodes(nodes), Layout([GroupSpec("decode-0", "decode", 2)]))
+    req = pg_request(plan, plan.group("decode-0"))
+    for sel in req["bundle_label_selector"]:
+        assert DOMAIN_LABEL not in sel and sel["ray.io/node-id"] == "ab" * 28
