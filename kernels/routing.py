@@ -1,0 +1,211 @@
+"""Fused MoE routing: sigmoid scores, group-limited top-k, weights, physical slots and the
+per-slot token count, in one kernel launch.
+
+The unfused torch sequence (engine/moe.py `route`, `ExpertMap.slots_for` and the slot count)
+is a couple of dozen small launches per MoE layer, which dominates at decode batch sizes;
+here one program takes a block of tokens and does all of it in registers.
+
+`route_reference` defines the semantics; `route_triton` must match it (ids and slots exactly
+when the scores have no ties, weights to float32 rounding); `fused_route` picks one.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import triton_ok
+
+try:
+    import triton
+    import triton.language as tl
+except Exception:  # the reference path must keep working where triton is absent
+    triton = None
+
+
+def _check(logits, bias, n_group, topk_group, top_k, log2phys, num_replicas, slot_load) -> None:
+    if logits.dim() != 2:
+        raise ValueError("logits must be [T, E]")
+    e = logits.shape[1]
+    if bias.shape != (e,):
+        raise ValueError(f"bias must be [{e}]")
+    if n_group < 1 or e % n_group:
+        raise ValueError(f"n_group={n_group} must divide E={e}")
+    group_size = e // n_group
+    if n_group > 1 and group_size < 2:
+        raise ValueError("a group's score is the sum of its two best experts: groups need >= 2 experts")
+    if n_group > 1 and not 1 <= topk_group <= n_group:
+        raise ValueError(f"topk_group={topk_group} must be in [1, n_group={n_group}]")
+    eligible = topk_group * group_size if n_group > 1 else e
+    if not 1 <= top_k <= eligible:
+        raise ValueError(f"top_k={top_k} must be in [1, {eligible}] (experts in the eligible groups)")
+    if log2phys.dim() != 2 or log2phys.shape[0] != e or num_replicas.shape != (e,):
+        raise ValueError(f"log2phys must be [{e}, R] and num_replicas [{e}]")
+    if log2phys.dtype != torch.long or num_replicas.dtype != torch.long:
+        raise ValueError("log2phys and num_replicas must be int64")
+    if slot_load is not None and (slot_load.dim() != 1 or slot_load.dtype != torch.long):
+        raise ValueError("slot_load must be a 1-D int64 tensor")
+
+
+def route_reference(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk_group: int, top_k: int,
+                    norm_topk_prob: bool, scaling: float, log2phys: torch.Tensor, num_replicas: torch.Tensor,
+                    slot_load: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The unfused torch sequence; see `fused_route` for the contract."""
+    _check(logits, bias, n_group, topk_group, top_k, log2phys, num_replicas, slot_load)
+    scores = logits.float().sigmoid()
+    choice = scores + bias.float()
+    t, e = choice.shape
+    if n_group > 1:
+        grouped = choice.view(t, n_group, e // n_group)
+        group_scores = grouped.topk(2, dim=-1).values.sum(-1)
+        keep = group_scores.topk(topk_group, dim=-1).indices
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+        choice = choice.masked_fill(~group_mask.repeat_interleave(e // n_group, dim=1), float("-inf"))
+    ids = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    weights = weights * scaling
+    # A replicated expert spreads its tokens over its replicas by token row.
+    tok = torch.arange(t, device=ids.device)[:, None]
+    slots = log2phys[ids, tok % num_replicas[ids]]
+    if slot_load is not None:
+        flat = slots.flatten()
+        slot_load.scatter_add_(0, flat, torch.ones_like(flat))
+    return ids, weights, slots
+
+
+if triton is not None:
+    @triton.jit
+    def _route_kernel(logits_ptr, bias_ptr, log2phys_ptr, num_replicas_ptr, slot_load_ptr,
+                      ids_ptr, weights_ptr, slots_ptr,
+                      T, E, stride_t, R, scaling,
+                      N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                      TOP_K: tl.constexpr, NORM: tl.constexpr, COUNT: tl.constexpr,
+                      BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
+                      BLOCK_K: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        cols = tl.arange(0, BLOCK_E)
+        row_ok = rows < T
+        col_ok = cols < E
+        neg_inf = float("-inf")
+
+        x = tl.load(logits_ptr + rows[:, None].to(tl.int64) * stride_t + cols[None, :],
+                    mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+        scores = 1.0 / (1.0 + tl.exp(-x))
+        bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        # Padding columns must never win a selection round.
+        choice = tl.where(col_ok[None, :], scores + bias[None, :], neg_inf)
+
+        if N_GROUP > 1:
+            group_of = cols // GROUP_SIZE
+            gcols = tl.arange(0, BLOCK_G)
+            group_score = tl.full([BLOCK_T, BLOCK_G], neg_inf, tl.float32)
+            for g in tl.static_range(N_GROUP):
+                v = tl.where((group_of == g)[None, :], choice, neg_inf)
+                best = tl.max(v, axis=1)
+                # Drop one occurrence of the best (not all equal ones) so a tie still counts twice, as topk(2) does.
+                first = tl.min(tl.where(v == best[:, None], cols[None, :], BLOCK_E), axis=1)
+                second = tl.max(tl.where(cols[None, :] == first[:, None], neg_inf, v), axis=1)
+                group_score = tl.where(gcols[None, :] == g, (best + second)[:, None], group_score)
+            keep = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.int32)
+            for _ in tl.static_range(TOPK_GROUP):
+                gbest = tl.max(group_score, axis=1)
+                gi = tl.min(tl.where(group_score == gbest[:, None], gcols[None, :], BLOCK_G), axis=1)
+                keep = tl.where(group_of[None, :] == gi[:, None], 1, keep)
+                group_score = tl.where(gcols[None, :] == gi[:, None], neg_inf, group_score)
+            choice = tl.where(keep != 0, choice, neg_inf)
+
+        # top_k rounds of argmax-and-mask give ids in descending choice order, like torch.topk.
+        kcols = tl.arange(0, BLOCK_K)
+        ids = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
+        weights = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
+        for k in tl.static_range(TOP_K):
+            best = tl.max(choice, axis=1)
+            idx = tl.min(tl.where(choice == best[:, None], cols[None, :], BLOCK_E), axis=1)
+            hit = cols[None, :] == idx[:, None]
+            w = tl.sum(tl.where(hit, scores, 0.0), axis=1)
+            choice = tl.where(hit, neg_inf, choice)
+            ids = tl.where(kcols[None, :] == k, idx[:, None], ids)
+            weights = tl.where(kcols[None, :] == k, w[:, None], weights)
+        if NORM:
+            weights = weights / (tl.sum(weights, axis=1)[:, None] + 1e-20)
+        weights = weights * scaling
+
+        out_ok = row_ok[:, None] & (kcols[None, :] < TOP_K)
+        nrep = tl.load(num_replicas_ptr + ids, mask=out_ok, other=1)
+        replica = rows[:, None].to(tl.int64) % nrep
+        slots = tl.load(log2phys_ptr + ids.to(tl.int64) * R + replica, mask=out_ok, other=0)
+
+        out = rows[:, None].to(tl.int64) * TOP_K + kcols[None, :]
+        tl.store(ids_ptr + out, ids.to(tl.int64), mask=out_ok)
+        tl.store(weights_ptr + out, weights, mask=out_ok)
+        tl.store(slots_ptr + out, slots, mask=out_ok)
+        if COUNT:
+            tl.atomic_add(slot_load_ptr + slots, tl.full([BLOCK_T, BLOCK_K], 1, tl.int64), mask=out_ok)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _launch_config(t: int, e: int) -> tuple[int, int]:
+    """(tokens per program, warps). Small token blocks spread a decode batch over many SMs;
+    one warp per program keeps each row's reductions in warp shuffles."""
+    block_e = _pow2(e)
+    if t <= 512:
+        block_t = 2
+    elif t <= 4096:
+        block_t = 4
+    else:
+        block_t = 8
+    block_t = max(1, min(block_t, 4096 // block_e))
+    warps = 1 if block_t * block_e <= 1024 else 4
+    return block_t, warps
+
+
+def route_triton(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk_group: int, top_k: int,
+                 norm_topk_prob: bool, scaling: float, log2phys: torch.Tensor, num_replicas: torch.Tensor,
+                 slot_load: torch.Tensor | None = None,
+                 block_t: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The Triton kernel; see `fused_route` for the contract. `block_t` overrides the tokens per program."""
+    if triton is None:
+        raise RuntimeError("triton is not available")
+    _check(logits, bias, n_group, topk_group, top_k, log2phys, num_replicas, slot_load)
+    t, e = logits.shape
+    dev = logits.device
+    ids = torch.empty(t, top_k, dtype=torch.long, device=dev)
+    weights = torch.empty(t, top_k, dtype=torch.float32, device=dev)
+    slots = torch.empty(t, top_k, dtype=torch.long, device=dev)
+    if t == 0:
+        return ids, weights, slots
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    cfg_block_t, warps = _launch_config(t, e)
+    block_t = block_t or cfg_block_t
+    _route_kernel[(triton.cdiv(t, block_t),)](
+        logits, bias.contiguous(), log2phys.contiguous(), num_replicas.contiguous(),
+        slot_load if slot_load is not None else slots,  # a dummy pointer when not counting
+        ids, weights, slots,
+        t, e, logits.stride(0), log2phys.shape[1], float(scaling),
+        N_GROUP=n_group, GROUP_SIZE=e // n_group, TOPK_GROUP=topk_group if n_group > 1 else 1,
+        TOP_K=top_k, NORM=bool(norm_topk_prob), COUNT=slot_load is not None,
+        BLOCK_T=block_t, BLOCK_E=_pow2(e), BLOCK_G=max(2, _pow2(n_group)), BLOCK_K=max(2, _pow2(top_k)),
+        num_warps=warps,
+    )
+    return ids, weights, slots
+
+
+def fused_route(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk_group: int, top_k: int,
+                norm_topk_prob: bool, scaling: float, log2phys: torch.Tensor, num_replicas: torch.Tensor,
+                slot_load: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 routing of router logits [T, E] to (ids, weights, slots), each [T, top_k].
+
+    scores = sigmoid(logits) in fp32; choice = scores + bias. With n_group > 1 only the best
+    `topk_group` groups (group score: the sum of its two largest choice values) are eligible.
+    ids: the top_k logical experts by choice among the eligible, in descending choice order.
+    weights (fp32): scores at ids, divided by (their sum + 1e-20) if norm_topk_prob, times scaling.
+    slots: log2phys[e, t % num_replicas[e]] for expert e of token row t.
+    slot_load [S] (int64), when given, is incremented by the number of (token, k) pairs per slot.
+    Triton on CUDA tensors (or anywhere under TRITON_INTERPRET=1), the torch reference elsewhere.
+    """
+    fn = route_triton if triton is not None and triton_ok(logits) else route_reference
+    return fn(logits, bias, n_group, topk_group, top_k, norm_topk_prob, scaling, log2phys, num_replicas, slot_load)

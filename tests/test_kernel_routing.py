@@ -1,0 +1,184 @@
+"""Fused MoE routing kernel against its torch reference (and the reference against engine/moe.py)."""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
+
+triton = pytest.importorskip("triton")
+
+from kernels.routing import fused_route, route_reference, route_triton  # noqa: E402
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
+
+
+def expert_map(phys2log: list[int], num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log2phys [E, R], num_replicas [E]) from the logical expert of each slot, -1 padded."""
+    num_replicas = torch.bincount(torch.tensor(phys2log), minlength=num_experts)
+    log2phys = torch.full((num_experts, int(num_replicas.max())), -1, dtype=torch.long)
+    fill = [0] * num_experts
+    for slot, e in enumerate(phys2log):
+        log2phys[e, fill[e]] = slot
+        fill[e] += 1
+    return log2phys, num_replicas
+
+
+def replicated_map(num_experts: int, extra: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Every expert once plus `extra` redundant slots of random experts, slots shuffled."""
+    g = torch.Generator().manual_seed(seed)
+    phys = list(range(num_experts)) + torch.randint(0, num_experts, (extra,), generator=g).tolist()
+    phys = [phys[i] for i in torch.randperm(len(phys), generator=g).tolist()]
+    log2phys, num_replicas = expert_map(phys, num_experts)
+    return log2phys, num_replicas, len(phys)
+
+
+def inputs(t, e, seed, device, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(t, e, generator=g).to(dtype)
+    bias = torch.randn(e, generator=g) * 0.1
+    return logits.to(device), bias.to(device)
+
+
+def compare(device, t, e, n_group, topk_group, top_k, norm, scaling, extra_slots=0, seed=0,
+            dtype=torch.float32, block_t=None, logits=None):
+    if logits is None:
+        logits, bias = inputs(t, e, seed, device, dtype)
+    else:
+        bias = inputs(1, e, seed, device)[1]
+    log2phys, num_replicas, num_slots = replicated_map(e, extra_slots, seed)
+    log2phys, num_replicas = log2phys.to(device), num_replicas.to(device)
+    # Non-zero starting counts: the kernel must add to them, not overwrite.
+    start = torch.arange(num_slots, dtype=torch.long, device=device) * 3
+    load_ref, load_tri = start.clone(), start.clone()
+    args = (n_group, topk_group, top_k, norm, scaling, log2phys, num_replicas)
+    ids_r, w_r, s_r = route_reference(logits.cpu(), bias.cpu(), *[a.cpu() if torch.is_tensor(a) else a for a in args],
+                                      load_ref.cpu())
+    ids_t, w_t, s_t = route_triton(logits, bias, *args, load_tri, block_t=block_t)
+    assert ids_t.dtype == torch.long and s_t.dtype == torch.long and w_t.dtype == torch.float32
+    assert ids_t.shape == w_t.shape == s_t.shape == (t, top_k)
+    assert torch.equal(ids_t.cpu(), ids_r)
+    torch.testing.assert_close(w_t.cpu(), w_r, atol=1e-6, rtol=0)
+    assert torch.equal(s_t.cpu(), s_r)
+    assert torch.equal(load_tri.cpu(), load_ref.cpu())
+    assert int((load_tri - start).sum()) == t * top_k
+    return ids_t.cpu(), s_t.cpu()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("t", [1, 3, 7, 16])
+def test_no_groups(device, t):
+    compare(device, t, 8, n_group=1, topk_group=1, top_k=2, norm=True, scaling=1.0, seed=t)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("t,e,n_group,topk_group,top_k,norm,scaling", [
+    (1, 8, 2, 1, 2, True, 2.5),
+    (5, 8, 2, 1, 3, False, 1.0),
+    (9, 16, 4, 2, 3, True, 2.5),
+    (6, 12, 3, 2, 4, True, 1.5),     # E and n_group not powers of two: padded columns and groups
+    (3, 256, 8, 4, 8, True, 2.5),    # DeepSeek-V3
+])
+def test_groups(device, t, e, n_group, topk_group, top_k, norm, scaling):
+    compare(device, t, e, n_group, topk_group, top_k, norm, scaling, seed=e + t)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("block_t", [1, 2, 4])
+def test_replicas_and_partial_blocks(device, block_t):
+    # 11 tokens: the last block is partial for every block_t; 10 redundant slots over 16 experts
+    _, slots = compare(device, 11, 16, 4, 2, 4, True, 2.5, extra_slots=10, seed=block_t, block_t=block_t)
+    assert slots.max() < 26
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_replicas_split_by_token_row(device):
+    # Every token picks the same experts (a huge bias); 3 replicas of expert 0 alternate by row.
+    log2phys, num_replicas = expert_map([0, 1, 2, 3, 0, 0, 1], 4)
+    logits = torch.zeros(7, 4, device=device)
+    bias = torch.tensor([4.0, 2.0, 0.0, -2.0], device=device)
+    load = torch.zeros(7, dtype=torch.long, device=device)
+    ids, w, slots = route_triton(logits, bias, 1, 1, 2, True, 1.0, log2phys.to(device), num_replicas.to(device), load)
+    assert ids.cpu().tolist() == [[0, 1]] * 7
+    assert slots[:, 0].cpu().tolist() == [0, 4, 5, 0, 4, 5, 0]
+    assert slots[:, 1].cpu().tolist() == [1, 6, 1, 6, 1, 6, 1]
+    assert load.cpu().tolist() == [3, 4, 0, 0, 2, 2, 3]
+    torch.testing.assert_close(w.cpu(), torch.full((7, 2), 0.5), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_group_limit_changes_the_choice(device):
+    # The two best experts sit in different groups, but group 1 wins on its two best together:
+    # group-limited routing must pick within group 1 only.
+    logits = torch.tensor([[3.0, -3.0, -3.0, -3.0, 2.0, 1.9, -3.0, -3.0]], device=device)
+    bias = torch.zeros(8, device=device)
+    log2phys, num_replicas = expert_map(list(range(8)), 8)
+    args = (True, 1.0, log2phys.to(device), num_replicas.to(device))
+    grouped, _, _ = route_triton(logits, bias, 2, 1, 2, *args)
+    flat, _, _ = route_triton(logits, bias, 1, 1, 2, *args)
+    assert grouped.cpu().tolist() == [[4, 5]]
+    assert flat.cpu().tolist() == [[0, 4]]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bias_steers_choice_not_weights(device):
+    logits = torch.tensor([[1.0, 0.0, -1.0, -2.0]], device=device)
+    bias = torch.tensor([0.0, 0.0, 0.0, 5.0], device=device)
+    log2phys, num_replicas = expert_map(list(range(4)), 4)
+    ids, w, _ = route_triton(logits, bias, 1, 1, 2, False, 2.0, log2phys.to(device), num_replicas.to(device))
+    assert ids.cpu().tolist() == [[3, 0]]
+    expect = torch.tensor([[-2.0, 1.0]]).sigmoid() * 2.0
+    torch.testing.assert_close(w.cpu(), expect, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_and_strided_logits(device):
+    compare(device, 5, 16, 4, 2, 3, True, 2.5, seed=3, dtype=torch.bfloat16)
+    wide = inputs(5, 32, 4, device)[0]
+    compare(device, 5, 16, 4, 2, 3, True, 2.5, seed=4, logits=wide[:, 8:24])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_no_tokens(device):
+    log2phys, num_replicas = expert_map(list(range(8)), 8)
+    load = torch.ones(8, dtype=torch.long, device=device)
+    ids, w, slots = route_triton(torch.empty(0, 8, device=device), torch.zeros(8, device=device), 2, 1, 2, True, 1.0,
+                                 log2phys.to(device), num_replicas.to(device), load)
+    assert ids.shape == w.shape == slots.shape == (0, 2)
+    assert load.cpu().tolist() == [1] * 8
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dispatcher_without_counts(device):
+    logits, bias = inputs(4, 16, 9, device)
+    log2phys, num_replicas, _ = replicated_map(16, 4, 9)
+    args = (4, 2, 4, True, 2.5, log2phys.to(device), num_replicas.to(device))
+    ids, w, slots = fused_route(logits, bias, *args)
+    ids_r, w_r, slots_r = route_reference(logits, bias, *args)
+    assert torch.equal(ids, ids_r) and torch.equal(slots, slots_r)
+    torch.testing.assert_close(w, w_r, atol=1e-6, rtol=0)
+
+
+def test_rejects_impossible_shapes():
+    log2phys, num_replicas = expert_map(list(range(8)), 8)
+    logits, bias = torch.zeros(2, 8), torch.zeros(8)
+    with pytest.raises(ValueError):  # only 1 group of 4 experts is eligible
+        route_triton(logits, bias, 2, 1, 5, True, 1.0, log2phys, num_replicas)
+    with pytest.raises(ValueError):
+        route_triton(logits, bias, 3, 1, 2, True, 1.0, log2phys, num_replicas)
+
+
+def test_reference_matches_engine():
+    from types import SimpleNamespace
+
+    from engine.moe import ExpertMap, route
+
+    logits, bias = inputs(6, 16, 11, "cpu")
+    cfg = SimpleNamespace(n_group=4, topk_group=2, num_experts_per_tok=3, norm_topk_prob=True,
+                          routed_scaling_factor=2.5)
+    emap = ExpertMap(torch.tensor([3, 0, 1, 2, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 3, 7]), 16)
+    ids_e, w_e = route(logits, bias, cfg)
+    ids, w, slots = route_reference(logits, bias, 4, 2, 3, True, 2.5, emap.log2phys, emap.num_replicas)
+    assert torch.equal(ids, ids_e) and torch.equal(w, w_e)
+    assert torch.equal(slots, emap.slots_for(ids_e))
