@@ -1,6 +1,8 @@
 """Owns the model and its KV memory; turns a scheduled batch into one forward and samples."""
 from __future__ import annotations
 
+from contextvars import ContextVar
+
 import torch
 
 from .attention import AttentionContext, build_masks
@@ -10,11 +12,16 @@ from .sampling import Sampler
 from .scheduler import ScheduledBatch
 
 
+# Set around engine construction by a transport that needs the KV pool in memory another
+# process can map (engine/kv_ipc.py); unset, the pool is ordinary tensors.
+KV_POOL_ALLOCATOR: ContextVar = ContextVar("kv_pool_allocator", default=None)
+
+
 class KVCache:
     """Global latent KV (one entry per KV-source layer and token slot), the indexer's keys
     beside it, and each running sequence's window-KV ring for every layer."""
 
-    def __init__(self, model: DeepseekForCausalLM, cfg: EngineConfig, device, dtype):
+    def __init__(self, model: DeepseekForCausalLM, cfg: EngineConfig, device, dtype, alloc=None):
         mc = model.cfg
         slots = cfg.num_blocks * cfg.block_size
         n_src = len(mc.source_layers)
@@ -26,6 +33,14 @@ class KVCache:
             self.window_kv = torch.zeros(cfg.max_num_seqs, mc.num_hidden_layers, self.window, mc.latent_dim,
                                          device=device, dtype=dtype)
             self.window_pos = torch.full((cfg.max_num_seqs, self.window), -1, dtype=torch.long, device=device)
+
+        # alloc(name, tensor) -> the same contents in memory of its choosing; only the pool
+        # tensors that move between engines go through it (the window KV never moves).
+        alloc = alloc or KV_POOL_ALLOCATOR.get()
+        if alloc is not None:
+            for name in ("global_kv", "kv_scale", "index_keys"):
+                if getattr(self, name, None) is not None:
+                    setattr(self, name, alloc(name, getattr(self, name)))
 
     def nbytes(self) -> int:
         tensors = [self.global_kv, self.index_keys] + ([self.window_kv] if self.window else [])
