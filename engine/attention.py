@@ -13,8 +13,14 @@ With the V4.1 options off every layer is a source and this is exactly DeepSeek-V
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+from kernels.fp8_kv import dequantize_kv, quantize_kv
+
+if TYPE_CHECKING:
+    from .decode_attention import DecodeBatch
 
 _NEG = -1e30  # finite, so rows with no valid key (padding) stay NaN-free
 
@@ -30,10 +36,13 @@ class AttentionContext:
     q_index: torch.Tensor            # [B, N] token row of each padded query (0 where padding)
     q_flat: torch.Tensor             # [T] where each token sits in the flattened [B*N] padding
     q_pos: torch.Tensor              # [B, N] query positions (-1 where padding)
-    key_slots: torch.Tensor          # [B, C] flat global-KV slot of context position j
-    g_mask: torch.Tensor             # [B, N, C] global keys visible to each query (window-covered ones removed)
-    global_kv: torch.Tensor          # [num_sources, num_slots, latent_dim]
+    key_slots: torch.Tensor | None   # [B, C] flat global-KV slot of context position j
+    g_mask: torch.Tensor | None      # [B, N, C] global keys visible to each query (window-covered ones removed)
+    global_kv: torch.Tensor          # [num_sources, num_slots, latent_dim]; float8 when kv_scale is set
     index_keys: torch.Tensor | None  # [num_sources, num_slots, index_head_dim]
+    kv_scale: torch.Tensor | None = None  # [num_sources, num_slots] per-token scales of an FP8 global KV
+    decode: "DecodeBatch | None" = None   # set when every sequence decodes one token (the kernel path)
+    compute_dtype: torch.dtype = torch.float32
     # window KV (None when sliding_window is off)
     window_kv: torch.Tensor | None = None      # [num_window_slots, num_layers, W, latent_dim]
     window_slots: torch.Tensor | None = None   # [B] window ring of each sequence
@@ -45,7 +54,11 @@ class AttentionContext:
     _gathered: dict = field(default_factory=dict)
 
     def write_global(self, source: int, latent: torch.Tensor, index_key: torch.Tensor | None) -> None:
-        self.global_kv[source, self.write_slots] = latent[self.write_rows].to(self.global_kv.dtype)
+        rows = latent[self.write_rows]
+        if self.kv_scale is not None:
+            rows, scale = quantize_kv(rows)
+            self.kv_scale[source, self.write_slots] = scale
+        self.global_kv[source, self.write_slots] = rows.to(self.global_kv.dtype)
         if index_key is not None:
             self.index_keys[source, self.write_slots] = index_key[self.write_rows].to(self.index_keys.dtype)
         self._gathered.pop(source, None)
@@ -54,9 +67,15 @@ class AttentionContext:
         """Latents [B, C, D] (and indexer keys) of a source layer; gathered once, reused by later layers."""
         if source not in self._gathered:
             lat = self.global_kv[source][self.key_slots]
+            if self.kv_scale is not None:
+                lat = dequantize_kv(lat, self.kv_scale[source][self.key_slots], self.compute_dtype)
             idx = self.index_keys[source][self.key_slots] if self.index_keys is not None else None
             self._gathered[source] = (lat, idx)
         return self._gathered[source]
+
+    def global_slab(self, source: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One source layer's global KV [num_slots, D] and its FP8 scales (or None)."""
+        return self.global_kv[source], (self.kv_scale[source] if self.kv_scale is not None else None)
 
     def window_keys(self, layer: int, latent: torch.Tensor) -> torch.Tensor:
         """This layer's window latents: the ring from earlier steps, then this step's tokens."""

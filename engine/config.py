@@ -163,6 +163,15 @@ class EngineConfig(BaseModel):
     replay_mode: Literal["bounded", "exact"] = Field(
         "bounded", description="window-KV rebuild after a prefix hit: last W tokens, or far enough to be exact")
     seed: int = 0
+    kv_cache_dtype: Literal["auto", "fp8_e4m3"] = Field(
+        "auto", description="global latent KV storage: the model dtype, or FP8 E4M3 with one scale per token "
+                            "(half the bytes; quantised on write, dequantised in attention)")
+    decode_kernels: bool = Field(
+        True, description="steps where every sequence decodes one token use the paged decode kernels "
+                          "(Triton on GPU, their torch references elsewhere) instead of the padded path")
+    cuda_graphs: bool = Field(
+        True, description="capture decode steps in CUDA graphs (CUDA only, not with expert parallelism)")
+    cuda_graph_max_batch: int = Field(64, gt=0, description="largest decode batch replayed from a CUDA graph")
     remote_kv_grace_s: float = Field(
         30.0, ge=0, description="after an abandoned KV transfer (failed, late, aborted), its reserved blocks "
                                 "stay out of use this long, so a write still in flight cannot land in another "

@@ -70,6 +70,8 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.max_model_len = context_limit(model.cfg, cfg)
         self.runner = ModelRunner(model, cfg)
+        if ep is not None:
+            self.runner.disable_graphs()
         self.scheduler = Scheduler(model.cfg, cfg)
         self.requests: dict[str, Sequence] = {}
         self.eos_token_id = tokenizer.eos_token_id if tokenizer is not None else None

@@ -11,6 +11,7 @@ from torch import nn
 
 from .attention import AttentionContext, attend, index_topk_mask
 from .config import ModelConfig
+from .decode_attention import decode_attention
 from .layers import MLP, RMSNorm, Rotary
 from .moe import MoE
 
@@ -64,7 +65,7 @@ class MLAttention(nn.Module):
         w_kv = self.kv_b_proj.weight.view(self.n_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
         w_uk, w_uv = w_kv[:, :cfg.qk_nope_head_dim], w_kv[:, cfg.qk_nope_head_dim:]
         q_lat = torch.einsum("thd,hdc->thc", q_nope, w_uk)
-        q_full = torch.cat([q_lat, q_rope], dim=-1)[ctx.q_index]  # [B, N, H, D]
+        q_full = torch.cat([q_lat, q_rope], dim=-1)  # [T, H, D]
 
         latent = None
         if self.has_latent:
@@ -75,6 +76,17 @@ class MLAttention(nn.Module):
             index_key = self.indexer.wk(x) if self.indexer is not None else None
             ctx.write_global(self.source, latent, index_key)
 
+        if ctx.decode is not None:
+            out = decode_attention(self, q_full, x, latent, ctx)  # [T, H, kv_lora]
+        else:
+            out = self._attend_padded(q_full[ctx.q_index], x, latent, ctx)
+        out = torch.einsum("thc,hvc->thv", out.to(q_full.dtype), w_uv).reshape(t, -1)
+        return self.o_proj(out)
+
+    def _attend_padded(self, q_full: torch.Tensor, x: torch.Tensor, latent: torch.Tensor | None,
+                       ctx: AttentionContext) -> torch.Tensor:
+        """Any batch (prefill chunks, mixed): queries padded to [B, N], masks over [B, N, C]."""
+        cfg, t = self.cfg, x.shape[0]
         g_keys, idx_keys = ctx.global_keys(self.source)
         g_mask = ctx.g_mask
         if self.indexer is not None:
@@ -88,9 +100,7 @@ class MLAttention(nn.Module):
         else:
             keys, mask = g_keys, g_mask
         out = attend(q_full, keys, mask, self.scale, cfg.kv_lora_rank)  # [B, N, H, kv_lora]
-        out = out.flatten(0, 1)[ctx.q_flat]  # [T, H, kv_lora], in token order
-        out = torch.einsum("thc,hvc->thv", out, w_uv).reshape(t, -1)
-        return self.o_proj(out)
+        return out.flatten(0, 1)[ctx.q_flat]  # [T, H, kv_lora], in token order
 
 
 class DecoderLayer(nn.Module):

@@ -6,6 +6,8 @@ from contextvars import ContextVar
 import torch
 
 from .attention import AttentionContext, build_masks
+from .cuda_graphs import DecodeGraphs
+from .decode_attention import build_decode_batch
 from .config import EngineConfig
 from .model import DeepseekForCausalLM
 from .sampling import Sampler
@@ -23,16 +25,22 @@ class KVCache:
 
     def __init__(self, model: DeepseekForCausalLM, cfg: EngineConfig, device, dtype, alloc=None):
         mc = model.cfg
-        slots = cfg.num_blocks * cfg.block_size
+        # One block and one window ring more than the pool: padding rows of a CUDA-graph batch
+        # write there, never into a live sequence's KV.
+        slots = (cfg.num_blocks + 1) * cfg.block_size
+        self.scratch_slot, self.scratch_window = cfg.num_blocks * cfg.block_size, cfg.max_num_seqs
         n_src = len(mc.source_layers)
-        self.global_kv = torch.zeros(n_src, slots, mc.latent_dim, device=device, dtype=dtype)
+        fp8 = cfg.kv_cache_dtype == "fp8_e4m3"
+        self.global_kv = torch.zeros(n_src, slots, mc.latent_dim, device=device,
+                                     dtype=torch.float8_e4m3fn if fp8 else dtype)
+        self.kv_scale = torch.ones(n_src, slots, device=device, dtype=torch.float32) if fp8 else None
         self.index_keys = (torch.zeros(n_src, slots, mc.index_head_dim, device=device, dtype=dtype)
                            if mc.index_topk else None)
         self.window = mc.sliding_window
         if self.window:
-            self.window_kv = torch.zeros(cfg.max_num_seqs, mc.num_hidden_layers, self.window, mc.latent_dim,
+            self.window_kv = torch.zeros(cfg.max_num_seqs + 1, mc.num_hidden_layers, self.window, mc.latent_dim,
                                          device=device, dtype=dtype)
-            self.window_pos = torch.full((cfg.max_num_seqs, self.window), -1, dtype=torch.long, device=device)
+            self.window_pos = torch.full((cfg.max_num_seqs + 1, self.window), -1, dtype=torch.long, device=device)
 
         # alloc(name, tensor) -> the same contents in memory of its choosing; only the pool
         # tensors that move between engines go through it (the window KV never moves).
@@ -43,7 +51,7 @@ class KVCache:
                     setattr(self, name, alloc(name, getattr(self, name)))
 
     def nbytes(self) -> int:
-        tensors = [self.global_kv, self.index_keys] + ([self.window_kv] if self.window else [])
+        tensors = [self.global_kv, self.kv_scale, self.index_keys] + ([self.window_kv] if self.window else [])
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
@@ -54,9 +62,77 @@ class ModelRunner:
         self.dtype = getattr(torch, cfg.dtype)
         self.kv = KVCache(model, cfg, self.device, self.dtype)
         self.sampler = Sampler()
+        # Graphs only without expert parallelism: its collectives run on the host's word.
+        self.graphs = (DecodeGraphs(self, cfg.cuda_graph_max_batch)
+                       if cfg.cuda_graphs and self.device.type == "cuda" else None)
+
+    def disable_graphs(self) -> None:
+        """Expert parallelism attaches after construction; its steps cannot be replayed from graphs."""
+        self.graphs = None
 
     def _tensor(self, data, dtype=torch.long) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
+
+    def is_decode(self, batch: ScheduledBatch) -> bool:
+        """Every sequence computes exactly its last token, which is not a cached position."""
+        return self.cfg.decode_kernels and all(
+            n == 1 and seq.num_computed_tokens + 1 == seq.num_tokens and seq.num_computed_tokens >= seq.num_cached_tokens
+            for seq, n in zip(batch.seqs, batch.num_tokens))
+
+    def decode_inputs(self, batch: ScheduledBatch, pad_batch: int | None = None, pad_blocks: int | None = None):
+        """Host-side index tensors of a decode step: token ids, positions, KV write slots, block tables,
+        window rings, and whether any sequence needs the sparse (indexer) path. Padded rows write to
+        the scratch slot and ring."""
+        bs, mc = self.cfg.block_size, self.model.cfg
+        b = len(batch)
+        rows = pad_batch or b
+        positions = [seq.num_tokens - 1 for seq in batch.seqs]
+        num_blocks = max(p // bs + 1 for p in positions)
+        width = pad_blocks or num_blocks
+        ids = torch.zeros(rows, dtype=torch.long)
+        pos = torch.zeros(rows, dtype=torch.long)
+        slots = torch.full((rows,), self.kv.scratch_slot, dtype=torch.long)
+        tables = torch.zeros(rows, width, dtype=torch.int32)
+        wslots = torch.full((rows,), self.kv.scratch_window, dtype=torch.long)
+        for i, (seq, p) in enumerate(zip(batch.seqs, positions)):
+            ids[i] = seq.token_slice(p, p + 1)[0]
+            pos[i] = p
+            slots[i] = seq.block_table[p // bs] * bs + p % bs
+            t = seq.block_table[:width]
+            tables[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+            if seq.window_slot is not None:
+                wslots[i] = seq.window_slot
+        g_max = max(positions) + 1 - (mc.sliding_window - 1 if mc.sliding_window else 0)
+        sparse = bool(mc.index_topk) and g_max > mc.index_topk
+        dev = self.device
+        return (ids.to(dev, non_blocking=True), pos.to(dev, non_blocking=True), slots.to(dev, non_blocking=True),
+                tables.to(dev, non_blocking=True), wslots.to(dev, non_blocking=True), sparse)
+
+    def decode_context(self, positions: torch.Tensor, write_slots: torch.Tensor, block_tables: torch.Tensor,
+                       window_slots: torch.Tensor, sparse: bool) -> AttentionContext:
+        """Device-only (capturable): the attention metadata of a decode step."""
+        rows = torch.arange(positions.shape[0], device=positions.device)
+        ctx = AttentionContext(
+            positions=positions, rope=self.model.model.rotary.tables(positions), write_rows=rows,
+            write_slots=write_slots, q_index=None, q_flat=None, q_pos=None, key_slots=None, g_mask=None,
+            global_kv=self.kv.global_kv, index_keys=self.kv.index_keys, kv_scale=self.kv.kv_scale,
+            compute_dtype=self.dtype)
+        ring_pos = None
+        if self.kv.window:
+            ctx.window_kv, ctx.window_slots = self.kv.window_kv, window_slots
+            ring_pos = self.kv.window_pos[window_slots]
+            ctx.win_write_rows, ctx.win_write_slot = rows, window_slots
+            ctx.win_write_idx = positions % self.kv.window
+        ctx.decode = build_decode_batch(positions, block_tables, self.cfg.block_size, self.kv.window, ring_pos, sparse)
+        return ctx
+
+    def decode_forward(self, input_ids, positions, write_slots, block_tables, window_slots, sparse) -> torch.Tensor:
+        """One decode step on index tensors -> logits of every row (capturable)."""
+        ctx = self.decode_context(positions, write_slots, block_tables, window_slots, sparse)
+        hidden = self.model(input_ids, ctx)
+        if self.kv.window:
+            self.kv.window_pos[window_slots, ctx.win_write_idx] = positions
+        return self.model.compute_logits(hidden)
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, AttentionContext, list[int]]:
         bs = self.cfg.block_size
@@ -101,7 +177,8 @@ class ModelRunner:
             positions=positions, rope=self.model.model.rotary.tables(positions), write_rows=self._tensor(write_rows),
             write_slots=self._tensor(write_slots), q_index=q_index, q_flat=self._tensor(q_flat), q_pos=q_pos,
             key_slots=key_slots, g_mask=None,
-            global_kv=self.kv.global_kv, index_keys=self.kv.index_keys)
+            global_kv=self.kv.global_kv, index_keys=self.kv.index_keys, kv_scale=self.kv.kv_scale,
+            compute_dtype=self.dtype)
         ring_pos = None
         if self.kv.window:
             for s in batch.new_window_slots:
@@ -132,6 +209,14 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> tuple[list[int], torch.Tensor | None]:
         """One forward over the batch. Returns the indices (into the batch) of the sequences
         whose last known token was computed, and their next-token logits."""
+        if self.is_decode(batch):
+            b = len(batch)
+            self.model.model.rotary.ensure(max(seq.num_tokens for seq in batch.seqs))
+            if self.graphs is not None and self.graphs.covers(b):
+                logits = self.graphs.run(batch)
+            else:
+                logits = self.decode_forward(*self.decode_inputs(batch))
+            return list(range(b)), logits[:b]
         input_ids, ctx, logit_rows = self.prepare(batch)
         hidden = self.model(input_ids, ctx)
         if self.kv.window:

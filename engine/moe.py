@@ -11,30 +11,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.routing import fused_route
+
 from .config import ModelConfig
 from .layers import MLP
 
 
-def route(logits: torch.Tensor, bias: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [T, E] -> (topk logical expert ids [T, k], weights [T, k]).
+def route(logits: torch.Tensor, bias: torch.Tensor, cfg: ModelConfig, expert_map: "ExpertMap",
+          slot_load: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (logical expert ids, weights, physical slots), each [T, k].
 
     Sigmoid scores; the correction bias steers the choice but not the weights; only the
     best `topk_group` groups (by the sum of their two best biased scores) are eligible.
+    `slot_load` counts the routed tokens per slot (the balancer's statistics). One fused
+    kernel on GPU (kernels/routing.py).
     """
-    scores = logits.float().sigmoid()
-    choice = scores + bias.float()
-    t, e = choice.shape
-    if cfg.n_group > 1:
-        grouped = choice.view(t, cfg.n_group, e // cfg.n_group)
-        group_scores = grouped.topk(2, dim=-1).values.sum(-1)
-        keep = group_scores.topk(cfg.topk_group, dim=-1).indices
-        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
-        choice = choice.masked_fill(~group_mask.repeat_interleave(e // cfg.n_group, dim=1), float("-inf"))
-    ids = choice.topk(cfg.num_experts_per_tok, dim=-1).indices
-    weights = scores.gather(1, ids)
-    if cfg.norm_topk_prob:
-        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    return ids, weights * cfg.routed_scaling_factor
+    if expert_map.log2phys.device != logits.device:
+        expert_map.to(logits.device)
+    return fused_route(logits, bias, cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok, cfg.norm_topk_prob,
+                       cfg.routed_scaling_factor, expert_map.log2phys, expert_map.num_replicas, slot_load)
 
 
 class ExpertMap:
@@ -116,35 +111,46 @@ class MoE(nn.Module):
         self.expert_map = ExpertMap(self.local_phys2log, cfg.n_routed_experts) \
             if local_phys2log is None else None
         self.ep = None
+        self._identity = None
         self.layer_index = -1  # position among the model's MoE layers, set by the model
         self.register_buffer("slot_load", torch.zeros(num_slots, dtype=torch.long), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = F.linear(x.float(), self.gate.weight.float())
-        ids, weights = route(logits, self.gate.e_score_correction_bias, self.cfg)
+        bias = self.gate.e_score_correction_bias
         if self.ep is not None:
+            # Slots are the group's (ep.maps); each rank counts the pairs it computes.
+            ids, weights, _ = route(logits, bias, self.cfg, self._logical_map())
             out = self.ep.moe_forward(self, x, ids, weights)
         else:
-            out = self.experts(x, self.expert_map.slots_for(ids), weights)
+            _, weights, slots = route(logits, bias, self.cfg, self.expert_map, self.slot_load)
+            out = self.experts(x, slots, weights)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
 
+    def _logical_map(self) -> "ExpertMap":
+        if self._identity is None:
+            self._identity = ExpertMap.identity(self.cfg.n_routed_experts)
+        return self._identity
+
     def experts(self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Routed experts for tokens x [T, H] routed to local slots [T, k] with weights [T, k]."""
+        """Routed experts for tokens x [T, H] routed to local slots [T, k] with weights [T, k]
+        (already counted in slot_load by the router)."""
         t, k = slots.shape
         token_of = torch.arange(t, device=x.device).repeat_interleave(k)
-        return self.expert_pairs(x, token_of, slots.flatten(), weights.flatten())
+        return self.expert_pairs(x, token_of, slots.flatten(), weights.flatten(), count=False)
 
     def expert_pairs(self, x: torch.Tensor, token_of: torch.Tensor, slot_of: torch.Tensor,
-                     weight_of: torch.Tensor) -> torch.Tensor:
+                     weight_of: torch.Tensor, count: bool = True) -> torch.Tensor:
         """Sum over (token, local slot, weight) pairs of weight * expert(x[token]), as [T, H].
         Pairs are sorted by slot: one grouped GEMM per projection where torch has it (no host
         sync, no per-expert launches), else one matmul pair per slot."""
         # scatter_add, not bincount: bincount on CUDA reads the max back to the host (a sync per layer)
         counts = torch.zeros(self.w13.shape[0], dtype=torch.long, device=x.device).scatter_add_(
             0, slot_of, torch.ones_like(slot_of))
-        self.slot_load += counts
+        if count:
+            self.slot_load += counts
         order = slot_of.argsort(stable=True)
         token_of = token_of[order]
         xs = x[token_of]

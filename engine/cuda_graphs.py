@@ -1,0 +1,69 @@
+"""Decode steps replayed from CUDA graphs.
+
+A decode step of a few billion parameters is hundreds of small kernels; at low batch the
+GPU waits on Python to launch them. One graph per (padded batch size, padded block-table
+width, sparse or dense attention) is captured the first time that shape is seen and replayed
+after: the inputs are copied into the graph's static index tensors, nothing else crosses the
+host. Batches pad up to the next captured size; padding rows write to the KV cache's scratch
+block and window ring.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def _batch_sizes(max_batch: int) -> list[int]:
+    sizes = [1, 2, 4, 8] + list(range(16, max_batch + 1, 16))
+    return sorted({s for s in sizes if s <= max_batch} | {max_batch})
+
+
+class DecodeGraphs:
+    def __init__(self, runner, max_batch: int):
+        self.runner = runner
+        self.sizes = _batch_sizes(min(max_batch, runner.cfg.max_num_seqs))
+        self.graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, tuple, torch.Tensor]] = {}
+        self.pool = None
+        max_len = runner.cfg.max_model_len or runner.cfg.num_blocks * runner.cfg.block_size
+        runner.model.model.rotary.ensure(max_len)
+
+    def covers(self, batch_size: int) -> bool:
+        return batch_size <= self.sizes[-1]
+
+    @staticmethod
+    def _blocks_bucket(num_blocks: int) -> int:
+        # Powers of two (at least 16 blocks): a few graphs cover every context, and the
+        # kernels' grids stay within 2x of the longest sequence in the batch.
+        return max(16, 1 << (num_blocks - 1).bit_length())
+
+    def run(self, batch) -> torch.Tensor:
+        r = self.runner
+        b = len(batch)
+        pad_b = next(s for s in self.sizes if s >= b)
+        num_blocks = max((seq.num_tokens - 1) // r.cfg.block_size + 1 for seq in batch.seqs)
+        pad_m = self._blocks_bucket(num_blocks)
+        inputs = r.decode_inputs(batch, pad_batch=pad_b, pad_blocks=pad_m)
+        key = (pad_b, pad_m, inputs[-1])
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(inputs)
+        graph, static, logits = self.graphs[key]
+        for dst, src in zip(static, inputs[:-1]):
+            dst.copy_(src, non_blocking=True)
+        graph.replay()
+        return logits
+
+    def _capture(self, inputs):
+        r = self.runner
+        static = tuple(t.clone() for t in inputs[:-1])
+        sparse = inputs[-1]
+        # Warm up on a side stream (lazy initialisation, allocator) before capturing.
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            r.decode_forward(*static, sparse)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = r.decode_forward(*static, sparse)
+        if self.pool is None:
+            self.pool = graph.pool()
+        return graph, static, logits

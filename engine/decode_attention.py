@@ -1,0 +1,68 @@
+"""The decode fast path: one query per sequence, keys read through block tables by kernels.
+
+A step in which every sequence decodes one token needs no [B, N, C] padding or masks: the
+attention kernel walks each sequence's block table up to `g_lens` (global positions that
+the window does not hold) and reads the window ring beside it; the indexer kernel picks
+the top-k global positions without gathering the keys. Every tensor here is derived on the
+device from a few index tensors, so a whole decode forward can be captured in a CUDA graph.
+
+The window ring is complete at decode time: prefill, replay and recompute always compute
+the last W positions on this engine before the first decode step. So the global keys a
+query at position p sees are exactly positions 0 .. p-W, and the window holds p-W+1 .. p.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.indexer import indexer_topk
+from kernels.mla_decode import mla_decode
+
+
+@dataclass
+class DecodeBatch:
+    """Per-forward metadata of a decode step, shared by all layers."""
+
+    block_tables: torch.Tensor          # [B, M] int32 blocks of each sequence
+    g_lens: torch.Tensor                # [B] int32 global positions each query reads
+    block_size: int
+    sparse: bool                        # some sequence has more global positions than index_topk
+    win_valid: torch.Tensor | None = None  # [B, W + 1] ring entries still in the window, then the fresh token
+
+
+def build_decode_batch(positions: torch.Tensor, block_tables: torch.Tensor, block_size: int,
+                       window: int | None, ring_pos: torch.Tensor | None, sparse: bool) -> DecodeBatch:
+    """Device-only: positions [B] (position of each sequence's new token), ring_pos [B, W]
+    (positions its window ring holds before this step, -1 where empty)."""
+    if window is None:
+        g_lens = positions + 1
+        win_valid = None
+    else:
+        g_lens = (positions - window + 1).clamp(min=0)
+        p = positions[:, None]
+        ring_ok = (ring_pos >= 0) & (ring_pos > p - window) & (ring_pos < p)
+        win_valid = torch.cat([ring_ok, torch.ones_like(ring_ok[:, :1])], dim=1)
+    return DecodeBatch(block_tables=block_tables, g_lens=g_lens.to(torch.int32), block_size=block_size,
+                       sparse=sparse, win_valid=win_valid)
+
+
+def decode_attention(attn, q_full: torch.Tensor, x: torch.Tensor, latent: torch.Tensor | None, ctx) -> torch.Tensor:
+    """MLA for a decode step. q_full [B, H, D] absorbed queries -> latent output [B, H, kv_lora]."""
+    cfg, dec = attn.cfg, ctx.decode
+    kv, kv_scale = ctx.global_slab(attn.source)
+    topk_pos = None
+    if attn.indexer is not None and dec.sparse:
+        b = x.shape[0]
+        idx_q = attn.indexer.wq(x).view(b, attn.indexer.n_heads, attn.indexer.head_dim)
+        idx_w = attn.indexer.weights_proj(x).float() * attn.indexer.n_heads ** -0.5
+        topk_pos = indexer_topk(idx_q, idx_w, ctx.index_keys[attn.source], dec.block_tables, dec.g_lens,
+                                dec.block_size, cfg.index_topk)
+    win_kv = None
+    if cfg.sliding_window is not None:
+        ring = ctx.window_kv[ctx.window_slots, attn.layer]  # a copy, read before this step's write
+        win_kv = torch.cat([ring.to(latent.dtype), latent[:, None]], dim=1)
+        ctx.write_window(attn.layer, latent)
+    return mla_decode(q_full, kv, kv_scale, dec.block_tables, dec.g_lens, dec.block_size, attn.scale,
+                      cfg.kv_lora_rank, topk_pos=topk_pos, win_kv=win_kv,
+                      win_valid=dec.win_valid)
