@@ -1,0 +1,166 @@
+"""Indexer top-k for decode: plain-torch reference vs Triton scoring + packed top-k.
+
+Every sequence sees `context` positions of bf16 index keys (Hi=8 heads, Di=64, blocks of 64
+slots scattered over one slab); topk=2048. Both paths run on the same inputs in the same
+process; the kernel's choice is checked against the reference's on those inputs:
+`agree` is the fraction of the reference's positions the kernel also chose, and `worst_gap`
+how far (in score) the kernel's weakest pick falls below the reference's k-th score, which
+stays ~0 when the only disagreements are near-ties rounded differently.
+
+    python -m bench.kernel_indexer --device cuda --json bench/results/kernel_indexer.json
+    python -m bench.kernel_indexer --device cpu --quick     # interpreter smoke test
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+HEADS, DIM, BLOCK = 8, 64, 64
+
+
+def make_inputs(batch: int, context: int, device: str, block_size: int = BLOCK, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    blocks_per_seq = -(-context // block_size)
+    perm = torch.randperm(batch * blocks_per_seq, generator=g)
+    tables = perm.view(batch, blocks_per_seq).to(torch.int32).to(device)
+    dtype = torch.bfloat16
+    q = torch.randn(batch, HEADS, DIM, device=device, dtype=dtype)
+    w = torch.randn(batch, HEADS, device=device, dtype=dtype)
+    keys = torch.randn(batch * blocks_per_seq * block_size, DIM, device=device, dtype=dtype)
+    lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    return q, w, keys, tables, lens
+
+
+def time_ms(fn, device: str, iters: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        for _ in range(iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+    else:
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def reference_batch_that_fits(batch: int, context: int, device: str) -> int:
+    """Largest batch (halving) whose reference intermediates fit in half the free memory."""
+    if not device.startswith("cuda"):
+        return batch
+    free, _ = torch.cuda.mem_get_info()
+    # gathered keys bf16 + fp32, per-head scores, row scores, stable sort values + indices
+    per_seq = context * (DIM * 6 + HEADS * 4 + 4 + 4 * 12)
+    b = batch
+    while b > 1 and b * per_seq > free // 2:
+        b //= 2
+    return b
+
+
+def compare(got: torch.Tensor, ref_pos: torch.Tensor, ref_scores: torch.Tensor) -> tuple[float, float]:
+    chosen = torch.zeros_like(ref_scores, dtype=torch.bool)
+    rows = torch.arange(ref_pos.shape[0], device=ref_pos.device)[:, None].expand_as(ref_pos)
+    valid = ref_pos >= 0
+    chosen[rows[valid], ref_pos[valid].long()] = True
+    got_valid = got >= 0
+    if int(got_valid.sum()) != int(valid.sum()):
+        return 0.0, float("inf")
+    hit = chosen[rows[got_valid], got[got_valid].long()]
+    agree = float(hit.float().mean()) if hit.numel() else 1.0
+    kth = torch.where(valid, ref_scores.gather(1, ref_pos.clamp(min=0).long()), float("inf")).amin(1)
+    picked = torch.where(got_valid, ref_scores.gather(1, got.clamp(min=0).long()), float("inf")).amin(1)
+    gap = float((kth - picked).clamp(min=0).max()) if kth.numel() else 0.0
+    return agree, gap
+
+
+def run(device: str = "cuda", quick: bool = False) -> list[dict]:
+    if not device.startswith("cuda"):
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from kernels.indexer import (
+        _score_launch, indexer_scores_reference, indexer_topk_reference, indexer_topk_triton,
+        select_topk_packed)
+
+    if quick:
+        topk, cases, iters, warmup = 64, [(256, 1), (256, 4), (1024, 1), (1024, 4)], 3, 1
+    else:
+        topk, iters, warmup = 2048, 20, 3
+        cases = [(c, b) for c in (8192, 131072, 524288) for b in (1, 16, 64) if not (b == 64 and c > 131072)]
+    rows = []
+    for context, batch in cases:
+        q, w, keys, tables, lens = make_inputs(batch, context, device)
+        args = (q, w, keys, tables, lens, BLOCK)
+        ref_b = reference_batch_that_fits(batch, context, device)
+        ref_args = (q[:ref_b], w[:ref_b], keys, tables[:ref_b], lens[:ref_b], BLOCK)
+
+        got = indexer_topk_triton(*args, topk)
+        ref_pos = indexer_topk_reference(*ref_args, topk)
+        ref_scores = indexer_scores_reference(*ref_args)
+        agree, gap = compare(got[:ref_b], ref_pos, ref_scores)
+        live = torch.isfinite(ref_scores)
+        tri_scores = _score_launch(*ref_args, pack=False)
+        score_err = float((tri_scores[live] - ref_scores[live]).abs().max())
+        score_mag = float(ref_scores[live].abs().max())
+        del ref_pos, ref_scores, tri_scores, live
+
+        ref_ms = time_ms(lambda: indexer_topk_reference(*ref_args, topk), device, iters, warmup)
+        tri_ms = time_ms(lambda: indexer_topk_triton(*args, topk), device, iters, warmup)
+        score_ms = time_ms(lambda: _score_launch(*args, pack=True), device, iters, warmup)
+        packed = _score_launch(*args, pack=True)
+        select_ms = time_ms(lambda: select_topk_packed(packed, lens, topk), device, iters, warmup)
+        del packed
+        # A reference run on fewer sequences is scaled up per sequence for the speedup.
+        ref_full_ms = ref_ms * batch / ref_b
+        key_bytes = batch * context * DIM * keys.element_size()
+        rows.append({
+            "name": "indexer_topk", "context": context, "batch": batch, "topk": topk,
+            "heads": HEADS, "dim": DIM, "block_size": BLOCK,
+            "ref_ms": round(ref_ms, 4), "ref_batch": ref_b,
+            "triton_ms": round(tri_ms, 4), "score_ms": round(score_ms, 4), "select_ms": round(select_ms, 4),
+            "speedup": round(ref_full_ms / tri_ms, 2),
+            "score_GBps": round(key_bytes / score_ms / 1e6, 3),
+            "agree": round(agree, 5), "worst_gap": gap, "score_max_err": score_err,
+            "score_max_abs": score_mag,
+        })
+        del q, w, keys, tables, lens, args, ref_args, got
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    cols = ["context", "batch", "topk", "ref_ms", "ref_batch", "triton_ms", "score_ms", "select_ms",
+            "speedup", "score_GBps", "agree", "worst_gap", "score_max_err"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        lines.append("| " + " | ".join(f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c]) for c in cols) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--quick", action="store_true", help="small shapes, few iterations (CPU smoke)")
+    parser.add_argument("--json", metavar="PATH", help="also write the rows here")
+    args = parser.parse_args(argv)
+    rows = run(args.device, args.quick)
+    print(markdown(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,186 @@
+"""Sparse MQA indexer for decode: score every cached position of each sequence, keep the top-k.
+
+Decode form of engine/attention.py `index_topk_mask` (one query per sequence), reading the
+index keys of one KV-source layer through the paged block table:
+
+    score(b, j) = sum_h w[b, h] * relu(q[b, h] . key(b, j))                  (fp32)
+    key(b, j)   = index_keys[block_tables[b, j // bs] * bs + j % bs],  0 <= j < g_lens[b]
+
+The top-k positions by score are kept; equal scores prefer the later position (relu makes
+exact-zero ties common, and the prefill path breaks them that way too).
+"""
+from __future__ import annotations
+
+import torch
+
+from . import triton_ok
+
+try:
+    import triton
+    import triton.language as tl
+except Exception:  # a CPU-only install without triton still gets the reference
+    triton = None
+    tl = None
+
+
+def indexer_scores_reference(q: torch.Tensor, w: torch.Tensor, index_keys: torch.Tensor,
+                             block_tables: torch.Tensor, g_lens: torch.Tensor,
+                             block_size: int) -> torch.Tensor:
+    """fp32 scores [B, M*block_size]; -inf at positions j >= g_lens[b]."""
+    num_seqs, max_blocks = block_tables.shape
+    width = max_blocks * block_size
+    pos = torch.arange(width, device=q.device)
+    live = pos[None, :] < g_lens.to(q.device).long()[:, None]
+    blocks = block_tables.long()[:, pos // block_size]
+    # Table entries past a sequence's last block may hold anything: never follow them.
+    slots = torch.where(live, blocks * block_size + pos % block_size, 0)
+    keys = index_keys[slots].float()
+    s = torch.einsum("bhd,bld->bhl", q.float(), keys).relu()
+    s = (s * w.float()[:, :, None]).sum(1)
+    return s.masked_fill(~live, float("-inf"))
+
+
+def _pad_positions(pos: torch.Tensor, topk: int) -> torch.Tensor:
+    if pos.shape[1] < topk:
+        pad = pos.new_full((pos.shape[0], topk - pos.shape[1]), -1)
+        pos = torch.cat([pos, pad], dim=1)
+    return pos
+
+
+def indexer_topk_reference(q: torch.Tensor, w: torch.Tensor, index_keys: torch.Tensor,
+                           block_tables: torch.Tensor, g_lens: torch.Tensor,
+                           block_size: int, topk: int) -> torch.Tensor:
+    """Positions [B, topk] int32 of the top-k scores, best first; -1 fills rows with fewer."""
+    scores = indexer_scores_reference(q, w, index_keys, block_tables, g_lens, block_size)
+    width = scores.shape[1]
+    k = min(topk, width)
+    # Stable sort of the reversed row: among equal scores the later position comes first.
+    order = scores.flip(-1).sort(dim=-1, descending=True, stable=True).indices[:, :k]
+    pos = width - 1 - order
+    pos = torch.where(pos < g_lens.to(pos.device).long()[:, None], pos, -1).to(torch.int32)
+    return _pad_positions(pos, topk)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _score_tile_kernel(q_ptr, w_ptr, keys_ptr, table_ptr, lens_ptr, out_ptr,
+                           stride_qb, stride_qh, stride_qd, stride_wb, stride_wh,
+                           stride_ks, stride_kd, stride_tb, stride_tm, stride_ob,
+                           num_heads, head_dim, width, block_size,
+                           HEADS: tl.constexpr, DIM: tl.constexpr, TILE: tl.constexpr,
+                           PRECISION: tl.constexpr, UPCAST: tl.constexpr, PACK: tl.constexpr):
+        seq = tl.program_id(0)
+        pos = tl.program_id(1) * TILE + tl.arange(0, TILE)
+        g_len = tl.load(lens_ptr + seq)
+        live = pos < g_len
+        # Past g_len the table may be garbage: the masked load never reads it.
+        block = tl.load(table_ptr + seq * stride_tb + (pos // block_size) * stride_tm, mask=live, other=0)
+        slot = block.to(tl.int64) * block_size + pos % block_size
+
+        d = tl.arange(0, DIM)
+        h = tl.arange(0, HEADS)
+        d_ok = d < head_dim
+        h_ok = h < num_heads
+        # One load of the tile's keys serves every head.
+        keys = tl.load(keys_ptr + slot[:, None] * stride_ks + d[None, :] * stride_kd,
+                       mask=live[:, None] & d_ok[None, :], other=0.0)
+        q = tl.load(q_ptr + seq * stride_qb + d[:, None] * stride_qd + h[None, :] * stride_qh,
+                    mask=d_ok[:, None] & h_ok[None, :], other=0.0)
+        if UPCAST:
+            keys = keys.to(tl.float32)
+            q = q.to(tl.float32)
+        dots = tl.dot(keys, q, input_precision=PRECISION)  # [TILE, HEADS] fp32
+        wt = tl.load(w_ptr + seq * stride_wb + h * stride_wh, mask=h_ok, other=0.0).to(tl.float32)
+        score = tl.sum(tl.maximum(dots, 0.0) * wt[None, :], axis=1)
+        score = tl.where(live, score, float("-inf"))
+
+        in_row = pos < width
+        if PACK:
+            # (score, position) as one int64 that orders like (score, then later position):
+            # the float bits made monotone as a signed int32 in the high word, the position
+            # in the low word. -0.0 becomes +0.0 first so that the two tie, as floats do.
+            bits = score.to(tl.int32, bitcast=True)
+            bits = tl.where(score == 0.0, 0, bits)
+            bits = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+            packed = (bits.to(tl.int64) << 32) | pos.to(tl.int64)
+            tl.store(out_ptr + seq * stride_ob + pos, packed, mask=in_row)
+        else:
+            tl.store(out_ptr + seq * stride_ob + pos, score, mask=in_row)
+
+
+def _next_pow2(n: int, floor: int) -> int:
+    return max(floor, 1 << max(0, (n - 1).bit_length()))
+
+
+def _score_launch(q, w, index_keys, block_tables, g_lens, block_size, pack: bool,
+                  tile: int | None = None, num_warps: int = 4) -> torch.Tensor:
+    num_seqs, num_heads, head_dim = q.shape
+    width = block_tables.shape[1] * block_size
+    out = torch.empty(num_seqs, width, device=q.device, dtype=torch.int64 if pack else torch.float32)
+    if num_seqs == 0 or width == 0:
+        return out
+    g_lens = g_lens.to(device=q.device, dtype=torch.int32).contiguous()
+    # tl.dot wants every dimension >= 16; padded heads carry zero weight.
+    heads = _next_pow2(num_heads, 16)
+    dim = _next_pow2(head_dim, 16)
+    tile = tile or (128 if width >= 8192 else 64)
+    # fp32 operands would otherwise be rounded to tf32 and disagree with the reference.
+    # Mixed dtypes meet in fp32. So do bf16 ones under the CPU interpreter, whose tl.dot
+    # multiplies bf16 bit patterns as integers (seen with triton 3.9); bf16 products are
+    # exact in fp32, so this only moves rounding of the sum, as the native path does.
+    upcast = q.dtype != index_keys.dtype or not q.is_cuda
+    fp32 = upcast or q.dtype == torch.float32
+    grid = (num_seqs, triton.cdiv(width, tile))
+    _score_tile_kernel[grid](
+        q, w, index_keys, block_tables, g_lens, out,
+        q.stride(0), q.stride(1), q.stride(2), w.stride(0), w.stride(1),
+        index_keys.stride(0), index_keys.stride(1), block_tables.stride(0), block_tables.stride(1),
+        out.stride(0),
+        num_heads, head_dim, width, block_size,
+        HEADS=heads, DIM=dim, TILE=tile, PRECISION="ieee" if fp32 else "tf32", UPCAST=upcast,
+        PACK=pack,
+        num_warps=num_warps,
+    )
+    return out
+
+
+def indexer_scores_triton(q: torch.Tensor, w: torch.Tensor, index_keys: torch.Tensor,
+                          block_tables: torch.Tensor, g_lens: torch.Tensor,
+                          block_size: int) -> torch.Tensor:
+    """Triton form of indexer_scores_reference (same shape and -inf padding)."""
+    return _score_launch(q, w, index_keys, block_tables, g_lens, block_size, pack=False)
+
+
+def select_topk_packed(packed: torch.Tensor, g_lens: torch.Tensor, topk: int) -> torch.Tensor:
+    """Top-k of packed (score, position) keys -> positions [B, topk] int32, in no order."""
+    k = min(topk, packed.shape[1])
+    # Keys are distinct (the position is in them), so any exact top-k of them is the answer;
+    # unsorted lets torch.topk stop after its radix select.
+    vals = torch.topk(packed, k, dim=1, sorted=False).values
+    pos = (vals & 0xFFFFFFFF).to(torch.int32)
+    pos = torch.where(pos < g_lens.to(device=pos.device, dtype=torch.int32)[:, None], pos, -1)
+    return _pad_positions(pos, topk)
+
+
+def indexer_topk_triton(q: torch.Tensor, w: torch.Tensor, index_keys: torch.Tensor,
+                        block_tables: torch.Tensor, g_lens: torch.Tensor,
+                        block_size: int, topk: int) -> torch.Tensor:
+    """Same position set as indexer_topk_reference, in no particular order."""
+    packed = _score_launch(q, w, index_keys, block_tables, g_lens, block_size, pack=True)
+    return select_topk_packed(packed, g_lens, topk)
+
+
+def indexer_topk(q: torch.Tensor, w: torch.Tensor, index_keys: torch.Tensor,
+                 block_tables: torch.Tensor, g_lens: torch.Tensor,
+                 block_size: int, topk: int) -> torch.Tensor:
+    """Top-k cached positions per decoding sequence by indexer score.
+
+    q [B, Hi, Di], w [B, Hi], index_keys [S, Di] (slot = block * block_size + offset),
+    block_tables [B, M] int32, g_lens [B] int32 (sequence b sees positions 0..g_lens[b]-1).
+    Returns [B, topk] int32 positions (not slots); -1 fills the row past min(g_len, topk).
+    Row order is unspecified (best-first on the reference path).
+    """
+    if triton is not None and triton_ok(q):
+        return indexer_topk_triton(q, w, index_keys, block_tables, g_lens, block_size, topk)
+    return indexer_topk_reference(q, w, index_keys, block_tables, g_lens, block_size, topk)

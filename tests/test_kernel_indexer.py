@@ -1,0 +1,150 @@
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from kernels.indexer import (  # noqa: E402
+    indexer_scores_reference,
+    indexer_scores_triton,
+    indexer_topk,
+    indexer_topk_reference,
+    indexer_topk_triton,
+)
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
+
+
+def make_case(device, g_lens, block_size, heads=4, dim=16, dtype=torch.float32, extra_blocks=1,
+              seed=0, shuffle=True):
+    """Random inputs whose block tables scatter each sequence over a shared slab."""
+    g = torch.Generator().manual_seed(seed)
+    num_seqs = len(g_lens)
+    max_blocks = max(1, max(-(-n // block_size) for n in g_lens)) + extra_blocks
+    num_slab_blocks = num_seqs * max_blocks + 3
+    perm = torch.randperm(num_slab_blocks, generator=g) if shuffle else torch.arange(num_slab_blocks)
+    tables = perm[: num_seqs * max_blocks].view(num_seqs, max_blocks).to(torch.int32)
+    # Entries past each sequence's last block are junk the kernel must never follow.
+    for b, n in enumerate(g_lens):
+        tables[b, -(-n // block_size):] = 10**6
+    q = torch.randn(num_seqs, heads, dim, generator=g)
+    w = torch.randn(num_seqs, heads, generator=g)
+    keys = torch.randn(num_slab_blocks * block_size, dim, generator=g)
+    lens = torch.tensor(g_lens, dtype=torch.int32)
+    return [t.to(device) for t in (q.to(dtype), w.to(dtype), keys.to(dtype), tables, lens)]
+
+
+def as_sets(pos):
+    return [sorted(p for p in row.tolist() if p >= 0) for row in pos.cpu()]
+
+
+def check_rows(got, want, g_lens, topk):
+    assert got.shape == want.shape == (len(g_lens), topk)
+    assert got.dtype == torch.int32
+    assert as_sets(got) == as_sets(want)
+    for row, n in zip(got.cpu(), g_lens):
+        valid = row[row >= 0]
+        assert len(valid) == min(n, topk)
+        assert len(set(valid.tolist())) == len(valid)
+        assert int((row < 0).sum()) == topk - min(n, topk)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("g_lens,block_size,topk", [
+    ([37], 8, 5),                 # batch 1, length not a multiple of the block
+    ([64, 1, 100, 17], 16, 12),   # mixed lengths, one shorter than topk
+    ([40, 40, 23], 4, 64),        # topk wider than every row: all positions, rest -1
+    ([0, 50, 0], 8, 7),           # empty sequences: all -1
+    ([200, 130], 64, 33),         # several tiles per row
+])
+def test_topk_matches_reference(device, g_lens, block_size, topk):
+    args = make_case(device, g_lens, block_size)
+    want = indexer_topk_reference(*args, block_size, topk)
+    got = indexer_topk_triton(*args, block_size, topk)
+    check_rows(got, want, g_lens, topk)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_scores_match_reference(device):
+    g_lens = [45, 3, 0, 70]
+    args = make_case(device, g_lens, 8, heads=3, dim=24)  # heads and dim not powers of two
+    want = indexer_scores_reference(*args, 8)
+    got = indexer_scores_triton(*args, 8)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    live = torch.isfinite(want)
+    assert int(live.sum()) == sum(g_lens)
+    assert torch.equal(torch.isinf(got), ~live)
+    torch.testing.assert_close(got[live], want[live], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_inputs(device):
+    g_lens = [90, 31]
+    args = make_case(device, g_lens, 16, heads=8, dim=32, dtype=torch.bfloat16, seed=3)
+    want = indexer_topk_reference(*args, 16, 20)
+    got = indexer_topk_triton(*args, 16, 20)
+    check_rows(got, want, g_lens, 20)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_zero_score_ties_prefer_later_positions(device):
+    """Most keys point away from every query head: relu makes their scores exactly 0 (or -0.0
+    where a head weight is negative), and the top-k must take the latest of them."""
+    g_lens = [100, 61]
+    block_size, topk = 8, 30
+    q, w, keys, tables, lens = make_case(device, g_lens, block_size, heads=4, dim=16, seed=5)
+    q = q.abs()
+    w[0] = w[0].abs()
+    w[1] = torch.tensor([1.0, -1.0, 0.5, -2.0], device=device)
+    keys = -keys.abs()
+    positive = torch.zeros(keys.shape[0], dtype=torch.bool)
+    # A few positions with a positive score in each sequence, fewer than topk.
+    for b, n in enumerate(g_lens):
+        for j in (3, n // 2, n - 20):
+            slot = int(tables[b, j // block_size]) * block_size + j % block_size
+            positive[slot] = True
+    keys[positive.to(device)] = keys[positive.to(device)].abs()
+    args = (q, w, keys, tables, lens)
+    want = indexer_topk_reference(*args, block_size, topk)
+    got = indexer_topk_triton(*args, block_size, topk)
+    check_rows(got, want, g_lens, topk)
+    # Row 0: 3 positive scores, then the latest zero-score positions.
+    zeros_taken = sorted(set(as_sets(got)[0]) - {3, 50, 80})
+    assert zeros_taken == [j for j in range(100 - 28, 100) if j != 80]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_contiguous_and_shared_tables(device):
+    """Two sequences reading the same physical blocks (a shared prefix) score them identically."""
+    block_size, topk = 4, 6
+    q, w, keys, tables, lens = make_case(device, [21, 21], block_size, shuffle=False, seed=7)
+    tables[1] = tables[0]
+    q[1], w[1] = q[0], w[0]
+    got = indexer_topk_triton(q, w, keys, tables, lens, block_size, topk)
+    want = indexer_topk_reference(q, w, keys, tables, lens, block_size, topk)
+    check_rows(got, want, [21, 21], topk)
+    assert as_sets(got)[0] == as_sets(got)[1]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_negative_weights_order_negative_scores(device):
+    """All head weights negative: every score is <= 0 and the best are the least negative."""
+    g_lens = [77, 130]
+    q, w, keys, tables, lens = make_case(device, g_lens, 16, seed=11)
+    w = -w.abs()
+    want = indexer_topk_reference(q, w, keys, tables, lens, 16, 40)
+    got = indexer_topk_triton(q, w, keys, tables, lens, 16, 40)
+    check_rows(got, want, g_lens, 40)
+
+
+def test_dispatcher_uses_reference_without_triton_device(monkeypatch):
+    import kernels.indexer as mod
+    args = make_case("cpu", [30, 9], 8)
+    monkeypatch.setattr(mod, "triton_ok", lambda t: False)
+    ref = indexer_topk(*args, 8, 10)
+    assert torch.equal(ref, indexer_topk_reference(*args, 8, 10))
+    monkeypatch.setattr(mod, "triton_ok", lambda t: True)
+    check_rows(indexer_topk(*args, 8, 10), ref, [30, 9], 10)
