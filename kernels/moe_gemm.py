@@ -1,0 +1,276 @@
+"""Fused MoE expert compute: a grouped GEMM with SwiGLU over (token, slot, weight) pairs.
+
+    out[t] = sum over pairs p with token_of[p] == t of
+             weight_of[p] * w2[s] @ (silu(w13[s, :I] @ x[t]) * (w13[s, I:] @ x[t])),  s = slot_of[p]
+
+with w13 [S, 2I, H] (rows 0..I-1 gate, I..2I-1 up) and w2 [S, H, I].
+
+The Triton path sorts pairs by slot and pads every slot's rows to a whole row tile, so each
+tile of the padded layout belongs to exactly one slot and reads one expert's weights. All
+buffers are sized for the worst case from shapes alone, so nothing is read back to the host
+and the whole call can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from . import triton_ok
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the reference path still works without Triton
+    triton = tl = None
+
+
+# ---------------------------------------------------------------- references
+
+def fused_experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, token_of: torch.Tensor,
+                            slot_of: torch.Tensor, weight_of: torch.Tensor) -> torch.Tensor:
+    """The exact semantics: one matmul pair per slot, weighted sum in fp32, output in x's dtype."""
+    num_slots = w13.shape[0]
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    order = slot_of.argsort(stable=True)
+    counts = torch.zeros(num_slots, dtype=torch.long, device=x.device).scatter_add_(
+        0, slot_of, torch.ones_like(slot_of))
+    start = 0
+    for slot, n in enumerate(counts.tolist()):  # a host sync: acceptable for the reference
+        if n == 0:
+            continue
+        pairs = order[start:start + n]
+        start += n
+        tokens = token_of[pairs]
+        gate, up = F.linear(x[tokens].to(w13.dtype), w13[slot]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[slot])
+        out.index_add_(0, tokens, y.float() * weight_of[pairs].float()[:, None])
+    return out.to(x.dtype)
+
+
+def grouped_mm_available(x: torch.Tensor, w13: torch.Tensor) -> bool:
+    """torch._grouped_mm runs on CUDA only in bf16 on Hopper or newer, and wants 16-byte rows."""
+    if not hasattr(torch, "_grouped_mm") or not x.is_cuda or x.dtype != torch.bfloat16:
+        return False
+    if w13.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device)[0] < 9:
+        return False
+    return x.shape[-1] % 8 == 0 and w13.shape[1] % 16 == 0
+
+
+def fused_experts_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, token_of: torch.Tensor,
+                             slot_of: torch.Tensor, weight_of: torch.Tensor) -> torch.Tensor:
+    """Second baseline for the benchmark: torch's grouped GEMM, as engine/moe.py uses it."""
+    counts = torch.zeros(w13.shape[0], dtype=torch.long, device=x.device).scatter_add_(
+        0, slot_of, torch.ones_like(slot_of))
+    order = slot_of.argsort(stable=True)
+    tokens = token_of[order]
+    offs = counts.cumsum(0).to(torch.int32)
+    gate, up = torch._grouped_mm(x[tokens], w13.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+    y = torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=offs)
+    y = y.float() * weight_of[order].float()[:, None]
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add_(0, tokens, y)
+    return out.to(x.dtype)
+
+
+# ---------------------------------------------------------------- alignment
+
+class AlignedPairs(NamedTuple):
+    row_pair: torch.Tensor   # [num_tiles * block_m] int32: pair index of each padded row, -1 for padding
+    tile_slot: torch.Tensor  # [num_tiles] int32: slot of each row tile; num_slots for unused tiles
+    counts: torch.Tensor     # [num_slots] int64: pairs per slot
+
+
+def max_tiles(num_pairs: int, num_slots: int, block_m: int) -> int:
+    """Row tiles of the padded layout in the worst case: every non-empty slot wastes up to block_m - 1 rows."""
+    if num_pairs == 0:
+        return 0
+    # The padded total is a multiple of block_m, so flooring the bound loses nothing.
+    return (num_pairs + min(num_slots, num_pairs) * (block_m - 1)) // block_m
+
+
+def align_pairs(slot_of: torch.Tensor, num_slots: int, block_m: int) -> AlignedPairs:
+    """Sort pairs by slot into a layout where each slot's rows start at a multiple of block_m.
+    Plain tensor ops without host sync; sizes come from shapes only."""
+    num_pairs = slot_of.numel()
+    device = slot_of.device
+    counts = torch.zeros(num_slots, dtype=torch.long, device=device).scatter_add_(
+        0, slot_of, torch.ones_like(slot_of))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = padded.cumsum(0)
+    padded_start = padded_end - padded
+    start = counts.cumsum(0) - counts
+    order = slot_of.argsort(stable=True)
+    sorted_slot = slot_of[order]
+    rank_in_slot = torch.arange(num_pairs, device=device) - start[sorted_slot]
+    dest = padded_start[sorted_slot] + rank_in_slot
+    num_tiles = max_tiles(num_pairs, num_slots, block_m)
+    row_pair = torch.full((num_tiles * block_m,), -1, dtype=torch.int32, device=device)
+    row_pair.scatter_(0, dest, order.to(torch.int32))
+    tile_start = torch.arange(num_tiles, device=device) * block_m
+    tile_slot = torch.searchsorted(padded_end, tile_start, right=True, out_int32=True)
+    return AlignedPairs(row_pair, tile_slot, counts)
+
+
+# ---------------------------------------------------------------- Triton kernels
+
+def _gate_up_kernel(x_ptr, w13_ptr, act_ptr, token_ptr, row_pair_ptr, tile_slot_ptr,
+                    H, I, num_slots, stride_xt,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
+    # One program: BLOCK_M padded rows (one slot) x BLOCK_N columns of both gate and up.
+    tile = tl.program_id(0)
+    slot = tl.load(tile_slot_ptr + tile).to(tl.int64)
+    if slot >= num_slots:
+        return
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(row_pair_ptr + rows)
+    is_pair = pair >= 0
+    token = tl.load(token_ptr + pair, mask=is_pair, other=0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < I
+    ks = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + token[:, None] * stride_xt + ks[None, :]
+    # w13[slot] is [2I, H] row-major; read it as [BLOCK_K, BLOCK_N] tiles (k fastest in memory).
+    gate_ptrs = w13_ptr + slot * 2 * I * H + cols[None, :].to(tl.int64) * H + ks[:, None]
+    up_ptrs = gate_ptrs + I * H
+    acc_gate = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+    acc_up = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k_ok = ks + k0 < H
+        a = tl.load(x_ptrs, mask=is_pair[:, None] & k_ok[None, :], other=0.0)
+        w_mask = k_ok[:, None] & col_ok[None, :]
+        wg = tl.load(gate_ptrs, mask=w_mask, other=0.0)
+        wu = tl.load(up_ptrs, mask=w_mask, other=0.0)
+        if DOT_FP32:
+            a, wg, wu = a.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
+        acc_gate = tl.dot(a, wg, acc_gate, input_precision=PRECISION)
+        acc_up = tl.dot(a, wu, acc_up, input_precision=PRECISION)
+        x_ptrs += BLOCK_K
+        gate_ptrs += BLOCK_K
+        up_ptrs += BLOCK_K
+    act = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
+    # Padding rows hold zeros (their x rows were masked to 0), so the down kernel may read them.
+    act_ptrs = act_ptr + rows[:, None].to(tl.int64) * I + cols[None, :]
+    tl.store(act_ptrs, act.to(act_ptr.dtype.element_ty), mask=col_ok[None, :])
+
+
+def _down_kernel(act_ptr, w2_ptr, out_ptr, token_ptr, weight_ptr, row_pair_ptr, tile_slot_ptr,
+                 H, I, num_slots, stride_ot,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
+    # One program: BLOCK_M padded rows (one slot) x BLOCK_N hidden columns, added into fp32 out.
+    tile = tl.program_id(0)
+    slot = tl.load(tile_slot_ptr + tile).to(tl.int64)
+    if slot >= num_slots:
+        return
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(row_pair_ptr + rows)
+    is_pair = pair >= 0
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < H
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = act_ptr + rows[:, None].to(tl.int64) * I + ks[None, :]
+    w_ptrs = w2_ptr + slot * H * I + cols[None, :].to(tl.int64) * I + ks[:, None]
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        k_ok = ks + k0 < I
+        a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if DOT_FP32:
+            a, w = a.to(tl.float32), w.to(tl.float32)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    token = tl.load(token_ptr + pair, mask=is_pair, other=0).to(tl.int64)
+    route_weight = tl.load(weight_ptr + pair, mask=is_pair, other=0.0).to(tl.float32)
+    acc = acc * route_weight[:, None]
+    # A token's k pairs land in different tiles: combine them with fp32 atomics (order-free sum,
+    # like index_add_ on CUDA) instead of a per-pair output buffer and a second pass.
+    out_ptrs = out_ptr + token[:, None] * stride_ot + cols[None, :]
+    tl.atomic_add(out_ptrs, acc, mask=is_pair[:, None] & col_ok[None, :])
+
+
+@functools.cache
+def _jit(fn):
+    # Decorated at first launch, not at import: triton.jit reads TRITON_INTERPRET when it runs,
+    # and a CPU test may set that after this module was first imported (through the engine).
+    return triton.jit(fn)
+
+
+class MoEGemmConfig(NamedTuple):
+    block_m: int
+    gate_up: tuple[int, int, int, int]  # BLOCK_N, BLOCK_K, num_warps, num_stages
+    down: tuple[int, int, int, int]
+
+
+def pick_config(num_pairs: int, num_slots: int, dtype: torch.dtype) -> MoEGemmConfig:
+    """Fixed tile shapes by the mean rows per slot: thin tiles for decode (weight-bandwidth
+    bound, little padding), wide ones for prefill (compute bound)."""
+    rows_per_slot = num_pairs / max(num_slots, 1)
+    if rows_per_slot <= 16:
+        cfg = MoEGemmConfig(16, (64, 128, 4, 4), (64, 128, 4, 4))
+    elif rows_per_slot <= 48:
+        cfg = MoEGemmConfig(32, (64, 128, 4, 4), (64, 128, 4, 4))
+    elif rows_per_slot <= 128:
+        cfg = MoEGemmConfig(64, (64, 64, 4, 4), (128, 64, 4, 4))
+    else:
+        cfg = MoEGemmConfig(128, (64, 64, 8, 3), (128, 64, 8, 3))
+    if dtype == torch.float32:  # twice the bytes per stage: fewer stages to fit shared memory
+        cfg = cfg._replace(gate_up=cfg.gate_up[:3] + (2,), down=cfg.down[:3] + (2,))
+    return cfg
+
+
+def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, token_of: torch.Tensor,
+                         slot_of: torch.Tensor, weight_of: torch.Tensor,
+                         config: MoEGemmConfig | None = None) -> torch.Tensor:
+    """fused_experts through the two Triton kernels (no host sync; CUDA-graph capturable)."""
+    num_tokens, hidden = x.shape
+    num_slots, two_i, _ = w13.shape
+    inter = two_i // 2
+    num_pairs = token_of.numel()
+    if num_pairs == 0 or num_tokens == 0:
+        return torch.zeros_like(x)
+    cfg = config or pick_config(num_pairs, num_slots, w13.dtype)
+    aligned = align_pairs(slot_of, num_slots, cfg.block_m)
+    num_tiles = aligned.tile_slot.numel()
+    w13 = w13.contiguous()
+    w2 = w2.contiguous()
+    xw = x.to(w13.dtype).contiguous()
+    token_of = token_of.contiguous()
+    weight_of = weight_of.contiguous()
+    # The interpreter multiplies bf16 bit patterns in tl.dot (triton-lang/triton#11584): on CPU
+    # the operands go up to fp32 first, where products of bf16 values are exact.
+    dot_fp32 = not x.is_cuda
+    # fp32 operands get IEEE products like the reference's F.linear (TF32 would cost ~1e-3 relative).
+    precision = "ieee" if dot_fp32 or w13.dtype == torch.float32 else "tf32"
+
+    act = torch.empty(num_tiles * cfg.block_m, inter, dtype=w2.dtype, device=x.device)
+    block_n, block_k, warps, stages = cfg.gate_up
+    _jit(_gate_up_kernel)[(num_tiles, triton.cdiv(inter, block_n))](
+        xw, w13, act, token_of, aligned.row_pair, aligned.tile_slot,
+        hidden, inter, num_slots, xw.stride(0),
+        BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, DOT_FP32=dot_fp32,
+        num_warps=warps, num_stages=stages)
+
+    out = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)
+    block_n, block_k, warps, stages = cfg.down
+    _jit(_down_kernel)[(num_tiles, triton.cdiv(hidden, block_n))](
+        act, w2, out, token_of, weight_of, aligned.row_pair, aligned.tile_slot,
+        hidden, inter, num_slots, out.stride(0),
+        BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, DOT_FP32=dot_fp32,
+        num_warps=warps, num_stages=stages)
+    return out.to(x.dtype)
+
+
+# ---------------------------------------------------------------- dispatcher
+
+def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, token_of: torch.Tensor,
+                  slot_of: torch.Tensor, weight_of: torch.Tensor) -> torch.Tensor:
+    """Routed experts over pairs: x [T, H], w13 [S, 2I, H], w2 [S, H, I], token_of / slot_of [P]
+    int64, weight_of [P] float -> [T, H] in x's dtype (see the module docstring for the sum).
+    Triton where it can run (CUDA, or CPU under TRITON_INTERPRET=1), the reference elsewhere."""
+    if triton is not None and triton_ok(x):
+        return fused_experts_triton(x, w13, w2, token_of, slot_of, weight_of)
+    return fused_experts_reference(x, w13, w2, token_of, slot_of, weight_of)

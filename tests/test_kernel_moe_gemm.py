@@ -1,0 +1,192 @@
+"""Fused MoE grouped GEMM (kernels/moe_gemm.py): the Triton kernels against the per-slot reference."""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    # Must be set before triton.jit runs; the kernels module decorates lazily, at first launch.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+
+from kernels import moe_gemm  # noqa: E402
+from kernels.moe_gemm import (  # noqa: E402
+    MoEGemmConfig, align_pairs, fused_experts, fused_experts_reference, fused_experts_triton, max_tiles,
+)
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
+TOLERANCE = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
+
+
+def make_weights(num_slots, hidden, inter, dtype, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(num_slots, 2 * inter, hidden, generator=gen) * hidden ** -0.5
+    w2 = torch.randn(num_slots, hidden, inter, generator=gen) * inter ** -0.5
+    return w13.to(device, dtype), w2.to(device, dtype)
+
+
+def make_routing(num_tokens, topk, allowed_slots, device, seed=0):
+    """Token-major pairs as the engine builds them: each token picks topk distinct allowed slots."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    allowed = torch.tensor(allowed_slots)
+    choice = torch.rand(num_tokens, len(allowed_slots), generator=gen).topk(topk, dim=1).indices
+    slot_of = allowed[choice].flatten()
+    token_of = torch.arange(num_tokens).repeat_interleave(topk)
+    weight_of = torch.rand(num_tokens * topk, generator=gen) + 0.1
+    return token_of.to(device), slot_of.to(device), weight_of.to(device)
+
+
+def check(x, w13, w2, token_of, slot_of, weight_of, config=None):
+    got = fused_experts_triton(x, w13, w2, token_of, slot_of, weight_of, config=config)
+    want = fused_experts_reference(x, w13, w2, token_of, slot_of, weight_of)
+    assert got.dtype == x.dtype and got.shape == x.shape
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.float(), want.float(), **TOLERANCE[x.dtype])
+    return got
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [1, 5, 33])
+def test_matches_reference(device, dtype, num_tokens):
+    hidden, inter, num_slots, topk = 64, 32, 8, 2
+    w13, w2 = make_weights(num_slots, hidden, inter, dtype, device)
+    x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(2)).to(device, dtype)
+    # Slots 2 and 6 get no tokens: the layout must skip them without a tile.
+    token_of, slot_of, weight_of = make_routing(num_tokens, topk, [0, 1, 3, 4, 5, 7], device)
+    out = check(x, w13, w2, token_of, slot_of, weight_of)
+    assert out.abs().max() > 0.1  # a kernel that wrote nothing would not pass as "close to zero"
+
+
+SMALL_BLOCKS = MoEGemmConfig(16, (16, 16, 1, 2), (16, 16, 1, 2))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("config", [None, SMALL_BLOCKS], ids=["default", "small"])
+def test_sizes_not_multiples_of_blocks(device, dtype, config):
+    # H=40, I=24: K loops and column tiles end in a partial block (several blocks with SMALL_BLOCKS).
+    hidden, inter, num_slots, topk, num_tokens = 40, 24, 5, 3, 7
+    w13, w2 = make_weights(num_slots, hidden, inter, dtype, device, seed=3)
+    x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(4)).to(device, dtype)
+    check(x, w13, w2, *make_routing(num_tokens, topk, list(range(num_slots)), device, seed=3), config=config)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("block_m", [16, 32, 64])
+def test_every_row_tile_size(device, block_m):
+    # Uneven load (one hot slot spanning several tiles, the rest thin) under each row-tile size.
+    hidden, inter, num_slots, num_tokens = 64, 32, 4, 40
+    w13, w2 = make_weights(num_slots, hidden, inter, torch.float32, device, seed=5)
+    x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(6)).to(device)
+    token_of = torch.cat([torch.arange(num_tokens), torch.tensor([0, 3, 9, 39])]).to(device)
+    slot_of = torch.cat([torch.zeros(num_tokens, dtype=torch.long), torch.tensor([1, 3, 3, 1])]).to(device)
+    weight_of = torch.linspace(0.2, 1.0, token_of.numel()).to(device)
+    config = MoEGemmConfig(block_m, (32, 32, 4, 2), (32, 32, 4, 2))
+    check(x, w13, w2, token_of, slot_of, weight_of, config=config)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_arbitrary_pairs(device):
+    """Pairs in any order (as expert parallelism delivers them), tokens with no pair, a token
+    sent twice to the same slot: the sum is over pairs, whatever their layout."""
+    hidden, inter, num_slots, num_tokens = 64, 32, 8, 6
+    w13, w2 = make_weights(num_slots, hidden, inter, torch.float32, device, seed=7)
+    x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(8)).to(device)
+    token_of = torch.tensor([4, 0, 4, 2, 0, 4, 4]).to(device)
+    slot_of = torch.tensor([7, 3, 1, 3, 7, 1, 5]).to(device)
+    weight_of = torch.tensor([0.5, 1.0, 0.25, 2.0, 0.75, 0.25, 1.5]).to(device)
+    out = check(x, w13, w2, token_of, slot_of, weight_of)
+    assert (out[[1, 3, 5]] == 0).all()  # tokens without pairs stay exactly zero
+    assert (out[[0, 2, 4]].abs().amax(dim=1) > 0).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_no_pairs(device):
+    w13, w2 = make_weights(4, 64, 32, torch.float32, device)
+    x = torch.randn(3, 64).to(device)
+    empty_long = torch.empty(0, dtype=torch.long, device=device)
+    out = fused_experts_triton(x, w13, w2, empty_long, empty_long, torch.empty(0, device=device))
+    assert out.shape == (3, 64) and (out == 0).all()
+
+
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_align_layout(block_m):
+    num_slots = 6
+    slot_of = torch.tensor([5, 0, 5, 2, 5, 0, 2, 5] * 5)
+    aligned = align_pairs(slot_of, num_slots, block_m)
+    row_pair, tile_slot = aligned.row_pair, aligned.tile_slot
+    assert tile_slot.numel() == max_tiles(slot_of.numel(), num_slots, block_m)
+    assert aligned.counts.tolist() == [10, 0, 10, 0, 0, 20]
+    # Every pair appears exactly once; padding is -1.
+    real = row_pair[row_pair >= 0]
+    assert sorted(real.tolist()) == list(range(slot_of.numel()))
+    # Each used tile holds rows of its own slot only, slots ascend, and a slot starts a fresh tile.
+    rows_slot = torch.where(row_pair >= 0, slot_of[row_pair.clamp(min=0).long()], -1).view(-1, block_m)
+    used = tile_slot < num_slots
+    for tile in range(tile_slot.numel()):
+        members = rows_slot[tile][rows_slot[tile] >= 0]
+        if used[tile]:
+            assert members.numel() > 0 and (members == tile_slot[tile]).all()
+        else:
+            assert members.numel() == 0
+    assert (tile_slot[used].diff() >= 0).all()
+    # Within a slot the pairs keep their original order (stable sort).
+    assert (real.view(-1)[slot_of[real.long()] == 5].diff() > 0).all()
+    assert int(used.sum()) == sum(-(-c // block_m) for c in [10, 10, 20])
+
+
+def test_max_tiles_is_worst_case():
+    # Every slot holding a single pair is the most padding the layout can need.
+    for num_pairs, num_slots, block_m in [(1, 8, 16), (8, 8, 16), (40, 8, 16), (100, 64, 128)]:
+        slot_of = torch.arange(num_pairs) % num_slots
+        aligned = align_pairs(slot_of, num_slots, block_m)
+        worst = sum(-(-int(c) // block_m) for c in aligned.counts)
+        assert worst <= max_tiles(num_pairs, num_slots, block_m)
+
+
+def test_dispatcher_on_cpu():
+    w13, w2 = make_weights(8, 64, 32, torch.float32, "cpu")
+    x = torch.randn(5, 64)
+    pairs = make_routing(5, 2, list(range(8)), "cpu")
+    torch.testing.assert_close(fused_experts(x, w13, w2, *pairs), fused_experts_reference(x, w13, w2, *pairs),
+                               **TOLERANCE[torch.float32])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+def test_no_host_sync_and_cuda_graph():
+    hidden, inter, num_slots, num_tokens, topk = 128, 64, 8, 24, 2
+    w13, w2 = make_weights(num_slots, hidden, inter, torch.bfloat16, "cuda")
+    x = torch.randn(num_tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    token_of, slot_of, weight_of = make_routing(num_tokens, topk, list(range(num_slots)), "cuda")
+    fused_experts_triton(x, w13, w2, token_of, slot_of, weight_of)  # compile outside the checks
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fused_experts_triton(x, w13, w2, token_of, slot_of, weight_of)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fused_experts_triton(x, w13, w2, token_of, slot_of, weight_of)
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        out = fused_experts_triton(x, w13, w2, token_of, slot_of, weight_of)
+    # New routing in the same buffers: the replay must follow it.
+    new_tokens, new_slots, new_weights = make_routing(num_tokens, topk, [1, 2, 5], "cuda", seed=9)
+    slot_of.copy_(new_slots)
+    weight_of.copy_(new_weights)
+    graph.replay()
+    torch.cuda.synchronize()
+    want = fused_experts_reference(x, w13, w2, token_of, slot_of, weight_of)
+    torch.testing.assert_close(out.float(), want.float(), **TOLERANCE[torch.bfloat16])
+
+
+def test_module_keeps_engine_out():
+    # kernels/ sits below engine/: importing engine or ray from here would invert the layering.
+    source = open(moe_gemm.__file__).read()
+    assert "import ray" not in source and "from engine" not in source and "import engine" not in source
