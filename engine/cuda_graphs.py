@@ -23,8 +23,10 @@ class DecodeGraphs:
         self.sizes = _batch_sizes(min(max_batch, runner.cfg.max_num_seqs))
         self.graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, tuple, torch.Tensor]] = {}
         self.pool = None
-        max_len = runner.cfg.max_model_len or runner.cfg.num_blocks * runner.cfg.block_size
-        runner.model.model.rotary.ensure(max_len)
+        cfg = runner.cfg
+        limit = min(runner.model.cfg.max_position_embeddings, cfg.num_blocks * cfg.block_size)
+        self.rotary = runner.model.model.rotary
+        self.rotary.ensure(cfg.max_model_len or limit)
 
     def covers(self, batch_size: int) -> bool:
         return batch_size <= self.sizes[-1]
@@ -42,6 +44,8 @@ class DecodeGraphs:
         num_blocks = max((seq.num_tokens - 1) // r.cfg.block_size + 1 for seq in batch.seqs)
         pad_m = self._blocks_bucket(num_blocks)
         inputs = r.decode_inputs(batch, pad_batch=pad_b, pad_blocks=pad_m)
+        if self._tables_moved():
+            self.graphs.clear()  # they read the rope tables a longer context has since replaced
         key = (pad_b, pad_m, inputs[-1])
         if key not in self.graphs:
             self.graphs[key] = self._capture(inputs)
@@ -50,6 +54,12 @@ class DecodeGraphs:
             dst.copy_(src, non_blocking=True)
         graph.replay()
         return logits
+
+    def _tables_moved(self) -> bool:
+        ptr = self.rotary.cos.data_ptr()
+        moved = getattr(self, "_cos_ptr", ptr) != ptr
+        self._cos_ptr = ptr
+        return moved
 
     def _capture(self, inputs):
         r = self.runner

@@ -1,0 +1,241 @@
+"""Decode forward benchmark: step time across context lengths, against the HBM roofline.
+
+    python -m bench.forward --device cuda --batch 16 --contexts 8192 65536 131072 262144 524288
+    python -m bench.forward --device cuda --batch 64 --contexts 8192 --moe-share --graphs-vs-eager
+    python -m bench.forward --device cpu --preset tiny --batch 2 --contexts 64 256 --iters 3   # smoke
+
+Sequences are made up, not prefilled: each of `batch` sequences gets `context` positions of
+random global KV (and a full window ring), then the same decode step is replayed. Columns:
+- forward_ms: the decode forward on the device (CUDA graph replay, or the eager forward),
+  CUDA events, median; step_ms: the engine's whole `runner.run` (host-side inputs included);
+- roofline_ms: bytes the step must read (weights it touches + KV it reads) / copy bandwidth
+  measured in the same run (a device-to-device copy reads and writes: 2 x bytes / time);
+  roofline_pct = roofline_ms / forward_ms;
+- moe_share (--moe-share): 1 - forward time with every MoE layer replaced by a no-op / full.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from bench.engine_vs_hf import build_ours
+from engine.config import EngineConfig, preset
+from engine.llm_engine import LLMEngine
+from engine.moe import MoE
+from engine.sampling import SamplingParams
+from engine.scheduler import ScheduledBatch
+from engine.sequence import Sequence, Status
+
+
+def copy_bandwidth(device, nbytes=2 << 30) -> float:
+    """Bytes/s of HBM traffic in a device-to-device copy (read + write)."""
+    if torch.device(device).type != "cuda":
+        return None
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    return 2 * nbytes / statistics.median(times[2:])
+
+
+def make_batch(engine: LLMEngine, batch: int, context: int, seed: int = 0) -> ScheduledBatch:
+    """`batch` running sequences at `context` positions each, their KV filled with random values."""
+    r, bs = engine.runner, engine.cfg.block_size
+    g = torch.Generator().manual_seed(seed)
+    seqs = []
+    blocks_each = -(-(context + 1) // bs)
+    for i in range(batch):
+        seq = Sequence(f"bench-{i}", torch.randint(4, 1000, (context,), generator=g).tolist(),
+                       SamplingParams(max_tokens=1 << 30, temperature=0, ignore_eos=True))
+        seq.output_ids.append(5)
+        seq.block_table = list(range(i * blocks_each, (i + 1) * blocks_each))
+        seq.num_computed_tokens = seq.num_cached_tokens = context
+        seq.status = Status.RUNNING
+        if r.kv.window:
+            seq.window_slot = i
+        seqs.append(seq)
+    kv = r.kv
+    gen = torch.Generator(device=r.device).manual_seed(seed)
+    for t in (kv.global_kv, kv.index_keys):
+        if t is not None:
+            for src in range(t.shape[0]):  # one source at a time: randn of the whole pool doubles memory
+                t[src].copy_(torch.randn(t.shape[1:], generator=gen, device=r.device, dtype=torch.float32))
+    if kv.window:
+        w = kv.window
+        kv.window_kv.normal_(generator=gen)
+        for i in range(batch):  # ring slot p % W holds position p, for the last W positions
+            pos = torch.arange(context - w, context, device=r.device)
+            kv.window_pos[i, pos % w] = pos
+    return ScheduledBatch(seqs=seqs, num_tokens=[1] * batch)
+
+
+def time_forward(engine: LLMEngine, batch: ScheduledBatch, iters: int) -> tuple[float, float]:
+    """(forward_ms, step_ms) medians. Replaying the same step is idempotent: it rewrites the
+    same KV entries and window slots."""
+    r = engine.runner
+    cuda = r.device.type == "cuda"
+    for _ in range(3):
+        r.run(batch)
+    fwd, step = [], []
+    for _ in range(iters):
+        inputs = r.decode_inputs(batch) if r.graphs is None else None
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        if r.graphs is not None:
+            r.run(batch)
+        else:
+            r.decode_forward(*inputs)
+        if cuda:
+            end.record()
+            torch.cuda.synchronize()
+            fwd.append(start.elapsed_time(end))
+        else:
+            fwd.append((time.perf_counter() - t0) * 1e3)
+        t0 = time.perf_counter()
+        r.run(batch)
+        if cuda:
+            torch.cuda.synchronize()
+        step.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(fwd), statistics.median(step)
+
+
+def step_bytes(engine: LLMEngine, batch: int, context: int, experts_touched: list[int]) -> int:
+    """Bytes one decode step must read: weights (routed experts only where touched; one embedding
+    row per sequence) and the KV its attention and indexer read."""
+    model, mc = engine.runner.model, engine.runner.model.cfg
+    total = 0
+    for name, p in model.named_parameters():
+        if name.endswith("embed_tokens.weight"):
+            total += batch * p.shape[1] * p.element_size()
+        elif name.endswith("mlp.w13") or name.endswith("mlp.w2"):
+            continue
+        else:
+            total += p.numel() * p.element_size()
+    for moe, touched in zip(model.moe_layers(), experts_touched):
+        per_slot = (moe.w13[0].numel() + moe.w2[0].numel()) * moe.w13.element_size()
+        total += touched * per_slot
+    kv = engine.runner.kv
+    d, kv_bytes = mc.latent_dim, kv.global_kv.element_size() + (4 / mc.latent_dim if kv.kv_scale is not None else 0)
+    w = mc.sliding_window or 0
+    g_len = max(0, context + 1 - (w - 1 if w else 0))
+    attended = min(g_len, mc.index_topk) if mc.index_topk else g_len
+    per_layer = attended * d * kv_bytes
+    if mc.index_topk and g_len > mc.index_topk:
+        per_layer += g_len * mc.index_head_dim * kv.index_keys.element_size()
+    if w:
+        per_layer += (w + 1) * d * kv.window_kv.element_size()
+    total += batch * mc.num_hidden_layers * per_layer
+    return int(total)
+
+
+def experts_touched(engine: LLMEngine, batch: ScheduledBatch) -> list[int]:
+    moes = engine.runner.model.moe_layers()
+    for m in moes:
+        m.take_load()
+    engine.runner.run(batch)
+    return [int((m.take_load() > 0).sum()) for m in moes]
+
+
+class _NoMoE(torch.nn.Module):
+    def forward(self, x):
+        return torch.zeros_like(x)
+
+
+def without_moe(engine: LLMEngine):
+    """Swap every MoE layer for a no-op (for the MoE-share ablation); returns the undo."""
+    layers = [layer for layer in engine.runner.model.model.layers if isinstance(layer.mlp, MoE)]
+    saved = [layer.mlp for layer in layers]
+    for layer in layers:
+        layer.mlp = _NoMoE()
+
+    def undo():
+        for layer, m in zip(layers, saved):
+            layer.mlp = m
+    return undo
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="bench")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--contexts", type=int, nargs="+", default=[8192, 65536, 131072, 262144, 524288])
+    ap.add_argument("--kv-dtype", nargs="+", default=["auto"], choices=["auto", "fp8_e4m3"])
+    ap.add_argument("--block-size", type=int, default=64)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--moe-share", action="store_true", help="also time the step with MoE layers removed")
+    ap.add_argument("--graphs-vs-eager", action="store_true", help="also time the eager forward (no CUDA graphs)")
+    ap.add_argument("--json", default=None, help="append JSON lines here")
+    args = ap.parse_args(argv)
+    dtype = getattr(torch, args.dtype)
+    cfg = preset(args.preset, max_position_embeddings=max(max(args.contexts) + 2, 4096))
+    model = build_ours(cfg, args.device, dtype)
+    bw = copy_bandwidth(args.device)
+    rows = []
+    for kv_dtype in args.kv_dtype:
+        for context in args.contexts:
+            blocks = args.batch * -(-(context + 1) // args.block_size)
+            ecfg = EngineConfig(device=args.device, dtype=args.dtype, block_size=args.block_size, num_blocks=blocks,
+                                max_num_seqs=args.batch, max_model_len=context + 1, kv_cache_dtype=kv_dtype,
+                                cuda_graph_max_batch=args.batch)
+            engine = LLMEngine(model, None, ecfg)
+            batch = make_batch(engine, args.batch, context)
+            fwd, step = time_forward(engine, batch, args.iters)
+            touched = experts_touched(engine, batch)
+            nbytes = step_bytes(engine, args.batch, context, touched)
+            roof = nbytes / bw * 1e3 if bw else None
+            row = dict(preset=args.preset, device=args.device, batch=args.batch, context=context, kv_dtype=kv_dtype,
+                       graphs=engine.runner.graphs is not None, forward_ms=round(fwd, 3), step_ms=round(step, 3),
+                       tok_s=round(args.batch / fwd * 1e3, 1), bytes_per_step_gb=round(nbytes / 1e9, 3),
+                       copy_gbs=bw and round(bw / 1e9, 1), roofline_ms=roof and round(roof, 3),
+                       roofline_pct=roof and round(100 * roof / fwd, 1),
+                       experts_touched_mean=round(sum(touched) / len(touched), 1))
+            if args.graphs_vs_eager and engine.runner.graphs is not None:
+                graphs, engine.runner.graphs = engine.runner.graphs, None
+                row["eager_forward_ms"] = round(time_forward(engine, batch, args.iters)[0], 3)
+                row["graph_speedup"] = round(row["eager_forward_ms"] / fwd, 2)
+                engine.runner.graphs = graphs
+            if args.moe_share:
+                undo = without_moe(engine)
+                if engine.runner.graphs is not None:
+                    engine.runner.graphs.graphs.clear()
+                no_moe = time_forward(engine, batch, args.iters)[0]
+                undo()
+                row.update(no_moe_forward_ms=round(no_moe, 3), moe_share=round(1 - no_moe / fwd, 3))
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+            del engine, batch
+            if args.device.startswith("cuda"):
+                torch.cuda.empty_cache()
+    base = rows[0]["forward_ms"] if rows else None
+    print("\n| kv | context | batch | forward ms | step ms | vs first | roofline ms | % roofline |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['kv_dtype']} | {r['context']} | {r['batch']} | {r['forward_ms']} | {r['step_ms']} | "
+              f"{r['forward_ms'] / base - 1:+.1%} | {r['roofline_ms']} | {r['roofline_pct']} |")
+    if args.json:
+        with open(args.json, "a") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)
