@@ -1,0 +1,316 @@
+"""Paged MLA decode attention in the absorbed form, with an optional FP8 latent KV.
+
+One decode query per sequence, H heads, all heads scoring the same keys: the latents of
+width D = kv_lora + rope. Values are the first kv_lora columns of those latents.
+
+Keys of sequence b are the union of
+- global keys: positions 0..g_lens[b]-1 of the paged latent slab (slot = table[b, j // bs] * bs
+  + j % bs), or, when topk_pos is given, only the positions it lists (-1 = no entry);
+- window keys: win_kv[b, i] where win_valid[b, i].
+
+The Triton path is flash-decoding: the keys of a sequence are cut into splits, each program
+loads a KV tile once for all heads (tl.dot of [H, D] x [D, BLOCK_N]) and keeps an online
+softmax; a second small kernel merges the per-split (max, sum, partial output).
+"""
+from __future__ import annotations
+
+import torch
+
+from kernels import triton_ok
+from kernels.fp8_kv import FP8_DTYPE
+
+try:
+    import triton
+    import triton.language as tl
+except Exception:  # the reference path needs no Triton
+    triton = None
+
+_LOG2E = 1.4426950408889634
+
+
+def mla_decode_reference(q, kv, kv_scale, block_tables, g_lens, block_size: int, sm_scale: float,
+                         kv_lora: int, topk_pos=None, win_kv=None, win_valid=None) -> torch.Tensor:
+    """Plain-torch definition of mla_decode (fp32 math throughout). Returns [B, H, kv_lora] in q's dtype."""
+    b, h, d = q.shape
+    dev = q.device
+    # Positions past the block table's capacity are ignored, as in the kernel.
+    g_lens = g_lens.to(dev).long().clamp(max=block_tables.shape[1] * block_size)
+    if topk_pos is None:
+        pos = torch.arange(block_tables.shape[1] * block_size, device=dev).expand(b, -1)
+        valid = pos < g_lens[:, None]
+    else:
+        pos = topk_pos.long()
+        valid = (pos >= 0) & (pos < g_lens[:, None])
+    pos = torch.where(valid, pos, 0)
+    slots = block_tables.long().gather(1, pos // block_size) * block_size + pos % block_size
+    # Table entries past a sequence's blocks may hold anything: never index with them.
+    slots = torch.where(valid, slots, 0)
+    keys = kv[slots].float()
+    if kv.dtype == FP8_DTYPE:
+        keys = keys * kv_scale.float()[slots][..., None]
+    if win_kv is not None and win_kv.shape[1] > 0:
+        wv = torch.ones(win_kv.shape[:2], dtype=torch.bool, device=dev) if win_valid is None else win_valid
+        keys = torch.cat([keys, win_kv.float()], dim=1)
+        valid = torch.cat([valid, wv.bool()], dim=1)
+    s = torch.einsum("bhd,bkd->bhk", q.float(), keys) * sm_scale
+    s = s.masked_fill(~valid[:, None, :], float("-inf"))
+    m = s.amax(dim=-1, keepdim=True)
+    m = torch.where(torch.isinf(m), 0.0, m)  # a row with no key: exp(-inf) = 0 everywhere
+    p = torch.exp(s - m)
+    denom = p.sum(dim=-1, keepdim=True)
+    out = torch.einsum("bhk,bkc->bhc", p, keys[..., :kv_lora])
+    out = torch.where(denom > 0, out / denom.clamp(min=1e-30), 0.0)
+    return out.to(q.dtype)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _tile_update(q_c, q_r, k_c, k_r, valid, k_scale, m, l, acc, qk_scale,
+                     HAS_SCALE: tl.constexpr, PREC: tl.constexpr):
+        """Fold one tile of keys into the running (max, sum, output) of every head."""
+        k_c = k_c.to(q_c.dtype)
+        k_r = k_r.to(q_c.dtype)
+        s = tl.dot(q_c, tl.trans(k_c), input_precision=PREC)
+        s += tl.dot(q_r, tl.trans(k_r), input_precision=PREC)
+        if HAS_SCALE:
+            # Per-key scales commute with the dot: apply them to scores, not to the whole tile.
+            s = s * k_scale[None, :]
+        # Finite floor instead of -inf so that a tile with no valid key gives no NaN.
+        s = tl.where(valid[None, :], s * qk_scale, -1.0e30)
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.where(valid[None, :], tl.exp2(s - m_new[:, None]), 0.0)
+        l = l * alpha + tl.sum(p, 1)
+        if HAS_SCALE:
+            # Scaled relative to the tile's largest scale so that p stays in range when cast
+            # to 16 bits; the largest scale is multiplied back on the [H, C] product.
+            k_max = tl.max(tl.where(valid, k_scale, 0.0), 0)
+            k_max = tl.where(k_max > 0, k_max, 1.0)
+            pv = (p * (k_scale / k_max)[None, :]).to(k_c.dtype)
+            acc = acc * alpha[:, None] + tl.dot(pv, k_c, input_precision=PREC) * k_max
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(k_c.dtype), k_c, input_precision=PREC)
+        return m_new, l, acc
+
+    @triton.jit
+    def _split_kernel(
+            q_ptr, stride_qb, stride_qh,
+            kv_ptr, stride_kv, scale_ptr,
+            table_ptr, stride_tb, table_keys, glen_ptr,
+            topk_ptr, stride_topk, num_topk,
+            win_ptr, stride_wb, stride_wi, wvalid_ptr, stride_vb, num_win,
+            part_acc_ptr, part_m_ptr, part_l_ptr,
+            num_heads, kv_lora, rope, block_size, keys_per_split, num_global_splits, qk_scale,
+            BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+            IS_FP8: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_WINDOW: tl.constexpr, PREC: tl.constexpr,
+            UPCAST: tl.constexpr):
+        split = tl.program_id(0)
+        head_group = tl.program_id(1)
+        b = tl.program_id(2)
+        num_splits = tl.num_programs(0)
+
+        heads = head_group * BLOCK_H + tl.arange(0, BLOCK_H)
+        h_ok = heads < num_heads
+        cols = tl.arange(0, BLOCK_C)
+        c_ok = cols < kv_lora
+        rcols = tl.arange(0, BLOCK_R)
+        r_ok = rcols < rope
+        q_row = q_ptr + b * stride_qb + heads[:, None] * stride_qh
+        q_c = tl.load(q_row + cols[None, :], mask=h_ok[:, None] & c_ok[None, :], other=0.0)
+        q_r = tl.load(q_row + kv_lora + rcols[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0)
+        if UPCAST:  # every dot operand follows q's type
+            q_c = q_c.to(tl.float32)
+            q_r = q_r.to(tl.float32)
+
+        m = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
+        l = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_C], dtype=tl.float32)
+
+        # Never read past the block table, whatever g_lens says.
+        g_len = tl.minimum(tl.load(glen_ptr + b), table_keys)
+        if HAS_TOPK:
+            n_global = num_topk
+        else:
+            n_global = g_len
+        # The window split starts past every global key, so its global loop is empty.
+        g_start = split * keys_per_split
+        g_end = tl.minimum(g_start + keys_per_split, n_global)
+        for start in range(g_start, g_end, BLOCK_N):
+            idx = start + tl.arange(0, BLOCK_N)
+            valid = idx < g_end
+            if HAS_TOPK:
+                pos = tl.load(topk_ptr + b * stride_topk + idx, mask=valid, other=-1)
+                valid = valid & (pos >= 0) & (pos < g_len)
+                pos = tl.where(valid, pos, 0)
+            else:
+                pos = idx
+            block = tl.load(table_ptr + b * stride_tb + pos // block_size, mask=valid, other=0)
+            slot = block.to(tl.int64) * block_size + pos % block_size
+            row = kv_ptr + slot[:, None] * stride_kv
+            k_c = tl.load(row + cols[None, :], mask=valid[:, None] & c_ok[None, :], other=0.0)
+            k_r = tl.load(row + kv_lora + rcols[None, :], mask=valid[:, None] & r_ok[None, :], other=0.0)
+            if IS_FP8:
+                k_scale = tl.load(scale_ptr + slot, mask=valid, other=0.0)
+            else:
+                k_scale = tl.zeros([BLOCK_N], dtype=tl.float32)
+            m, l, acc = _tile_update(q_c, q_r, k_c, k_r, valid, k_scale, m, l, acc, qk_scale, IS_FP8, PREC)
+
+        if HAS_WINDOW:
+            w_end = tl.where(split == num_global_splits, num_win, 0)
+            for start in range(0, w_end, BLOCK_N):
+                idx = start + tl.arange(0, BLOCK_N)
+                valid = idx < num_win
+                flag = tl.load(wvalid_ptr + b * stride_vb + idx, mask=valid, other=0)
+                valid = valid & (flag != 0)
+                row = win_ptr + b * stride_wb + idx[:, None].to(tl.int64) * stride_wi
+                k_c = tl.load(row + cols[None, :], mask=valid[:, None] & c_ok[None, :], other=0.0)
+                k_r = tl.load(row + kv_lora + rcols[None, :], mask=valid[:, None] & r_ok[None, :], other=0.0)
+                no_scale = tl.zeros([BLOCK_N], dtype=tl.float32)
+                m, l, acc = _tile_update(q_c, q_r, k_c, k_r, valid, no_scale, m, l, acc, qk_scale, False, PREC)
+
+        part = (b * num_splits + split) * num_heads + heads
+        tl.store(part_m_ptr + part, m, mask=h_ok)
+        tl.store(part_l_ptr + part, l, mask=h_ok)
+        tl.store(part_acc_ptr + part[:, None].to(tl.int64) * kv_lora + cols[None, :], acc,
+                 mask=h_ok[:, None] & c_ok[None, :])
+
+    @triton.jit
+    def _merge_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, stride_ob, stride_oh,
+                          num_splits, num_heads, kv_lora,
+                          BLOCK_S: tl.constexpr, BLOCK_SC: tl.constexpr, BLOCK_CC: tl.constexpr):
+        col_block = tl.program_id(0)
+        h = tl.program_id(1)
+        b = tl.program_id(2)
+        splits = tl.arange(0, BLOCK_S)
+        s_ok = splits < num_splits
+        base = b * num_splits * num_heads + h
+        m = tl.load(part_m_ptr + base + splits * num_heads, mask=s_ok, other=-1.0e30)
+        l = tl.load(part_l_ptr + base + splits * num_heads, mask=s_ok, other=0.0)
+        m_all = tl.max(m, 0)
+        denom = tl.sum(tl.exp2(m - m_all) * l, 0)
+
+        cols = col_block * BLOCK_CC + tl.arange(0, BLOCK_CC)
+        c_ok = cols < kv_lora
+        total = tl.zeros([BLOCK_CC], dtype=tl.float32)
+        for s0 in range(0, num_splits, BLOCK_SC):
+            sc = s0 + tl.arange(0, BLOCK_SC)
+            sc_ok = sc < num_splits
+            ms = tl.load(part_m_ptr + base + sc * num_heads, mask=sc_ok, other=-1.0e30)
+            w = tl.where(sc_ok, tl.exp2(ms - m_all), 0.0)
+            rows = (base + sc * num_heads).to(tl.int64) * kv_lora
+            part = tl.load(part_acc_ptr + rows[:, None] + cols[None, :], mask=sc_ok[:, None] & c_ok[None, :],
+                           other=0.0)
+            total += tl.sum(part * w[:, None], 0)
+        out = tl.where(denom > 0, total / tl.where(denom > 0, denom, 1.0), 0.0)
+        tl.store(out_ptr + b * stride_ob + h * stride_oh + cols, out.to(out_ptr.dtype.element_ty), mask=c_ok)
+
+
+def _pow2(n: int, floor: int = 16) -> int:
+    return max(floor, triton.next_power_of_2(max(int(n), 1)))
+
+
+def _target_programs(device: torch.device) -> int:
+    if device.type == "cuda":
+        return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 8
+
+
+def mla_decode_triton(q, kv, kv_scale, block_tables, g_lens, block_size: int, sm_scale: float, kv_lora: int,
+                      topk_pos=None, win_kv=None, win_valid=None, num_splits: int | None = None) -> torch.Tensor:
+    """Triton flash-decoding path of mla_decode; num_splits overrides the per-sequence split count."""
+    b, h, d = q.shape
+    rope = d - kv_lora
+    if kv.shape[-1] != d or rope < 0:
+        raise ValueError(f"kv width {kv.shape[-1]} and q width {d} must both be kv_lora + rope ({kv_lora} + ...)")
+    is_fp8 = kv.dtype == FP8_DTYPE
+    if is_fp8 and kv_scale is None:
+        raise ValueError("fp8 kv needs kv_scale")
+    out = torch.empty(b, h, kv_lora, dtype=q.dtype, device=q.device)
+    if b == 0 or h == 0 or kv_lora == 0:
+        return out.zero_()
+    q = q.contiguous()
+    if kv.stride(-1) != 1:
+        kv = kv.contiguous()
+    block_tables = block_tables.to(torch.int32).contiguous()
+    g_lens = g_lens.to(torch.int32).contiguous()
+    scale = kv_scale.float().contiguous() if is_fp8 else q  # any pointer when unused
+
+    has_topk = topk_pos is not None
+    if has_topk:
+        topk_pos = topk_pos.to(torch.int32).contiguous()
+        n_cap = topk_pos.shape[1]
+    else:
+        topk_pos = block_tables
+        n_cap = block_tables.shape[1] * block_size
+    has_window = win_kv is not None and win_kv.shape[1] > 0
+    if has_window:
+        if win_kv.dtype == FP8_DTYPE:
+            raise ValueError("window keys carry no scale: pass them in bf16/fp16/fp32")
+        if win_kv.stride(-1) != 1:
+            win_kv = win_kv.contiguous()
+        if win_valid is None:
+            win_valid = torch.ones(win_kv.shape[:2], dtype=torch.bool, device=q.device)
+        win_flags = win_valid.to(torch.uint8).contiguous()
+        num_win = win_kv.shape[1]
+    else:
+        win_kv, win_flags, num_win = q, q, 0
+
+    block_c, block_r = _pow2(kv_lora), _pow2(rope)
+    block_h = min(_pow2(h), max(16, 16384 // block_c))  # keeps the fp32 accumulator in registers
+    head_groups = triton.cdiv(h, block_h)
+    block_n = 32 if block_c >= 256 else 16
+    tiles = triton.cdiv(max(n_cap, 1), block_n)
+    if num_splits is None:
+        # Enough programs to fill the GPU, but at least 4 tiles each so the merge stays cheap.
+        num_splits = triton.cdiv(_target_programs(q.device), b * head_groups)
+        num_splits = max(1, min(num_splits, triton.cdiv(tiles, 4)))
+    num_splits = max(1, min(num_splits, tiles))
+    keys_per_split = triton.cdiv(tiles, num_splits) * block_n
+    num_global = triton.cdiv(max(n_cap, 1), keys_per_split)
+    total_splits = num_global + (1 if has_window else 0)
+
+    part_acc = torch.empty(b, total_splits, h, kv_lora, dtype=torch.float32, device=q.device)
+    part_m = torch.empty(b, total_splits, h, dtype=torch.float32, device=q.device)
+    part_l = torch.empty(b, total_splits, h, dtype=torch.float32, device=q.device)
+    # The interpreter (Triton 3.9) computes bf16 dots wrongly: it gets fp32 operands instead.
+    upcast = q.device.type == "cpu" and q.dtype == torch.bfloat16
+    prec = "ieee" if q.dtype == torch.float32 or upcast else "tf32"
+    num_warps = 8 if block_c * block_n >= 8192 else 4
+    _split_kernel[(total_splits, head_groups, b)](
+        q, q.stride(0), q.stride(1),
+        kv, kv.stride(0), scale,
+        block_tables, block_tables.stride(0), block_tables.shape[1] * block_size, g_lens,
+        topk_pos, topk_pos.stride(0), n_cap,
+        win_kv, win_kv.stride(0) if has_window else 0, win_kv.stride(1) if has_window else 0,
+        win_flags, win_flags.stride(0) if has_window else 0, num_win,
+        part_acc, part_m, part_l,
+        h, kv_lora, rope, block_size, keys_per_split, num_global, sm_scale * _LOG2E,
+        BLOCK_H=block_h, BLOCK_C=block_c, BLOCK_R=block_r, BLOCK_N=block_n,
+        IS_FP8=is_fp8, HAS_TOPK=has_topk, HAS_WINDOW=has_window, PREC=prec, UPCAST=upcast,
+        num_warps=num_warps, num_stages=2)
+    block_cc = min(block_c, 128)
+    _merge_kernel[(triton.cdiv(kv_lora, block_cc), h, b)](
+        part_acc, part_m, part_l, out, out.stride(0), out.stride(1),
+        total_splits, h, kv_lora,
+        BLOCK_S=_pow2(total_splits, 2), BLOCK_SC=16, BLOCK_CC=block_cc, num_warps=4)
+    return out
+
+
+def mla_decode(q, kv, kv_scale, block_tables, g_lens, block_size: int, sm_scale: float, kv_lora: int,
+               topk_pos=None, win_kv=None, win_valid=None) -> torch.Tensor:
+    """Decode attention of one query per sequence over paged latents (+ window keys).
+
+    q [B,H,D] bf16/fp16/fp32; kv [S,D] bf16/fp32, or float8_e4m3fn with kv_scale [S] fp32 (key = kv * scale);
+    block_tables [B,M] int32; g_lens [B] int32; topk_pos [B,K] int32 or None (-1 = no entry);
+    win_kv [B,Wk,D] or None, win_valid [B,Wk] bool or None (all valid).
+    Softmax in fp32 of (q . key) * sm_scale over the union of global and window keys;
+    returns sum p * key[:kv_lora] as [B,H,kv_lora] in q's dtype, zeros for a row with no key.
+    """
+    args = (q, kv, kv_scale, block_tables, g_lens, block_size, sm_scale, kv_lora, topk_pos, win_kv, win_valid)
+    if triton is not None and triton_ok(q):
+        return mla_decode_triton(*args)
+    return mla_decode_reference(*args)
+
+
+__all__ = ["mla_decode", "mla_decode_reference", "mla_decode_triton"]
