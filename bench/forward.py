@@ -178,6 +178,7 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--contexts", type=int, nargs="+", default=[8192, 65536, 131072, 262144, 524288])
     ap.add_argument("--kv-dtype", nargs="+", default=["auto"], choices=["auto", "fp8_e4m3"])
+    ap.add_argument("--moe-gemm", nargs="+", default=["auto"], choices=["auto", "triton"])
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--moe-share", action="store_true", help="also time the step with MoE layers removed")
@@ -189,46 +190,46 @@ def main(argv=None):
     model = build_ours(cfg, args.device, dtype)
     bw = copy_bandwidth(args.device)
     rows = []
-    for kv_dtype in args.kv_dtype:
-        for context in args.contexts:
-            blocks = args.batch * -(-(context + 1) // args.block_size)
-            ecfg = EngineConfig(device=args.device, dtype=args.dtype, block_size=args.block_size, num_blocks=blocks,
-                                max_num_seqs=args.batch, max_model_len=context + 1, kv_cache_dtype=kv_dtype,
-                                cuda_graph_max_batch=args.batch)
-            engine = LLMEngine(model, None, ecfg)
-            batch = make_batch(engine, args.batch, context)
-            fwd, step = time_forward(engine, batch, args.iters)
-            touched = experts_touched(engine, batch)
-            nbytes = step_bytes(engine, args.batch, context, touched)
-            roof = nbytes / bw * 1e3 if bw else None
-            row = dict(preset=args.preset, device=args.device, batch=args.batch, context=context, kv_dtype=kv_dtype,
-                       graphs=engine.runner.graphs is not None, forward_ms=round(fwd, 3), step_ms=round(step, 3),
-                       tok_s=round(args.batch / fwd * 1e3, 1), bytes_per_step_gb=round(nbytes / 1e9, 3),
-                       copy_gbs=bw and round(bw / 1e9, 1), roofline_ms=roof and round(roof, 3),
-                       roofline_pct=roof and round(100 * roof / fwd, 1),
-                       experts_touched_mean=round(sum(touched) / len(touched), 1))
-            if args.graphs_vs_eager and engine.runner.graphs is not None:
-                graphs, engine.runner.graphs = engine.runner.graphs, None
-                row["eager_forward_ms"] = round(time_forward(engine, batch, args.iters)[0], 3)
-                row["graph_speedup"] = round(row["eager_forward_ms"] / fwd, 2)
-                engine.runner.graphs = graphs
-            if args.moe_share:
-                undo = without_moe(engine)
-                if engine.runner.graphs is not None:
-                    engine.runner.graphs.graphs.clear()
-                no_moe = time_forward(engine, batch, args.iters)[0]
-                undo()
-                row.update(no_moe_forward_ms=round(no_moe, 3), moe_share=round(1 - no_moe / fwd, 3))
-            print(json.dumps(row), flush=True)
-            rows.append(row)
-            del engine, batch
-            if args.device.startswith("cuda"):
-                torch.cuda.empty_cache()
+    runs = [(kv, gemm, c) for kv in args.kv_dtype for gemm in args.moe_gemm for c in args.contexts]
+    for kv_dtype, gemm, context in runs:
+        blocks = args.batch * -(-(context + 1) // args.block_size)
+        ecfg = EngineConfig(device=args.device, dtype=args.dtype, block_size=args.block_size, num_blocks=blocks,
+                            max_num_seqs=args.batch, max_model_len=context + 1, kv_cache_dtype=kv_dtype, moe_gemm=gemm,
+                            cuda_graph_max_batch=args.batch)
+        engine = LLMEngine(model, None, ecfg)
+        batch = make_batch(engine, args.batch, context)
+        fwd, step = time_forward(engine, batch, args.iters)
+        touched = experts_touched(engine, batch)
+        nbytes = step_bytes(engine, args.batch, context, touched)
+        roof = nbytes / bw * 1e3 if bw else None
+        row = dict(preset=args.preset, device=args.device, batch=args.batch, context=context, kv_dtype=kv_dtype, moe_gemm=gemm,
+                   graphs=engine.runner.graphs is not None, forward_ms=round(fwd, 3), step_ms=round(step, 3),
+                   tok_s=round(args.batch / fwd * 1e3, 1), bytes_per_step_gb=round(nbytes / 1e9, 3),
+                   copy_gbs=bw and round(bw / 1e9, 1), roofline_ms=roof and round(roof, 3),
+                   roofline_pct=roof and round(100 * roof / fwd, 1),
+                   experts_touched_mean=round(sum(touched) / len(touched), 1))
+        if args.graphs_vs_eager and engine.runner.graphs is not None:
+            graphs, engine.runner.graphs = engine.runner.graphs, None
+            row["eager_forward_ms"] = round(time_forward(engine, batch, args.iters)[0], 3)
+            row["graph_speedup"] = round(row["eager_forward_ms"] / fwd, 2)
+            engine.runner.graphs = graphs
+        if args.moe_share:
+            undo = without_moe(engine)
+            if engine.runner.graphs is not None:
+                engine.runner.graphs.graphs.clear()
+            no_moe = time_forward(engine, batch, args.iters)[0]
+            undo()
+            row.update(no_moe_forward_ms=round(no_moe, 3), moe_share=round(1 - no_moe / fwd, 3))
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        del engine, batch
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
     base = rows[0]["forward_ms"] if rows else None
-    print("\n| kv | context | batch | forward ms | step ms | vs first | roofline ms | % roofline |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| kv | moe gemm | context | batch | forward ms | step ms | vs first | roofline ms | % roofline |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['kv_dtype']} | {r['context']} | {r['batch']} | {r['forward_ms']} | {r['step_ms']} | "
+        print(f"| {r['kv_dtype']} | {r['moe_gemm']} | {r['context']} | {r['batch']} | {r['forward_ms']} | {r['step_ms']} | "
               f"{r['forward_ms'] / base - 1:+.1%} | {r['roofline_ms']} | {r['roofline_pct']} |")
     if args.json:
         with open(args.json, "a") as f:

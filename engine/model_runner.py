@@ -61,6 +61,8 @@ class ModelRunner:
         self.device = torch.device(cfg.device)
         self.dtype = getattr(torch, cfg.dtype)
         self.kv = KVCache(model, cfg, self.device, self.dtype)
+        for moe in model.moe_layers():
+            moe.gemm = cfg.moe_gemm
         self.sampler = Sampler()
         # Graphs only without expert parallelism: its collectives run on the host's word.
         self.graphs = (DecodeGraphs(self, cfg.cuda_graph_max_batch)

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.moe_gemm import fused_experts
 from kernels.routing import fused_route
 
 from .config import ModelConfig
@@ -112,6 +113,7 @@ class MoE(nn.Module):
             if local_phys2log is None else None
         self.ep = None
         self._identity = None
+        self.gemm = "auto"  # EngineConfig.moe_gemm, set by the model runner
         self.layer_index = -1  # position among the model's MoE layers, set by the model
         self.register_buffer("slot_load", torch.zeros(num_slots, dtype=torch.long), persistent=False)
 
@@ -151,6 +153,8 @@ class MoE(nn.Module):
             0, slot_of, torch.ones_like(slot_of))
         if count:
             self.slot_load += counts
+        if self.gemm == "triton" and x.is_cuda:
+            return fused_experts(x, self.w13, self.w2, token_of, slot_of, weight_of)
         order = slot_of.argsort(stable=True)
         token_of = token_of[order]
         xs = x[token_of]
