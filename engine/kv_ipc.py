@@ -1,0 +1,585 @@
+"""Same-host KV transport ("ipc"): the prefill engine writes a request's blocks straight into
+the decode engine's KV pool, which it has mapped into its own process, so a transfer runs at
+the speed of a local copy (CPU) or a peer copy over NVLink (GPU). engine/kv_transfer.py (NIXL)
+stays for engines on different hosts. No Ray here: the control plane carries the handle and the
+block ids.
+
+Layout contract (as for NIXL): every pool tensor is [layers, num_slots] or [layers, num_slots,
+width] and contiguous, num_slots = num_blocks * block_size; both sides agree on the number of
+tensors and on each one's layers, width and dtype and on block_size; pool sizes may differ.
+
+Export (decode side): metadata() is a small picklable dict, made once per transport.
+- CUDA: each pool tensor as torch's CUDA-IPC reduction (a rebuild function and its arguments);
+  the importer maps the same device memory. The exporter keeps its tensors alive (the engine
+  does). CUDA cannot open a process's own handle, so a peer in the same process is served from
+  a registry instead.
+- CPU: the pool tensors must be files in /dev/shm. Building the engine inside shared_kv_pool()
+  makes KVCache put them there; the handle names each file with its inode, shape and dtype.
+  The files are unlinked when the exporter closes, by a finaliser at exit, or, after a crash,
+  by the next pool created on this host once the process that made them is gone.
+
+Import and write (prefill side): connect(meta) opens a peer's pool once (same host only), and
+write_blocks(peer, src_blocks, dst_blocks) does, for each pool tensor, dst[:, dst_blocks] =
+src[:, src_blocks] block by block: a gather into a contiguous buffer and a scatter into the
+mapped pool. On CUDA both are kernels of the local GPU on a side stream that first waits for the
+work already queued (the forward that wrote the KV); the scatter's stores cross NVLink, and the
+engine's next forward overlaps the copy. On CPU a worker thread copies.
+
+There is no notification: when wait() returns (or poll() says True) the bytes are in the peer's
+memory, and the control plane's reply tells the decode side the blocks are complete.
+
+A write cannot be recalled. When wait() times out the copy still finishes in the background, so
+the receiver must keep the destination blocks out of use for a while (the engine's quarantine,
+remote_kv_grace_s), as with NIXL. The transport keeps the memory an unfinished copy touches
+mapped until the copy ends.
+"""
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import hashlib
+import inspect
+import operator
+import os
+import socket
+import threading
+import time
+import uuid
+import weakref
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from .model_runner import KV_POOL_ALLOCATOR
+
+__all__ = ["IpcTransport", "IpcTransferError", "IpcWrite", "ShmPool", "host_id", "pool_tensors", "shared_kv_pool"]
+
+SHM_DIR = "/dev/shm"
+_PREFIX = "wideep-kv-"
+# Bounds the gather buffer of one step of a write; large enough that a step's two kernels take
+# far longer than their launches.
+_CHUNK_BYTES = 256 << 20
+_MAX_PEERS = 64
+
+
+class IpcTransferError(RuntimeError):
+    """A transfer (or opening a peer's pool) failed, was refused as invalid, or timed out."""
+
+
+def host_id() -> str:
+    """Names this machine for "are we on the same host": the host name and this boot. Two
+    containers on one machine usually differ in host name, and their /dev/shm and CUDA IPC may
+    not be shared, so they count as different hosts."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "?"
+    return f"{socket.gethostname()}/{boot}"
+
+
+def _host_tag() -> str:
+    return hashlib.sha1(host_id().encode()).hexdigest()[:8]
+
+
+def pool_tensors(kv) -> list[torch.Tensor]:
+    """The KV-cache tensors that move between engines (global KV, its FP8 scales, indexer keys)."""
+    return [t for t in (getattr(kv, n, None) for n in ("global_kv", "kv_scale", "index_keys")) if t is not None]
+
+
+# -- shared-memory pool (CPU) ----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _ShmFile:
+    path: str
+    inode: int
+    device: int
+    nbytes: int
+
+
+_shm_files: dict[int, _ShmFile] = {}  # data_ptr of a pool tensor made here -> its file
+_owned: set[str] = set()               # files this process made and has not unlinked yet
+_owned_lock = threading.Lock()
+
+
+def _unlink(paths) -> None:
+    for p in list(paths):
+        with _owned_lock:
+            _owned.discard(p)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(p)
+
+
+@atexit.register
+def _unlink_owned() -> None:
+    _unlink(set(_owned))
+
+
+def _map(fd: int, nbytes: int) -> torch.Tensor:
+    # Through the descriptor, not the name: a name unlinked meanwhile must fail the open rather
+    # than have torch create (and grow) a fresh file under it.
+    return torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=nbytes, dtype=torch.uint8)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _sweep_stale(directory: str) -> None:
+    """Unlinks pool files of this host whose process is gone (killed before its finaliser ran).
+    Only names with this host's tag are considered, so another machine's or container's files
+    sharing the directory are left alone."""
+    mine = f"{_PREFIX}{_host_tag()}-"
+    with contextlib.suppress(OSError):
+        for name in os.listdir(directory):
+            if not name.startswith(mine):
+                continue
+            try:
+                pid = int(name[len(mine):].split("-", 1)[0])
+            except ValueError:
+                continue
+            if pid != os.getpid() and not _alive(pid):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(directory, name))
+
+
+class ShmPool:
+    """A KVCache allocator (see engine.model_runner.KV_POOL_ALLOCATOR) that moves the CPU pool
+    tensors into files under `directory`, so another process on this host can map them. CUDA
+    tensors are returned as they are: their memory is exported by CUDA IPC."""
+
+    def __init__(self, directory: str = SHM_DIR):
+        self.directory = directory
+        self.paths: list[str] = []
+        self._swept = False
+
+    def __call__(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        if t.device.type != "cpu":
+            return t
+        if not self._swept:
+            _sweep_stale(self.directory)
+            self._swept = True
+        t = t.contiguous()
+        nbytes = t.numel() * t.element_size()
+        path = os.path.join(self.directory, f"{_PREFIX}{_host_tag()}-{os.getpid()}-{uuid.uuid4().hex[:8]}-{name}")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        with _owned_lock:
+            _owned.add(path)
+        try:
+            # Reserve the pages now: a tmpfs that is too small then fails here, not with a
+            # SIGBUS on the first touch of a page it cannot back.
+            os.posix_fallocate(fd, 0, max(nbytes, 1))
+            st = os.fstat(fd)
+        except OSError as e:
+            os.close(fd)
+            _unlink([path])
+            raise IpcTransferError(f"cannot place the {name} KV pool ({nbytes} bytes) in {self.directory}: {e}") from e
+        try:
+            raw = _map(fd, max(nbytes, 1))
+        finally:
+            os.close(fd)
+        out = raw[:nbytes].view(t.dtype).view(t.shape)
+        out.copy_(t)
+        key = out.untyped_storage().data_ptr()
+        _shm_files[key] = _ShmFile(path, st.st_ino, st.st_dev, nbytes)
+        weakref.finalize(out, _shm_files.pop, key, None)
+        self.paths.append(path)
+        return out
+
+    def close(self) -> None:
+        """Unlinks the files (mappings already made, here or elsewhere, stay valid)."""
+        _unlink(self.paths)
+
+
+@contextlib.contextmanager
+def shared_kv_pool(directory: str = SHM_DIR):
+    """Engines built inside this block keep their transferable KV pool in shared memory files
+    (CPU) that an IpcTransport can export. Yields the ShmPool."""
+    pool = ShmPool(directory)
+    token = KV_POOL_ALLOCATOR.set(pool)
+    try:
+        yield pool
+    finally:
+        KV_POOL_ALLOCATOR.reset(token)
+
+
+# -- transport -------------------------------------------------------------------------------------
+
+@dataclass
+class IpcWrite:
+    """One write_blocks() call."""
+    peer: str
+    nbytes: int
+    num_blocks: int
+    started: float = field(default_factory=time.monotonic)
+    done: bool = False
+    error: str | None = None
+    _event: object | None = None    # torch.cuda.Event (CUDA) or Future (CPU); None when nothing to move
+    _keep: tuple = ()               # tensors the copy touches: mapped until it ends
+
+    @property
+    def finished(self) -> bool:
+        return self.done or self.error is not None
+
+    def _copy_ended(self) -> bool:
+        ev = self._event
+        if ev is None:
+            return True
+        return ev.done() if isinstance(ev, Future) else ev.query()
+
+
+_local_exports: "weakref.WeakValueDictionary[str, IpcTransport]" = weakref.WeakValueDictionary()
+_STORAGE_DEVICE_ARG = None
+
+
+def _rebuild_on(fn, args, device_index: int) -> torch.Tensor:
+    """Rebuilds a CUDA-IPC reduced tensor, mapped into `device_index`'s context of this
+    process. The exporter's device index means nothing here (each process numbers the GPUs it
+    sees), and mapping into our own device's context is what lets our kernels store into the
+    peer's memory (the driver enables peer access on open)."""
+    global _STORAGE_DEVICE_ARG
+    if _STORAGE_DEVICE_ARG is None:
+        _STORAGE_DEVICE_ARG = list(inspect.signature(fn).parameters).index("storage_device")
+    args = list(args)
+    args[_STORAGE_DEVICE_ARG] = device_index
+    return fn(*args)
+
+
+def _word_view(t: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[layers, num_blocks, words] over the same bytes, in the widest integer type that divides
+    a block's row: a bit-exact copy with as few, as wide, stores as possible."""
+    layers = t.shape[0]
+    rows = t.reshape(layers, t.shape[1] // block_size, -1).view(torch.uint8)
+    for word in (torch.int64, torch.int32, torch.int16):
+        if rows.shape[2] % torch.empty((), dtype=word).element_size() == 0:
+            return rows.view(word)
+    return rows
+
+
+def _layout(t: torch.Tensor) -> dict:
+    return {"layers": t.shape[0], "num_slots": t.shape[1], "width": t.shape[2] if t.dim() == 3 else 0,
+            "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+
+
+class IpcTransport:
+    """Exports this engine's KV pool to same-host peers (metadata) and writes blocks into the
+    pools of peers it has opened (connect / write_blocks); see the module docstring."""
+
+    needs_notification = False  # completion is the writer's wait(); see the module docstring
+
+    def __init__(self, name: str, tensors: list[torch.Tensor], block_size: int):
+        if not tensors:
+            raise ValueError("IpcTransport needs at least one tensor")
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        for i, t in enumerate(tensors):
+            if t.dim() not in (2, 3) or not t.is_contiguous():
+                raise ValueError(f"tensor {i} must be a contiguous [layers, num_slots(, width)] tensor, "
+                                 f"got shape {tuple(t.shape)} contiguous={t.is_contiguous()}")
+            if t.shape[1] != tensors[0].shape[1]:
+                raise ValueError(f"tensor {i} has {t.shape[1]} slots, tensor 0 has {tensors[0].shape[1]}")
+            if t.device != tensors[0].device:
+                raise ValueError(f"tensor {i} is on {t.device}, tensor 0 on {tensors[0].device}")
+        if tensors[0].shape[1] % block_size:
+            raise ValueError(f"num_slots {tensors[0].shape[1]} is not a multiple of block_size {block_size}")
+        self.name = name
+        self.block_size = block_size
+        self.num_blocks = tensors[0].shape[1] // block_size
+        self.device = tensors[0].device
+        self._tensors = list(tensors)
+        self._words = [_word_view(t, block_size) for t in tensors]
+        self._block_bytes = sum(w.shape[0] * w.shape[2] * w.element_size() for w in self._words)
+        self._lock = threading.Lock()
+        self._meta: dict | None = None
+        self._exported_files: list[str] = []
+        self._peers: OrderedDict[str, dict] = OrderedDict()
+        self._inflight: list[IpcWrite] = []   # writes whose copy may still run (incl. abandoned ones)
+        self._stream = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._closed = False
+        self.writes = 0
+        self.bytes_written = 0
+        self._finalizer = weakref.finalize(self, _unlink, self._exported_files)
+
+    # -- export (the side whose pool is written) --------------------------------------------------
+
+    def metadata(self) -> dict:
+        """The picklable handle of this engine's pool; made on the first call, then reused."""
+        with self._lock:
+            self._check_open()
+            if self._meta is None:
+                try:
+                    self._meta = self._export()
+                except IpcTransferError:
+                    raise
+                except Exception as e:  # e.g. memory that CUDA IPC cannot share
+                    raise IpcTransferError(f"{self.name}: cannot export the KV pool: {type(e).__name__}: {e}") from e
+            return self._meta
+
+    def _export(self) -> dict:
+        export_id = uuid.uuid4().hex
+        tensors = []
+        for i, t in enumerate(self._tensors):
+            entry = _layout(t)
+            if t.device.type == "cuda":
+                from torch.multiprocessing.reductions import reduce_tensor
+
+                fn, args = reduce_tensor(t)
+                entry.update(kind="cuda", rebuild=fn, args=args)
+            elif t.device.type == "cpu":
+                f = _shm_files.get(t.untyped_storage().data_ptr())
+                if f is None or t.storage_offset() != 0 or t.numel() * t.element_size() != f.nbytes:
+                    raise IpcTransferError(
+                        f"{self.name}: KV tensor {i} is not a shared-memory pool file; build the engine "
+                        f"inside engine.kv_ipc.shared_kv_pool() to export it")
+                entry.update(kind="shm", path=f.path, inode=f.inode, st_dev=f.device, nbytes=f.nbytes)
+                self._exported_files.append(f.path)
+            else:
+                raise IpcTransferError(f"{self.name}: cannot export {t.device} memory")
+            tensors.append(entry)
+        _local_exports[export_id] = self
+        return {"transport": "ipc", "name": self.name, "export_id": export_id, "host": host_id(),
+                "pid": os.getpid(), "block_size": self.block_size, "num_blocks": self.num_blocks,
+                "tensors": tensors}
+
+    # -- import (the writing side) ----------------------------------------------------------------
+
+    def connect(self, peer: dict) -> str:
+        """Opens the peer's pool (once; again only if the peer re-exported, e.g. restarted).
+        Raises IpcTransferError when it is on another host, incompatible, or cannot be mapped."""
+        name = peer.get("name", "?")
+        with self._lock:
+            self._check_open()
+            known = self._peers.get(name)
+            if known is not None and known["export_id"] == peer.get("export_id"):
+                self._peers.move_to_end(name)
+                return name
+        if peer.get("transport") != "ipc":
+            raise IpcTransferError(f"{self.name}: peer {name!r} sent no IPC handle")
+        if peer["host"] != host_id():
+            raise IpcTransferError(f"{self.name}: peer {name!r} is on host {peer['host']!r}, not this one "
+                                   f"({host_id()!r}); use the NIXL transport across hosts")
+        self._check_compatible(peer)
+        tensors = self._open(peer)
+        with self._lock:
+            self._check_open()
+            self._peers.pop(name, None)
+            self._peers[name] = {"export_id": peer["export_id"], "num_blocks": peer["num_blocks"],
+                                 "words": [_word_view(t, self.block_size) for t in tensors]}
+            while len(self._peers) > _MAX_PEERS:  # forgotten peers (restarted ranks) unmap eventually
+                self._peers.popitem(last=False)
+        return name
+
+    def _check_compatible(self, peer: dict) -> None:
+        name = peer.get("name", "?")
+        if peer["block_size"] != self.block_size:
+            raise IpcTransferError(f"peer {name!r}: block_size {peer['block_size']} != local {self.block_size}")
+        theirs = peer["tensors"]
+        if len(theirs) != len(self._tensors):
+            raise IpcTransferError(f"peer {name!r}: {len(theirs)} KV tensors != local {len(self._tensors)}")
+        for i, (t, o) in enumerate(zip(theirs, map(_layout, self._tensors))):
+            for key in ("layers", "width", "dtype"):
+                if t[key] != o[key]:
+                    raise IpcTransferError(f"peer {name!r}: tensor {i} {key} {t[key]} != local {o[key]}")
+            kind = "cuda" if self.device.type == "cuda" else "shm"
+            if t["kind"] != kind:
+                raise IpcTransferError(f"peer {name!r}: its pool is {t['kind']} memory, ours is on {self.device}")
+
+    def _open(self, peer: dict) -> list[torch.Tensor]:
+        name = peer["name"]
+        local = _local_exports.get(peer["export_id"]) if peer["pid"] == os.getpid() else None
+        if local is not None:
+            return list(local._tensors)
+        out = []
+        for i, t in enumerate(peer["tensors"]):
+            dtype = getattr(torch, t["dtype"])
+            try:
+                if t["kind"] == "cuda":
+                    index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+                    m = _rebuild_on(t["rebuild"], t["args"], index)
+                else:
+                    fd = os.open(t["path"], os.O_RDWR)
+                    try:
+                        st = os.fstat(fd)
+                        if (st.st_ino, st.st_dev) != (t["inode"], t["st_dev"]) or st.st_size < t["nbytes"]:
+                            raise IpcTransferError(f"{t['path']} is not the file the peer exported")
+                        raw = _map(fd, t["nbytes"])
+                    finally:
+                        os.close(fd)
+                    m = raw.view(dtype).view(t["shape"])
+            except IpcTransferError as e:
+                raise IpcTransferError(f"{self.name}: cannot open peer {name!r} tensor {i}: {e}") from e
+            except Exception as e:  # the handle is stale (peer gone) or the memory cannot be mapped here
+                raise IpcTransferError(f"{self.name}: cannot open peer {name!r} tensor {i}: "
+                                       f"{type(e).__name__}: {e}") from e
+            if list(m.shape) != t["shape"] or m.dtype != dtype:
+                raise IpcTransferError(f"{self.name}: peer {name!r} tensor {i} opened as {tuple(m.shape)} {m.dtype}")
+            out.append(m)
+        return out
+
+    def disconnect(self, peer: str) -> None:
+        with self._lock:
+            self._peers.pop(peer, None)
+
+    # -- writes ------------------------------------------------------------------------------------
+
+    def write_blocks(self, peer: str, src_blocks, dst_blocks, notif: bytes | None = None) -> IpcWrite:
+        """Starts copying blocks src_blocks[i] -> the peer's dst_blocks[i]. `notif` is accepted
+        for the NIXL transport's call shape and ignored."""
+        if len(src_blocks) != len(dst_blocks):
+            raise IpcTransferError(f"length mismatch: {len(src_blocks)} source blocks, {len(dst_blocks)} destination blocks")
+        with self._lock:
+            self._check_open()
+            self._prune()
+            info = self._peers.get(peer)
+            if info is None:
+                raise IpcTransferError(f"{self.name}: unknown peer {peer!r} (connect() it first; known: {sorted(self._peers)})")
+            src = self._block_ids(src_blocks, self.num_blocks, "source", self.name)
+            dst = self._block_ids(dst_blocks, info["num_blocks"], "destination", peer)
+            if len(set(dst)) != len(dst):
+                raise IpcTransferError(f"destination blocks repeat: {list(dst_blocks)}")
+            handle = IpcWrite(peer, len(src) * self._block_bytes, len(src))
+            if not src:
+                handle.done = True
+                return handle
+            pairs = list(zip(self._words, info["words"]))
+            handle._keep = tuple(d for _, d in pairs)
+            try:
+                if self.device.type == "cuda":
+                    handle._event = self._copy_cuda(pairs, src, dst)
+                else:
+                    if self._executor is None:
+                        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"kv-ipc-{self.name}")
+                    handle._event = self._executor.submit(self._copy, pairs, torch.tensor(src), torch.tensor(dst))
+            except Exception as e:
+                raise IpcTransferError(f"{self.name} -> {peer}: write of {len(src)} blocks failed to start: "
+                                       f"{type(e).__name__}: {e}") from e
+            self._inflight.append(handle)
+            self.writes += 1
+            self.bytes_written += handle.nbytes
+            return handle
+
+    def _chunks(self, n: int):
+        step = max(1, _CHUNK_BYTES // self._block_bytes)
+        return [(i, min(i + step, n)) for i in range(0, n, step)]
+
+    def _copy(self, pairs, src: torch.Tensor, dst: torch.Tensor) -> None:
+        for a, b in self._chunks(len(src)):
+            for s, d in pairs:
+                d.index_copy_(1, dst[a:b], s.index_select(1, src[a:b]))
+
+    def _copy_cuda(self, pairs, src: list[int], dst: list[int]):
+        dev = self.device
+        with torch.cuda.device(dev):
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(dev)
+            # The KV being sent was written by work already queued on the caller's stream.
+            self._stream.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(self._stream):
+                ids = torch.tensor([src, dst], dtype=torch.long).pin_memory().to(dev, non_blocking=True)
+                self._copy(pairs, ids[0], ids[1])
+                event = torch.cuda.Event()
+                event.record(self._stream)
+        return event
+
+    @staticmethod
+    def _block_ids(blocks, num_blocks: int, side: str, owner: str) -> list[int]:
+        try:
+            ids = [operator.index(b) for b in blocks]
+        except TypeError as e:
+            raise IpcTransferError(f"{side} blocks must be a flat list of ints: {e}") from e
+        bad = [b for b in ids if not 0 <= b < num_blocks]
+        if bad:
+            raise IpcTransferError(f"{side} block id(s) {bad} out of range: {owner!r} has blocks 0..{num_blocks - 1}")
+        return ids
+
+    def _prune(self) -> None:
+        self._inflight = [h for h in self._inflight if not h._copy_ended()]
+
+    def poll(self, handle: IpcWrite) -> bool:
+        """Non-blocking: True once the bytes are in the peer's memory; raises IpcTransferError
+        if the write failed, timed out or was cancelled."""
+        if handle.error is not None:
+            raise IpcTransferError(handle.error)
+        if handle.done:
+            return True
+        if not handle._copy_ended():
+            return False
+        ev = handle._event
+        err = ev.exception() if isinstance(ev, Future) else None
+        if err is not None:
+            handle.error = f"{self.name} -> {handle.peer}: write of {handle.num_blocks} blocks failed: {type(err).__name__}: {err}"
+            raise IpcTransferError(handle.error)
+        handle.done = True
+        handle._keep = ()
+        return True
+
+    def _timed_out(self, handle: IpcWrite, timeout_s: float) -> IpcTransferError:
+        # The copy cannot be stopped: it stays in _inflight, its memory mapped, until it ends.
+        handle.error = f"{self.name} -> {handle.peer}: transfer of {handle.nbytes} bytes timed out after {timeout_s:g} s"
+        return IpcTransferError(handle.error)
+
+    def wait(self, handle: IpcWrite, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        pause = 20e-6
+        while not self.poll(handle):
+            if time.monotonic() >= deadline:
+                raise self._timed_out(handle, timeout_s)
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+
+    async def wait_async(self, handle: IpcWrite, timeout_s: float, poll_s: float = 0.0005) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self.poll(handle):
+            if time.monotonic() >= deadline:
+                raise self._timed_out(handle, timeout_s)
+            await asyncio.sleep(poll_s)
+
+    def cancel(self, handle: IpcWrite) -> None:
+        """Gives the write up; bytes still being copied may land in the peer's blocks."""
+        if not handle.finished:
+            handle.error = f"{self.name} -> {handle.peer}: transfer cancelled"
+
+    # -- lifetime ----------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise IpcTransferError(f"transport {self.name!r} is closed")
+
+    def close(self) -> None:
+        """Forgets the peers (after their unfinished copies end) and unlinks the pool files this
+        side exported; the pool itself stays usable by its engine."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            inflight, self._inflight = self._inflight, []
+        for h in inflight:
+            ev = h._event
+            if isinstance(ev, Future):
+                with contextlib.suppress(Exception):
+                    ev.result()
+            elif ev is not None:
+                ev.synchronize()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+        with self._lock:
+            self._peers.clear()
+            if self._meta is not None:
+                _local_exports.pop(self._meta["export_id"], None)
+        self._finalizer()
+
+    def __enter__(self) -> "IpcTransport":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
