@@ -1,0 +1,92 @@
+"""TTFT of an agent's next turn after a prefix-cache hit: bounded window replay vs exact vs none.
+
+    python -m bench.replay_ttft --device cuda --contexts 8192 32768 100000
+    python -m bench.replay_ttft --device cpu --preset tiny-v4 --dtype float32 --contexts 256 1024   # smoke
+
+Turn 1 runs a prompt of `context` tokens (not timed); turn 2 sends the same tokens plus
+`--new-tokens` more and is timed to its first token. Modes, all on the same weights:
+- bounded: a prefix hit replays only the last W positions' window KV (the default);
+- exact: it replays W x layers positions, far enough that every window entry equals a cold run;
+- none: no prefix cache, turn 2 prefills its whole prompt again.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from bench.engine_vs_hf import build_ours, sync
+from engine.config import EngineConfig, preset
+from engine.llm_engine import LLMEngine
+from engine.sampling import SamplingParams
+
+ONE = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+
+
+def ttft(engine: LLMEngine, prompt: list[int], device) -> float:
+    sync(device)
+    t0 = time.perf_counter()
+    engine.generate([prompt], ONE)
+    sync(device)
+    return time.perf_counter() - t0
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="bench")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768, 100000])
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--chunk", type=int, default=1024, help="prefill chunk (max_num_batched_tokens)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    cfg = preset(args.preset, max_position_embeddings=max(max(args.contexts) + args.new_tokens + 16, 4096))
+    model = build_ours(cfg, args.device, getattr(torch, args.dtype))
+    bs = 64 if args.device.startswith("cuda") else 16
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for context in args.contexts:
+        base = torch.randint(4, cfg.vocab_size, (context,), generator=g).tolist()
+        row = dict(preset=args.preset, device=args.device, context=context, new_tokens=args.new_tokens)
+        for mode in ("bounded", "exact", "none"):
+            blocks = 2 * -(-(context + args.new_tokens * (args.repeats + 2)) // bs) + 8
+            ecfg = EngineConfig(device=args.device, dtype=args.dtype, block_size=bs, num_blocks=blocks, max_num_seqs=2,
+                                max_num_batched_tokens=args.chunk, enable_prefix_caching=mode != "none",
+                                replay_mode="exact" if mode == "exact" else "bounded")
+            engine = LLMEngine(model, None, ecfg)
+            engine.generate([base], ONE)  # turn 1: the cached prefix (and warm-up)
+            times, replayed = [], []
+            for r in range(args.repeats):
+                # each repeat a different next turn on the same prefix, so only the prefix hits
+                extra = torch.randint(4, cfg.vocab_size, (args.new_tokens,), generator=g).tolist()
+                before = engine.scheduler.replayed_tokens
+                times.append(ttft(engine, base + extra, args.device))
+                replayed.append(engine.scheduler.replayed_tokens - before)
+            row[f"{mode}_ttft_ms"] = round(1e3 * statistics.median(times), 1)
+            row[f"{mode}_replayed"] = replayed[-1]
+            del engine
+            if args.device.startswith("cuda"):
+                torch.cuda.empty_cache()
+        row["bounded_vs_exact"] = round(row["bounded_ttft_ms"] / row["exact_ttft_ms"] - 1, 3)
+        row["bounded_vs_none"] = round(row["bounded_ttft_ms"] / row["none_ttft_ms"] - 1, 3)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    print("\n| context | bounded ms | exact ms | no cache ms | bounded vs exact | bounded vs no cache |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['context']} | {r['bounded_ttft_ms']} | {r['exact_ttft_ms']} | {r['none_ttft_ms']} | "
+              f"{r['bounded_vs_exact']:+.0%} | {r['bounded_vs_none']:+.0%} |")
+    if args.json:
+        with open(args.json, "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)
