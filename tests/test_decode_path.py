@@ -110,3 +110,20 @@ def test_engine_with_triton_kernels_interpreted(tiny_v4_ckpt):
     env = dict(os.environ, TRITON_INTERPRET="1")
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8_e4m3"])
+def test_cuda_graphs_and_triton_kernels_on_gpu(tiny_v4_ckpt, kv_dtype):
+    """On the GPU: CUDA-graph replay of the Triton decode path against the eager padded path,
+    with batches that pad up to a captured size and contexts that cross a block-table bucket."""
+    prompts = _prompts([3, 30, 45, 1, 70])
+    kw = dict(device="cuda", kv_cache_dtype=kv_dtype)
+    fast, fast_logits, steps = _run(tiny_v4_ckpt, prompts, cuda_graphs=True, **kw)
+    slow, slow_logits, _ = _run(tiny_v4_ckpt, prompts, decode_kernels=False, cuda_graphs=False, **kw)
+    assert fast == slow
+    for a, b in zip(fast_logits, slow_logits):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    engine = LLMEngine.from_pretrained(tiny_v4_ckpt, EngineConfig(block_size=4, **kw), progress=False)
+    engine.generate(prompts, GREEDY)
+    assert engine.runner.graphs is not None and engine.runner.graphs.graphs  # graphs were captured and used
