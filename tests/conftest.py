@@ -5,6 +5,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest
 import torch
 
+# Triton picks interpreter or compiler when it is first imported (the engine imports the
+# kernels): on a machine without a GPU, the kernel tests run the kernels interpreted.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from engine.checkpoint import write_random_checkpoint
 from engine.config import preset
 

@@ -107,7 +107,7 @@ def test_engine_with_triton_kernels_interpreted(tiny_v4_ckpt):
         assert set(calls) == {{"mla_decode_triton", "indexer_topk_triton", "route_triton"}}, calls
         print("OK", calls)
     """)
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    env = dict(os.environ, TRITON_INTERPRET="1", WIDEEP_CPU_KERNELS="1")
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
 
