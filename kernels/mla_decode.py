@@ -319,6 +319,8 @@ def mla_decode(q, kv, kv_scale, block_tables, g_lens, block_size: int, sm_scale:
     win_kv [B,Wk,D] or None, win_valid [B,Wk] bool or None (all valid).
     Softmax in fp32 of (q . key) * sm_scale over the union of global and window keys;
     returns sum p * key[:kv_lora] as [B,H,kv_lora] in q's dtype, zeros for a row with no key.
+    The Triton path multiplies in q's precision (keys and probabilities rounded to q's dtype,
+    fp32 accumulation); the reference does all of it in fp32.
     """
     args = (q, kv, kv_scale, block_tables, g_lens, block_size, sm_scale, kv_lora, topk_pos, win_kv, win_valid)
     if triton is not None and triton_ok(q):

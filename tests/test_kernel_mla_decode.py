@@ -185,11 +185,20 @@ def test_fp8_kv_matches_dequantized_reference(device, dtype, magnitude):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_dispatcher_and_empty_batch(device):
+def test_dispatcher_and_empty_batch(device, monkeypatch):
     q, kv, table, lens = make_case([7, 3], 2, torch.float32, device, seed=9)
     ref = mla_decode_reference(q, kv, None, table, lens, BS, SCALE, KV_LORA)
+    calls = []
+    real = mla_module.mla_decode_triton
+    monkeypatch.setattr(mla_module, "mla_decode_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setenv("WIDEEP_CPU_KERNELS", "1")  # CPU tensors take the (interpreted) kernel only when asked
     check(mla_decode(q, kv, None, table, lens, BS, SCALE, KV_LORA), ref, torch.float32)
-    out = mla_decode_triton(q[:0], kv, None, table[:0], lens[:0], BS, SCALE, KV_LORA)
+    assert calls == [1]
+    if device == "cpu":
+        monkeypatch.delenv("WIDEEP_CPU_KERNELS")
+        check(mla_decode(q, kv, None, table, lens, BS, SCALE, KV_LORA), ref, torch.float32)
+        assert calls == [1]
+    out = real(q[:0], kv, None, table[:0], lens[:0], BS, SCALE, KV_LORA)
     assert out.shape == (0, 2, KV_LORA)
     with pytest.raises(ValueError):
-        mla_decode_triton(q, kv.to(torch.float8_e4m3fn), None, table, lens, BS, SCALE, KV_LORA)
+        real(q, kv.to(torch.float8_e4m3fn), None, table, lens, BS, SCALE, KV_LORA)
