@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# GPU run 2: the engine on the `bench` model: decode step vs context and vs the roofline,
+# MoE share, CUDA graphs vs eager, transformers generate, next-turn TTFT with bounded replay,
+# and (with 2 GPUs) the same-host KV transport vs a peer copy.
+source bench/device/setup.sh
+t() { local s=$1; shift; echo "== $*" >> "$OUT/steps.txt"; /usr/bin/time -f "%e s" -a -o "$OUT/steps.txt" timeout "$s" "$@"; }
+t 150 python3 -m bench.forward --batch 16 --contexts 8192 65536 131072 524288 --kv-dtype auto fp8_e4m3 \
+  --iters 10 --json "$OUT/forward.jsonl" > "$OUT/forward_b16.log" 2>&1
+t 100 python3 -m bench.forward --batch 64 --contexts 8192 --moe-share --graphs-vs-eager --moe-gemm auto triton \
+  --json "$OUT/forward.jsonl" > "$OUT/forward_b64.log" 2>&1
+t 120 python3 -m bench.engine_vs_hf --preset bench --device cuda --dtype bfloat16 --batches 1 16 64 \
+  --out "$OUT/engine_vs_hf.jsonl" > "$OUT/engine_vs_hf.log" 2>&1
+t 120 python3 -m bench.replay_ttft --contexts 8192 32768 100000 --repeats 2 --json "$OUT/replay.jsonl" \
+  > "$OUT/replay.log" 2>&1
+if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+  t 60 python3 -m bench.kv_ipc_bench --out "$OUT/kv_ipc.json" > "$OUT/kv_ipc.log" 2>&1
+fi
+cat "$OUT/steps.txt"

@@ -1,0 +1,10 @@
+# Sourced at the start of a run on the GPU machine: unpack the carried Ray bundle
+# (built by pack-ray.sh into .devpack/) and point Python at it and at this checkout.
+mkdir -p /tmp/site && tar xJf .devpack/ray-site.tar.xz -C /tmp/site
+# the bundle's Ray binaries lose their exec bit in the archive
+find /tmp/site/ray/core -type f ! -name "*.py" ! -name "*.so*" -exec chmod +x {} +
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 RAY_TMPDIR=/tmp/ray
+export OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
+python3 -c "import torch, triton, sys; print(sys.version.split()[0], torch.__version__, triton.__version__)" >> "$OUT/gpu.txt"
