@@ -3,7 +3,7 @@
 # MoE share, CUDA graphs vs eager, transformers generate, next-turn TTFT with bounded replay,
 # and (with 2 GPUs) the same-host KV transport vs a peer copy.
 source bench/device/setup.sh
-t() { local s=$1; shift; echo "== $*" >> "$OUT/steps.txt"; /usr/bin/time -f "%e s" -a -o "$OUT/steps.txt" timeout "$s" "$@"; }
+t() { local s=$1; shift; local t0=$SECONDS; timeout "$s" "$@"; echo "rc=$? $((SECONDS - t0))s $*" >> "$OUT/steps.txt"; }
 t 150 python3 -m bench.forward --batch 16 --contexts 8192 65536 131072 524288 --kv-dtype auto fp8_e4m3 \
   --iters 10 --json "$OUT/forward.jsonl" > "$OUT/forward_b16.log" 2>&1
 t 100 python3 -m bench.forward --batch 64 --contexts 8192 --moe-share --graphs-vs-eager --moe-gemm auto triton \

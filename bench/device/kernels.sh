@@ -2,7 +2,7 @@
 # GPU run 1 (one H200 is enough): kernels and the decode path on the GPU, then the
 # kernel benchmarks, each side by side with its reference. Logs and JSON go to $OUT.
 source bench/device/setup.sh
-t() { local s=$1; shift; echo "== $*" >> "$OUT/steps.txt"; /usr/bin/time -f "%e s" -a -o "$OUT/steps.txt" timeout "$s" "$@"; }
+t() { local s=$1; shift; local t0=$SECONDS; timeout "$s" "$@"; echo "rc=$? $((SECONDS - t0))s $*" >> "$OUT/steps.txt"; }
 t 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernel_routing.py tests/test_kernel_indexer.py \
   tests/test_kernel_mla_decode.py tests/test_kernel_moe_gemm.py tests/test_decode_path.py -k "cuda or gpu" \
   > "$OUT/gpu_tests.log" 2>&1
