@@ -127,9 +127,6 @@ def run(device: str = "cuda", quick: bool = False) -> list[dict]:
             if "grouped_mm" in timings:
                 row["grouped_mm_graph_ms"] = time_graph(lambda: fused_experts_grouped_mm(*args), warmup, iters)
         rows.append(row)
-        del args, ref
-        if cuda:
-            torch.cuda.empty_cache()
     return rows
 
 

@@ -8,7 +8,8 @@ with w13 [S, 2I, H] (rows 0..I-1 gate, I..2I-1 up) and w2 [S, H, I].
 The Triton path sorts pairs by slot and pads every slot's rows to a whole row tile, so each
 tile of the padded layout belongs to exactly one slot and reads one expert's weights. All
 buffers are sized for the worst case from shapes alone, so nothing is read back to the host
-and the whole call can be captured in a CUDA graph.
+and the whole call can be captured in a CUDA graph. A token's pairs are summed with fp32
+atomics, so the last bits of the sum may vary from run to run (as with index_add_ on CUDA).
 """
 from __future__ import annotations
 
@@ -79,7 +80,7 @@ def fused_experts_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tenso
 class AlignedPairs(NamedTuple):
     row_pair: torch.Tensor   # [num_tiles * block_m] int32: pair index of each padded row, -1 for padding
     tile_slot: torch.Tensor  # [num_tiles] int32: slot of each row tile; num_slots for unused tiles
-    counts: torch.Tensor     # [num_slots] int64: pairs per slot
+    counts: torch.Tensor     # [num_slots] int32: pairs per slot
 
 
 def max_tiles(num_pairs: int, num_slots: int, block_m: int) -> int:
@@ -90,9 +91,9 @@ def max_tiles(num_pairs: int, num_slots: int, block_m: int) -> int:
     return (num_pairs + min(num_slots, num_pairs) * (block_m - 1)) // block_m
 
 
-def align_pairs(slot_of: torch.Tensor, num_slots: int, block_m: int) -> AlignedPairs:
-    """Sort pairs by slot into a layout where each slot's rows start at a multiple of block_m.
-    Plain tensor ops without host sync; sizes come from shapes only."""
+def align_pairs_reference(slot_of: torch.Tensor, num_slots: int, block_m: int) -> AlignedPairs:
+    """Sort pairs by slot (stably) into a layout where each slot's rows start at a multiple of
+    block_m. Plain tensor ops without host sync; sizes come from shapes only."""
     num_pairs = slot_of.numel()
     device = slot_of.device
     counts = torch.zeros(num_slots, dtype=torch.long, device=device).scatter_add_(
@@ -110,10 +111,59 @@ def align_pairs(slot_of: torch.Tensor, num_slots: int, block_m: int) -> AlignedP
     row_pair.scatter_(0, dest, order.to(torch.int32))
     tile_start = torch.arange(num_tiles, device=device) * block_m
     tile_slot = torch.searchsorted(padded_end, tile_start, right=True, out_int32=True)
-    return AlignedPairs(row_pair, tile_slot, counts)
+    return AlignedPairs(row_pair, tile_slot, counts.to(torch.int32))
 
 
 # ---------------------------------------------------------------- Triton kernels
+
+def _count_kernel(slot_ptr, counts_ptr, rank_ptr, num_pairs, BLOCK: tl.constexpr):
+    # The counter's old value is the pair's rank within its slot: no sort needed. The order
+    # within a slot then varies from run to run, which no row's result depends on.
+    pairs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = pairs < num_pairs
+    slot = tl.load(slot_ptr + pairs, mask=ok, other=0)
+    rank = tl.atomic_add(counts_ptr + slot, 1, mask=ok)
+    tl.store(rank_ptr + pairs, rank, mask=ok)
+
+
+def _offsets_kernel(counts_ptr, padded_start_ptr, num_slots, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr):
+    # One program: exclusive prefix sum of the padded counts, a block of slots at a time
+    # (a triangular masked sum inside the block).
+    idx = tl.arange(0, BLOCK_S)
+    running = 0
+    for s0 in range(0, num_slots, BLOCK_S):
+        ok = s0 + idx < num_slots
+        count = tl.load(counts_ptr + s0 + idx, mask=ok, other=0)
+        padded = (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        inclusive = tl.sum(tl.where(idx[None, :] <= idx[:, None], padded[None, :], 0), axis=1)
+        tl.store(padded_start_ptr + s0 + idx, running + inclusive - padded, mask=ok)
+        running += tl.sum(padded, axis=0)
+
+
+def _place_kernel(slot_ptr, rank_ptr, counts_ptr, padded_start_ptr, row_pair_ptr, tile_slot_ptr,
+                  num_pairs, num_slots, num_tiles,
+                  BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr):
+    # Program i places pairs block i into their padded rows and names the slots of tiles block i.
+    pid = tl.program_id(0)
+    pairs = pid * BLOCK_P + tl.arange(0, BLOCK_P)
+    ok = pairs < num_pairs
+    slot = tl.load(slot_ptr + pairs, mask=ok, other=0)
+    rank = tl.load(rank_ptr + pairs, mask=ok, other=0)
+    start = tl.load(padded_start_ptr + slot, mask=ok, other=0)
+    tl.store(row_pair_ptr + start + rank, pairs, mask=ok)
+    # A tile's slot = how many slots end at or before its first row (as searchsorted, right=True).
+    tiles = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    first_row = tiles * BLOCK_M
+    ended = tl.full((BLOCK_T,), 0, tl.int32)
+    idx = tl.arange(0, BLOCK_S)
+    for s0 in range(0, num_slots, BLOCK_S):
+        s_ok = s0 + idx < num_slots
+        count = tl.load(counts_ptr + s0 + idx, mask=s_ok, other=0)
+        end = tl.load(padded_start_ptr + s0 + idx, mask=s_ok, other=0) + (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        before = (end[None, :] <= first_row[:, None]) & s_ok[None, :]
+        ended += tl.sum(tl.where(before, 1, 0), axis=1)
+    tl.store(tile_slot_ptr + tiles, ended, mask=tiles < num_tiles)
+
 
 def _gate_up_kernel(x_ptr, w13_ptr, act_ptr, token_ptr, row_pair_ptr, tile_slot_ptr,
                     H, I, num_slots, stride_xt,
@@ -194,9 +244,40 @@ def _down_kernel(act_ptr, w2_ptr, out_ptr, token_ptr, weight_ptr, row_pair_ptr, 
 
 @functools.cache
 def _jit(fn):
-    # Decorated at first launch, not at import: triton.jit reads TRITON_INTERPRET when it runs,
-    # and a CPU test may set that after this module was first imported (through the engine).
+    # Decorated at first launch rather than at import, so that this module (and its reference
+    # path) imports without Triton.
     return triton.jit(fn)
+
+
+def align_pairs_triton(slot_of: torch.Tensor, num_slots: int, block_m: int) -> AlignedPairs:
+    """align_pairs in three small Triton launches (the torch version launches ~25 kernels and
+    measured 3-4x slower on an H200); pairs of one slot may come in any order."""
+    num_pairs = slot_of.numel()
+    num_tiles = max_tiles(num_pairs, num_slots, block_m)
+    device = slot_of.device
+    counts = torch.zeros(num_slots, dtype=torch.int32, device=device)
+    rank = torch.empty(num_pairs, dtype=torch.int32, device=device)
+    padded_start = torch.empty(num_slots, dtype=torch.int32, device=device)
+    row_pair = torch.full((num_tiles * block_m,), -1, dtype=torch.int32, device=device)
+    tile_slot = torch.empty(num_tiles, dtype=torch.int32, device=device)
+    if num_pairs == 0:
+        return AlignedPairs(row_pair, tile_slot, counts)
+    slot_of = slot_of.contiguous()
+    block_p, block_t, block_s = 1024, 64, 128
+    _jit(_count_kernel)[(triton.cdiv(num_pairs, block_p),)](slot_of, counts, rank, num_pairs, BLOCK=block_p)
+    _jit(_offsets_kernel)[(1,)](counts, padded_start, num_slots, BLOCK_M=block_m, BLOCK_S=block_s)
+    grid = (max(triton.cdiv(num_pairs, block_p), triton.cdiv(num_tiles, block_t)),)
+    _jit(_place_kernel)[grid](slot_of, rank, counts, padded_start, row_pair, tile_slot,
+                              num_pairs, num_slots, num_tiles,
+                              BLOCK_M=block_m, BLOCK_P=block_p, BLOCK_T=block_t, BLOCK_S=block_s)
+    return AlignedPairs(row_pair, tile_slot, counts)
+
+
+def align_pairs(slot_of: torch.Tensor, num_slots: int, block_m: int) -> AlignedPairs:
+    """Pairs grouped by slot, each slot's rows padded to whole tiles of block_m rows."""
+    if triton is not None and triton_ok(slot_of):
+        return align_pairs_triton(slot_of, num_slots, block_m)
+    return align_pairs_reference(slot_of, num_slots, block_m)
 
 
 class MoEGemmConfig(NamedTuple):
@@ -233,7 +314,7 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     if num_pairs == 0 or num_tokens == 0:
         return torch.zeros_like(x)
     cfg = config or pick_config(num_pairs, num_slots, w13.dtype)
-    aligned = align_pairs(slot_of, num_slots, cfg.block_m)
+    aligned = align_pairs_triton(slot_of, num_slots, cfg.block_m)
     num_tiles = aligned.tile_slot.numel()
     w13 = w13.contiguous()
     w2 = w2.contiguous()

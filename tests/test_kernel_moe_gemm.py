@@ -1,10 +1,13 @@
 """Fused MoE grouped GEMM (kernels/moe_gemm.py): the Triton kernels against the per-slot reference."""
 import os
+import sys
 
 import torch
 
+# Triton chooses interpreter or compiler for its own library functions (tl.sum, ...) when it is
+# first imported: too late here if something imported it before (a conftest importing engine).
+IMPORTED_TOO_EARLY = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
 if not torch.cuda.is_available():
-    # Must be set before triton.jit runs; the kernels module decorates lazily, at first launch.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
@@ -13,10 +16,15 @@ pytest.importorskip("triton")
 
 from kernels import moe_gemm  # noqa: E402
 from kernels.moe_gemm import (  # noqa: E402
-    MoEGemmConfig, align_pairs, fused_experts, fused_experts_reference, fused_experts_triton, max_tiles,
+    MoEGemmConfig, align_pairs_reference, align_pairs_triton, fused_experts, fused_experts_reference,
+    fused_experts_triton, max_tiles,
 )
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1" and not IMPORTED_TOO_EARLY
+DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRETING, reason="Triton on CPU needs TRITON_INTERPRET=1")),
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")),
+]
 TOLERANCE = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
 
 
@@ -112,39 +120,75 @@ def test_no_pairs(device):
     assert out.shape == (3, 64) and (out == 0).all()
 
 
-@pytest.mark.parametrize("block_m", [16, 64])
-def test_align_layout(block_m):
-    num_slots = 6
-    slot_of = torch.tensor([5, 0, 5, 2, 5, 0, 2, 5] * 5)
-    aligned = align_pairs(slot_of, num_slots, block_m)
-    row_pair, tile_slot = aligned.row_pair, aligned.tile_slot
+def assert_valid_layout(aligned, slot_of, num_slots, block_m):
+    row_pair, tile_slot = aligned.row_pair.cpu(), aligned.tile_slot.cpu()
+    slot_of = slot_of.cpu()
     assert tile_slot.numel() == max_tiles(slot_of.numel(), num_slots, block_m)
-    assert aligned.counts.tolist() == [10, 0, 10, 0, 0, 20]
+    assert row_pair.numel() == tile_slot.numel() * block_m
+    assert aligned.counts.cpu().tolist() == torch.bincount(slot_of, minlength=num_slots).tolist()
     # Every pair appears exactly once; padding is -1.
     real = row_pair[row_pair >= 0]
     assert sorted(real.tolist()) == list(range(slot_of.numel()))
-    # Each used tile holds rows of its own slot only, slots ascend, and a slot starts a fresh tile.
+    assert ((row_pair >= 0) | (row_pair == -1)).all()
+    # Each used tile holds rows of its own slot only, packed from its first row; slots ascend.
     rows_slot = torch.where(row_pair >= 0, slot_of[row_pair.clamp(min=0).long()], -1).view(-1, block_m)
     used = tile_slot < num_slots
+    assert (tile_slot <= num_slots).all() and (tile_slot[used].diff() >= 0).all()
     for tile in range(tile_slot.numel()):
         members = rows_slot[tile][rows_slot[tile] >= 0]
         if used[tile]:
             assert members.numel() > 0 and (members == tile_slot[tile]).all()
+            filled = (rows_slot[tile] >= 0).int()
+            assert (filled.diff() <= 0).all()  # padding only at the end of a slot's last tile
         else:
             assert members.numel() == 0
-    assert (tile_slot[used].diff() >= 0).all()
-    # Within a slot the pairs keep their original order (stable sort).
-    assert (real.view(-1)[slot_of[real.long()] == 5].diff() > 0).all()
-    assert int(used.sum()) == sum(-(-c // block_m) for c in [10, 10, 20])
+    counts = torch.bincount(slot_of, minlength=num_slots)
+    assert int(used.sum()) == int(((counts + block_m - 1) // block_m).sum())
+    return real
+
+
+ALIGN_CASES = [  # (num_slots, slot_of): uneven, with empty slots; many pairs; slots past one block of 128
+    (6, torch.tensor([5, 0, 5, 2, 5, 0, 2, 5] * 5)),
+    (40, torch.randint(0, 40, (3000,), generator=torch.Generator().manual_seed(11)) // 2 * 2),
+    (300, torch.randint(0, 300, (700,), generator=torch.Generator().manual_seed(12))),
+]
+
+
+@pytest.mark.parametrize("block_m", [16, 64])
+@pytest.mark.parametrize("case", range(len(ALIGN_CASES)))
+def test_align_reference_layout(case, block_m):
+    num_slots, slot_of = ALIGN_CASES[case]
+    real = assert_valid_layout(align_pairs_reference(slot_of, num_slots, block_m), slot_of, num_slots, block_m)
+    for slot in range(num_slots):  # the reference keeps each slot's pairs in order (stable sort)
+        assert (real[slot_of[real.long()] == slot].diff() > 0).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("block_m", [16, 64])
+@pytest.mark.parametrize("case", range(len(ALIGN_CASES)))
+def test_align_triton_matches_reference(device, case, block_m):
+    num_slots, slot_of = ALIGN_CASES[case]
+    got = align_pairs_triton(slot_of.to(device), num_slots, block_m)
+    want = align_pairs_reference(slot_of, num_slots, block_m)
+    assert_valid_layout(got, slot_of, num_slots, block_m)
+    assert torch.equal(got.tile_slot.cpu(), want.tile_slot)
+    assert torch.equal(got.counts.cpu(), want.counts)
+    assert torch.equal(got.row_pair.cpu() >= 0, want.row_pair >= 0)
 
 
 def test_max_tiles_is_worst_case():
     # Every slot holding a single pair is the most padding the layout can need.
     for num_pairs, num_slots, block_m in [(1, 8, 16), (8, 8, 16), (40, 8, 16), (100, 64, 128)]:
         slot_of = torch.arange(num_pairs) % num_slots
-        aligned = align_pairs(slot_of, num_slots, block_m)
+        aligned = align_pairs_reference(slot_of, num_slots, block_m)
         worst = sum(-(-int(c) // block_m) for c in aligned.counts)
         assert worst <= max_tiles(num_pairs, num_slots, block_m)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA runs the kernels natively")
+def test_interpreter_is_on():
+    assert not IMPORTED_TOO_EARLY, \
+        "triton was imported before TRITON_INTERPRET=1 was set: set it in tests/conftest.py before importing engine"
 
 
 def test_dispatcher_on_cpu():
