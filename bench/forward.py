@@ -178,7 +178,7 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--contexts", type=int, nargs="+", default=[8192, 65536, 131072, 262144, 524288])
     ap.add_argument("--kv-dtype", nargs="+", default=["auto"], choices=["auto", "fp8_e4m3"])
-    ap.add_argument("--moe-gemm", nargs="+", default=["auto"], choices=["auto", "triton"])
+    ap.add_argument("--moe-gemm", nargs="+", default=["auto"], choices=["auto", "triton", "grouped_mm"])
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--moe-share", action="store_true", help="also time the step with MoE layers removed")

@@ -171,9 +171,9 @@ class EngineConfig(BaseModel):
                           "(Triton on GPU, their torch references elsewhere) instead of the padded path")
     cuda_graphs: bool = Field(
         True, description="capture decode steps in CUDA graphs (CUDA only, not with expert parallelism)")
-    moe_gemm: Literal["auto", "triton"] = Field(
-        "auto", description="routed-expert GEMMs on GPU: torch's grouped GEMM (auto), or the fused Triton "
-                            "SwiGLU kernel (kernels/moe_gemm.py)")
+    moe_gemm: Literal["auto", "triton", "grouped_mm"] = Field(
+        "auto", description="routed-expert GEMMs on GPU: the fused Triton SwiGLU kernel (kernels/moe_gemm.py; "
+                            "auto, measured faster on H200) or torch's grouped GEMM")
     cuda_graph_max_batch: int = Field(64, gt=0, description="largest decode batch replayed from a CUDA graph")
     remote_kv_grace_s: float = Field(
         30.0, ge=0, description="after an abandoned KV transfer (failed, late, aborted), its reserved blocks "

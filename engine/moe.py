@@ -153,7 +153,7 @@ class MoE(nn.Module):
             0, slot_of, torch.ones_like(slot_of))
         if count:
             self.slot_load += counts
-        if self.gemm == "triton" and x.is_cuda:
+        if self.gemm != "grouped_mm" and x.is_cuda:
             return fused_experts(x, self.w13, self.w2, token_of, slot_of, weight_of)
         order = slot_of.argsort(stable=True)
         token_of = token_of[order]

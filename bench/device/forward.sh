@@ -6,7 +6,7 @@ source bench/device/setup.sh
 t() { local s=$1; shift; local t0=$SECONDS; timeout "$s" "$@"; echo "rc=$? $((SECONDS - t0))s $*" >> "$OUT/steps.txt"; }
 t 150 python3 -m bench.forward --batch 16 --contexts 8192 65536 131072 524288 --kv-dtype auto fp8_e4m3 \
   --iters 10 --json "$OUT/forward.jsonl" > "$OUT/forward_b16.log" 2>&1
-t 100 python3 -m bench.forward --batch 64 --contexts 8192 --moe-share --graphs-vs-eager --moe-gemm auto triton \
+t 100 python3 -m bench.forward --batch 64 --contexts 8192 --moe-share --graphs-vs-eager --moe-gemm triton grouped_mm \
   --json "$OUT/forward.jsonl" > "$OUT/forward_b64.log" 2>&1
 t 120 python3 -m bench.engine_vs_hf --preset bench --device cuda --dtype bfloat16 --batches 1 16 64 \
   --out "$OUT/engine_vs_hf.jsonl" > "$OUT/engine_vs_hf.log" 2>&1
