@@ -63,6 +63,11 @@ _PREFIX = "wideep-kv-"
 # far longer than their launches.
 _CHUNK_BYTES = 256 << 20
 _MAX_PEERS = 64
+# On CUDA, up to this many runs of blocks are copied run by run (one copy kernel each, no gather
+# buffer); more take the gather + scatter kernels, whose cost does not grow with the run count.
+# On CPU runs are always copied one by one: there a run's copy is a memcpy per layer, several
+# times faster than the element-wise index kernels.
+_CUDA_MAX_RUNS = 8
 
 
 class IpcTransferError(RuntimeError):
@@ -265,6 +270,18 @@ def _word_view(t: torch.Tensor, block_size: int) -> torch.Tensor:
     return rows
 
 
+def _runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
+    """(src_start, dst_start, length) of the maximal runs where both sides advance by one block
+    together."""
+    runs = []
+    for s, d in zip(src, dst):
+        if runs and s == runs[-1][0] + runs[-1][2] and d == runs[-1][1] + runs[-1][2]:
+            runs[-1][2] += 1
+        else:
+            runs.append([s, d, 1])
+    return [tuple(r) for r in runs]
+
+
 def _layout(t: torch.Tensor) -> dict:
     return {"layers": t.shape[0], "num_slots": t.shape[1], "width": t.shape[2] if t.dim() == 3 else 0,
             "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
@@ -275,6 +292,7 @@ class IpcTransport:
     pools of peers it has opened (connect / write_blocks); see the module docstring."""
 
     needs_notification = False  # completion is the writer's wait(); see the module docstring
+    copy_mode = "auto"          # "runs" or "indexed" forces one way (tests, benchmarks)
 
     def __init__(self, name: str, tensors: list[torch.Tensor], block_size: int):
         if not tensors:
@@ -459,7 +477,7 @@ class IpcTransport:
                 else:
                     if self._executor is None:
                         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"kv-ipc-{self.name}")
-                    handle._event = self._executor.submit(self._copy, pairs, torch.tensor(src), torch.tensor(dst))
+                    handle._event = self._executor.submit(self._copy, pairs, src, dst)
             except Exception as e:
                 raise IpcTransferError(f"{self.name} -> {peer}: write of {len(src)} blocks failed to start: "
                                        f"{type(e).__name__}: {e}") from e
@@ -472,10 +490,34 @@ class IpcTransport:
         step = max(1, _CHUNK_BYTES // self._block_bytes)
         return [(i, min(i + step, n)) for i in range(0, n, step)]
 
-    def _copy(self, pairs, src: torch.Tensor, dst: torch.Tensor) -> None:
+    @staticmethod
+    def _copy_runs(pairs, runs) -> None:
+        # One strided copy per run of blocks that advance together on both sides (all layers at
+        # once): no gather buffer, memcpy speed when blocks come in runs.
+        for s0, d0, n in runs:
+            for s, d in pairs:
+                d[:, d0:d0 + n].copy_(s[:, s0:s0 + n])
+
+    def _copy_indexed(self, pairs, src: list[int], dst: list[int]) -> None:
+        # A gather into a contiguous buffer and a scatter out of it, per chunk: two kernels
+        # whatever the number of runs.
+        ids = torch.tensor([src, dst], dtype=torch.long)
+        if self.device.type == "cuda":
+            ids = ids.pin_memory().to(self.device, non_blocking=True)
         for a, b in self._chunks(len(src)):
             for s, d in pairs:
-                d.index_copy_(1, dst[a:b], s.index_select(1, src[a:b]))
+                d.index_copy_(1, ids[1, a:b], s.index_select(1, ids[0, a:b]))
+
+    def _copy(self, pairs, src: list[int], dst: list[int]) -> None:
+        runs = _runs(src, dst)
+        mode = self.copy_mode
+        if mode == "auto":
+            few = self.device.type == "cpu" or len(runs) <= _CUDA_MAX_RUNS
+            mode = "runs" if few else "indexed"
+        if mode == "runs":
+            self._copy_runs(pairs, runs)
+        else:
+            self._copy_indexed(pairs, src, dst)
 
     def _copy_cuda(self, pairs, src: list[int], dst: list[int]):
         dev = self.device
@@ -485,8 +527,7 @@ class IpcTransport:
             # The KV being sent was written by work already queued on the caller's stream.
             self._stream.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(self._stream):
-                ids = torch.tensor([src, dst], dtype=torch.long).pin_memory().to(dev, non_blocking=True)
-                self._copy(pairs, ids[0], ids[1])
+                self._copy(pairs, src, dst)
                 event = torch.cuda.Event()
                 event.record(self._stream)
         return event

@@ -149,14 +149,17 @@ def pair():
     pool.close()
 
 
-def test_write_async_and_empty_write(pair):
+@pytest.mark.parametrize("mode", ["runs", "indexed"])
+def test_write_async_and_empty_write(pair, mode):
     p, d, meta, dst = pair
+    p.copy_mode = mode  # CPU copies run by run unless told otherwise; CUDA copies scattered blocks indexed
     peer = p.connect(meta)
     before = [t.clone() for t in dst]
-    h = p.write_blocks(peer, [3, 2], [5, 4])
+    src_ids, dst_ids = [3, 2, 6, 7, 0], [5, 4, 0, 1, 3]
+    h = p.write_blocks(peer, src_ids, dst_ids)
     asyncio.run(p.wait_async(h, timeout_s=10))
     assert p.poll(h)
-    _assert_copied(p._tensors, before, dst, [3, 2], [5, 4])
+    _assert_copied(p._tensors, before, dst, src_ids, dst_ids)
     empty = p.write_blocks(peer, [], [])
     assert empty.done and empty.nbytes == 0 and p.poll(empty)
 
