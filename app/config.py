@@ -140,9 +140,13 @@ class DecodeConfig(_Strict):
 class KVTransportConfig(_Strict):
     """How prefill hands KV blocks to decode."""
 
-    backend: Literal["auto", "nixl", "cuda_ipc", "nccl", "none"] = Field(
+    backend: Literal["auto", "nixl", "ipc", "cuda_ipc", "nccl", "none"] = Field(
         "auto",
-        description="'auto' picks CUDA IPC between GPUs of one host, NIXL otherwise; 'none' always prefills on decode.",
+        description="'nixl': NIXL WRITE + notification, prefill and decode on any hosts; 'ipc': the prefill writes "
+                    "straight into the decode rank's KV memory, mapped into its process (CUDA IPC between GPUs, "
+                    "/dev/shm pool files on CPU), prefill and decode on one host only (a transfer to another host "
+                    "fails and decode recomputes); 'auto': 'ipc' between GPUs of one host, NIXL otherwise and on "
+                    "CPU; 'cuda_ipc': 'ipc' between GPUs only; 'none' always prefills on decode.",
     )
     local_prefill_max_tokens: int = Field(
         256,
@@ -150,6 +154,19 @@ class KVTransportConfig(_Strict):
         description="Prompts whose uncached part is at most this many tokens are prefilled on the decode rank, with no transfer.",
     )
     timeout_s: float = Field(30.0, gt=0, description="A transfer later than this is abandoned and decode recomputes.")
+
+    @field_validator("backend")
+    @classmethod
+    def _implemented(cls, v: str) -> str:
+        if v == "nccl":
+            raise ValueError("'nccl' is not implemented; use 'ipc' (prefill and decode on one host) or 'nixl'")
+        return v
+
+    @property
+    def mode(self) -> str:
+        """What the prefill and decode deployments are given: 'nixl', 'ipc' or 'auto' ('none'
+        deploys no prefill server)."""
+        return "ipc" if self.backend == "cuda_ipc" else self.backend
 
 
 class RoutingConfig(_Strict):

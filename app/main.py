@@ -66,7 +66,8 @@ def build_app(args: dict | None = None):
             ray_actor_options=actor, max_ongoing_requests=cfg.engine.max_num_seqs * cfg.prefill.group_size,
             **({"request_router_config": router} if router else {}), **scaling,
         ).bind(model_path, engine_cfg, cfg.prefill.devices, cfg.kv_transport.timeout_s, cfg.prefill.group_size,
-               ModelConfig.from_file(model_path).n_routed_experts + cfg.eplb.redundant_experts)
+               ModelConfig.from_file(model_path).n_routed_experts + cfg.eplb.redundant_experts,
+               kv_transport=cfg.kv_transport.mode)
 
     # Admission is bounded by the decode group itself (503 + Retry-After beyond its capacity), so
     # Serve must let every request reach it rather than queue them unboundedly in front of it.
@@ -77,7 +78,8 @@ def build_app(args: dict | None = None):
         cfg.routing.session_affinity, cfg.routing.max_running_per_rank,
         cfg.kv_transport.local_prefill_max_tokens, cfg.kv_transport.timeout_s, _rank_placement(cfg),
         eplb=cfg.eplb.model_dump(), expert_parallel=cfg.decode.expert_parallel,
-        max_requests_per_rank=cfg.routing.max_requests_per_rank, token_timeout_s=cfg.routing.token_timeout_s)
+        max_requests_per_rank=cfg.routing.max_requests_per_rank, token_timeout_s=cfg.routing.token_timeout_s,
+        kv_transport=cfg.kv_transport.mode)
     max_model_len = context_limit(ModelConfig.from_file(model_path), EngineConfig(**engine_cfg))
     return Ingress.options(ray_actor_options=cpu_only or {"num_cpus": cfg.placement.ingress_cpus},
                            max_ongoing_requests=2 * capacity + 16).bind(

@@ -39,8 +39,10 @@ class DecodeGroup:
                  session_affinity: bool = True, max_running_per_rank: int = 64,
                  local_prefill_max_tokens: int = 256, transfer_timeout_s: float = 30.0,
                  rank_placement: dict | None = None, max_sessions: int = 100_000, eplb: dict | None = None,
-                 expert_parallel: bool = True, max_requests_per_rank: int = 256, token_timeout_s: float = 120.0):
+                 expert_parallel: bool = True, max_requests_per_rank: int = 256, token_timeout_s: float = 120.0,
+                 kv_transport: str = "nixl"):
         self.model_path, self.engine_cfg, self.device = model_path, engine_cfg, device
+        self.kv_transport = kv_transport
         self.dp_size, self.prefill_handle = dp_size, prefill_handle
         self.local_prefill_max_tokens, self.transfer_timeout_s = local_prefill_max_tokens, transfer_timeout_s
         if rank_placement is not None:  # GPU: this replica reserves (and owns) its ranks' placement group
@@ -71,7 +73,7 @@ class DecodeGroup:
         self.ranks = [
             DecodeRank.options(**self.rank_options[r]).remote(
                 r, self.model_path, self.engine_cfg, self.device, self.prefill_handle,
-                self.local_prefill_max_tokens, self.transfer_timeout_s)
+                self.local_prefill_max_tokens, self.transfer_timeout_s, self.kv_transport)
             for r in range(self.dp_size)]
         self.running = [0] * self.dp_size
         self.ep = self._expert_parallel() if self.expert_parallel else None

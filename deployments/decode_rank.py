@@ -3,16 +3,24 @@
 A request's prompt is prefilled here when its uncached part is small (the usual next turn
 of an agent session); otherwise a prefill server runs it and writes the prompt's KV into
 blocks this rank reserved. A failed or late transfer falls back to local prefill.
+
+KV transports (kv_transport): "nixl" (NIXL WRITE + notification, any hosts), "ipc" (the
+prefill server writes straight into this rank's KV pool, mapped into its process: CUDA IPC, or
+/dev/shm pool files on CPU; one host only), "auto" (both offered on CUDA, the prefill server
+picks IPC when it is on this host; NIXL only on CPU).
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+import uuid
 
 import ray
 
 from engine import SamplingParams
+from engine.kv_ipc import IpcTransport, pool_tensors, shared_kv_pool
 
 from .engine_host import load_engine, make_transport, report_stats
 from .metrics import EngineMetrics
@@ -23,15 +31,21 @@ log = logging.getLogger(__name__)
 @ray.remote
 class DecodeRank:
     def __init__(self, rank: int, model_path: str, engine_cfg: dict, device: str,
-                 prefill_handle=None, local_prefill_max_tokens: int = 256, transfer_timeout_s: float = 30.0):
+                 prefill_handle=None, local_prefill_max_tokens: int = 256, transfer_timeout_s: float = 30.0,
+                 kv_transport: str = "nixl"):
+        if kv_transport not in ("nixl", "ipc", "auto", "none"):
+            raise ValueError(f"kv_transport must be 'nixl', 'ipc', 'auto' or 'none', got {kv_transport!r}")
         self.rank = rank
         self.model_path, self.engine_cfg, self.device = model_path, engine_cfg, device
-        self.prefill = prefill_handle
-        self.engine = self.transport = self.ep = None
+        self.prefill = prefill_handle if kv_transport != "none" else None
+        self.kv_transport = kv_transport
+        self.engine = self.transport = self.ipc = self.ep = None
+        self.kv_pool = None  # the /dev/shm pool files (CPU, ipc)
         self.local_max = local_prefill_max_tokens
         self.timeout = transfer_timeout_s
         self.metrics = EngineMetrics("decode", rank)
         self.paths = {"remote": 0, "local": 0, "fallback": 0}
+        self.transfers = {"ipc": 0, "nixl": 0}  # remote prefills by the transport that moved their KV
         self.kv_bytes = 0
         self.prefill_side_hits = 0  # prompt tokens the prefill server found in its own cache
         self._reporter = None
@@ -52,10 +66,31 @@ class DecodeRank:
         the group must be starting at the same time)."""
         if ep is not None:
             self.ep = _join_expert_parallel(self.rank, ep, self.model_path)
-        self.engine = load_engine(self.model_path, self.engine_cfg, self.device, self.ep)
+        # "auto" exports over IPC on CUDA only: on CPU the pool would have to move into /dev/shm,
+        # which Ray's object store shares.
+        export = self.prefill is not None and (self.kv_transport == "ipc" or
+                                               (self.kv_transport == "auto" and self.device == "cuda"))
+        with shared_kv_pool() if export else contextlib.nullcontext() as self.kv_pool:
+            self.engine = load_engine(self.model_path, self.engine_cfg, self.device, self.ep)
         if self.prefill is not None:
-            self.transport = make_transport(self.engine, f"decode{self.rank}")
+            if self.kv_transport != "ipc":
+                self.transport = make_transport(self.engine, f"decode{self.rank}")
+            if export:
+                self.ipc = self._export_pool()
         return {"rank": self.rank, "max_model_len": self.engine.engine.max_model_len}
+
+    def _export_pool(self) -> IpcTransport | None:
+        e = self.engine.engine
+        ipc = IpcTransport(f"decode{self.rank}-{uuid.uuid4().hex[:8]}", pool_tensors(e.runner.kv), e.cfg.block_size)
+        try:
+            ipc.metadata()  # export now: a pool that cannot be shared should fail the start, not a request
+        except Exception as err:
+            ipc.close()
+            if self.kv_transport == "ipc":
+                raise
+            log.warning("decode rank %d: KV pool not shareable over IPC (%s); NIXL only", self.rank, err)
+            return None
+        return ipc
 
     # expert parallelism, driven by the EPLB controller -------------------------------------
     async def ep_take_load(self) -> list:
@@ -80,8 +115,9 @@ class DecodeRank:
 
     def stats(self) -> dict:
         return dict(self.engine.stats(), rank=self.rank, kv_bytes_received=self.kv_bytes,
-                    prefill_side_hit_tokens=self.prefill_side_hits, **{
-            f"prefill_{k}": v for k, v in self.paths.items()})
+                    prefill_side_hit_tokens=self.prefill_side_hits, kv_transport=self.kv_transport,
+                    **{f"prefill_{k}": v for k, v in self.paths.items()},
+                    **{f"kv_transfers_{k}": v for k, v in self.transfers.items()})
 
     async def generate(self, request: dict, session_id: str | None = None):
         """Streams one dict per token (see engine_host.output_dict)."""
@@ -90,7 +126,8 @@ class DecodeRank:
         rid = request["request_id"]
         params = SamplingParams(**request.get("sampling", {}))
         prompt = request.get("prompt_token_ids") or request.get("prompt")
-        remote = self._remote_prefill(rid, params, session_id) if self.transport is not None else None
+        remote = (self._remote_prefill(rid, params, session_id)
+                  if self.transport is not None or self.ipc is not None else None)
         start, last = time.monotonic(), None
         async for out in self.engine.generate(rid, prompt, params, messages=request.get("messages"),
                                               remote_prefill=remote):
@@ -110,27 +147,39 @@ class DecodeRank:
                 self._count("local")
                 return None
             notif = f"kv:{rid}".encode()
-            payload = dict(reservation, request_id=rid, notif=notif, kv_peer=self.transport.metadata(),
+            payload = dict(reservation, request_id=rid, notif=notif,
                            sampling={"temperature": params.temperature, "top_p": params.top_p,
                                      "top_k": params.top_k, "seed": params.seed})
-            # Wait for the notification while the prefill runs: with UCX over TCP the target must
-            # make progress (the transport's polling) for the write to complete at all.
-            waiter = asyncio.ensure_future(self.transport.wait_notification_async(notif, self.timeout))
+            if self.transport is not None:
+                payload["kv_peer"] = self.transport.metadata()
+            if self.ipc is not None:
+                payload["kv_ipc"] = self.ipc.metadata()
+            # Wait for the NIXL notification while the prefill runs: with UCX over TCP the target
+            # must make progress (the transport's polling) for the write to complete at all. An
+            # IPC write needs no notification: the prefill's reply comes after its bytes landed.
+            waiter = (asyncio.ensure_future(self.transport.wait_notification_async(notif, self.timeout))
+                      if self.transport is not None else None)
             try:
                 reply = await asyncio.wait_for(self.prefill.prefill.remote(payload, session_id=session_id),
                                                self.timeout)
-                if not await waiter:
+                via = reply.get("transport", "nixl")
+                if via not in self.transfers:
+                    raise RuntimeError(f"prefill server replied with unknown transport {via!r}")
+                if via == "nixl" and (waiter is None or not await waiter):
                     raise TimeoutError("KV written but no notification arrived")
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # any failure of the remote path: recompute here
                 log.warning("remote prefill of %s failed (%s); prefilling locally", rid, e)
-                self.transport.discard_notification(notif)  # a late write must not be mistaken later
+                if self.transport is not None:
+                    self.transport.discard_notification(notif)  # a late write must not be mistaken later
                 self._count("fallback")
                 return None
             finally:
-                waiter.cancel()
+                if waiter is not None:
+                    waiter.cancel()
             self._count("remote")
+            self.transfers[via] += 1
             self.kv_bytes += reply["bytes"]
             self.prefill_side_hits += reply["prefix_hit_tokens"]
             self.metrics.kv_bytes.inc(reply["bytes"], self.metrics.tags)
