@@ -5,9 +5,10 @@ The bench model's global KV: 4 KV-source layers x 576 bf16 values per token, 64-
 For 8K / 32K / 100K tokens' worth of blocks, a writer process (prefill, GPU 0) writes its blocks
 into scattered blocks of a pool exported by another process (decode, GPU 1) and waits for them,
 as PrefillWorker does; then the same number of blocks as one run on both sides (the transport's
-run-by-run copy) and that run through the gather + scatter kernels the scattered case uses. The baseline is dst.copy_(src) of the same number of bytes, contiguous,
-cuda:0 -> cuda:1 in the writer process. After the timed writes the decode process checksums its
-destination blocks against the source blocks.
+run-by-run copy) and that run through the gather + scatter kernels the scattered case uses.
+The baseline is dst.copy_(src) of the same number of bytes, contiguous, cuda:0 -> cuda:1 in the
+writer process. After the timed writes the decode process checksums its destination blocks
+against the source blocks. On CPU the pool is in /dev/shm and the baseline is a memcpy.
 
 Visibility: "isolated" starts the decode process with only its GPU visible (what Ray does to a
 GPU actor; it calls that GPU cuda:0), "shared" lets it see both (it uses cuda:1). The writer
@@ -15,6 +16,8 @@ always sees every GPU, to run the baseline.
 
     python -m bench.kv_ipc_bench                    # CUDA with 2 GPUs: both visibilities
     python -m bench.kv_ipc_bench --device cpu       # quick: a /dev/shm pool, 8K tokens
+    python -m bench.kv_ipc_bench --probe-exit       # CUDA: a write after the exporter exited
+    python -m bench.kv_ipc_bench --serve auto ipc   # the Serve app, prefill GPU -> decode GPU (Ray)
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ import time
 
 import torch
 
-from engine.kv_ipc import IpcTransport, ShmPool
+from engine.kv_ipc import SHM_DIR, IpcTransport, ShmPool, _sweep_stale
 
 LAYERS, WIDTH, DTYPE = 4, 576, torch.bfloat16
 
@@ -167,6 +170,109 @@ def run(device: str, visibility: str, tokens: list[int], block_size: int, iters:
     return rows
 
 
+def _probe_writer(conn, meta: dict, block_size: int, connect_first: bool) -> None:
+    src = torch.ones(LAYERS, _slots(8, block_size), WIDTH, dtype=DTYPE, device="cuda:0")
+    p = IpcTransport("prefill", [src], block_size)
+    result = {}
+    try:
+        if connect_first:
+            p.connect(meta)
+        conn.send("ready")
+        conn.recv()  # the exporter has exited
+        peer = p.connect(meta)
+        p.wait(p.write_blocks(peer, list(range(8)), list(range(8))), 10)
+        torch.cuda.synchronize()
+        result = {"write": "completed"}
+    except Exception as e:
+        result = {"write": "raised", "error": f"{type(e).__name__}: {e}"[:300]}
+    try:  # is this process's CUDA context still usable afterwards?
+        result["context_ok"] = bool((torch.ones(4, device="cuda:0") * 2).sum().item() == 8)
+    except Exception as e:
+        result["context_ok"] = f"{type(e).__name__}: {e}"[:200]
+    conn.send(result)
+
+
+def probe_exporter_exit(block_size: int) -> list[dict]:
+    """What a writer sees when the decode process that exported the pool has exited: with the
+    pool opened before the exit, and opened only after it."""
+    ctx = mp.get_context("spawn")
+    out = []
+    for connect_first in (True, False):
+        proc, conn, meta = _start_decode(ctx, "cuda:0", 16, block_size, "1")
+        parent, child = ctx.Pipe()
+        writer = ctx.Process(target=_probe_writer, args=(child, meta, block_size, connect_first), daemon=True)
+        writer.start()
+        assert parent.poll(120), "writer did not start"
+        parent.recv()
+        conn.send(None)
+        proc.join(30)
+        parent.send("go")
+        res = parent.recv() if parent.poll(60) else {"write": "no answer"}
+        writer.join(30)
+        res.update(opened_before_exit=connect_first, exporter_exitcode=proc.exitcode, writer_exitcode=writer.exitcode)
+        print(json.dumps(res), flush=True)
+        out.append(res)
+    return out
+
+
+def serve_smoke(backend: str, device: str) -> dict:
+    """The Serve application with the tiny model, prefill and decode on one GPU each (Ray gives
+    each its own CUDA_VISIBLE_DEVICES), every prompt prefilled remotely: the decode output must
+    equal the engine alone and the counters say which transport moved the KV. The only part of
+    this bench that needs Ray."""
+    import socket
+
+    import ray
+    from ray import serve
+
+    from app.main import CHECKPOINT_ROOT, build_app
+    from engine import EngineConfig, LLMEngine, SamplingParams
+    from engine.checkpoint import ensure_checkpoint
+
+    engine = {"dtype": "bfloat16", "block_size": 16, "max_num_batched_tokens": 256}
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    gpu = device == "cuda"
+    ray.init(num_gpus=2 if gpu else 0, num_cpus=8 if gpu else 2, include_dashboard=False, logging_level="ERROR")
+    report = {"backend": backend, "device": device}
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        t0 = time.perf_counter()
+        serve.run(build_app({
+            "model": {"preset": "tiny"}, "engine": engine,
+            "prefill": {"replicas": 1, "devices": device}, "decode": {"dp_size": 1, "devices": device},
+            "kv_transport": {"backend": backend, "local_prefill_max_tokens": 0, "timeout_s": 30},
+            "placement": {"ingress_cpus": 1}}), name="wideep", route_prefix="/", blocking=False)
+        report["ready_s"] = round(time.perf_counter() - t0, 1)
+        group = serve.get_deployment_handle("DecodeGroup", app_name="wideep")
+        alone = LLMEngine.from_pretrained(ensure_checkpoint("tiny", root=CHECKPOINT_ROOT),
+                                          EngineConfig(device=device, **engine), progress=False)
+        greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+        same = []
+        for i in range(3):
+            prompt = [(10 + i + 7 * j) % 500 + 5 for j in range(200 * (i + 1))]
+            req = {"request_id": f"r{i}", "prompt_token_ids": prompt,
+                   "sampling": {"max_tokens": 16, "temperature": 0, "ignore_eos": True}}
+            got = [t for o in group.options(stream=True).generate.remote(req, None) for t in o["new_token_ids"]]
+            same.append(got == alone.generate([prompt], greedy)[0].output_token_ids)
+        stats = group.stats.remote().result()[0]
+        report.update(same_as_alone=same, **{k: stats[k] for k in (
+            "kv_transport", "prefill_remote", "prefill_fallback", "kv_transfers_ipc", "kv_transfers_nixl",
+            "kv_bytes_received", "kv_blocks_used")})
+        prefill = serve.get_deployment_handle("PrefillServer", app_name="wideep").stats.remote().result()
+        report.update(prefill_kv_transfers_ipc=prefill["kv_transfers_ipc"], prefill_held_kv=prefill["held_kv"])
+    except Exception as e:
+        report["error"] = f"{type(e).__name__}: {e}"[-1500:]
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        time.sleep(0.5)
+        _sweep_stale(SHM_DIR)  # Ray ends the decode rank without its exit hooks (CPU pool files)
+    print(json.dumps(report), flush=True)
+    return report
+
+
 def _table(rows: list[dict]) -> str:
     cols = ["device", "visibility", "tokens", "blocks", "MiB", "ipc_scattered_GiB_s", "ipc_scattered_ms",
             "ipc_contiguous_GiB_s", "ipc_contiguous_indexed_GiB_s", "peer_copy_GiB_s", "ipc_vs_peer", "exact"]
@@ -183,10 +289,26 @@ def main() -> None:
                     help="token counts to move (default: 8192 32768 102400 on CUDA, 8192 on CPU)")
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--iters", type=int, default=None, help="timed writes per size (default 20 CUDA, 5 CPU)")
+    ap.add_argument("--probe-exit", action="store_true",
+                    help="CUDA: instead, report what a write does once the exporting process has exited")
+    ap.add_argument("--serve", nargs="+", metavar="BACKEND", choices=["ipc", "auto", "nixl"],
+                    help="instead, the Serve application with these kv_transport backends (needs Ray)")
     ap.add_argument("--out", help="also write the rows as JSON here")
     args = ap.parse_args()
+    if args.serve:
+        reports = [serve_smoke(b, args.device) for b in args.serve]
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"serve": reports}, f, indent=1)
+        return
     if args.device == "cuda" and torch.cuda.device_count() < 2:
         raise SystemExit("--device cuda needs 2 GPUs (the decode pool on GPU 1, the writer on GPU 0)")
+    if args.probe_exit:
+        probe = probe_exporter_exit(args.block_size)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"probe_exit": probe}, f, indent=1)
+        return
     tokens = args.tokens or ([8192, 32768, 102400] if args.device == "cuda" else [8192])
     iters = args.iters or (20 if args.device == "cuda" else 5)
     vis = ["isolated", "shared"] if args.visibility == "both" else [args.visibility]

@@ -79,8 +79,9 @@ class PrefillWorker:
             await self.ipc.wait_async(handle, self.timeout)
             return "ipc", handle.nbytes
         if self.transport is None or "kv_peer" not in payload:
+            offered = sorted(k for k in payload if k.startswith("kv_"))
             raise RuntimeError(f"no KV transport in common with the decode rank: this server's kv_transport is "
-                               f"{self.kv_transport!r}, the request offers {sorted(k for k in payload if k.startswith('kv_'))}")
+                               f"{self.kv_transport!r}, the request offers {offered}")
         peer = self.transport.connect(payload["kv_peer"])
         handle = self.transport.write_blocks(peer, src, payload["dst_blocks"], payload["notif"])
         await self.transport.wait_async(handle, self.timeout)

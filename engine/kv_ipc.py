@@ -20,10 +20,12 @@ Export (decode side): metadata() is a small picklable dict, made once per transp
 
 Import and write (prefill side): connect(meta) opens a peer's pool once (same host only), and
 write_blocks(peer, src_blocks, dst_blocks) does, for each pool tensor, dst[:, dst_blocks] =
-src[:, src_blocks] block by block: a gather into a contiguous buffer and a scatter into the
-mapped pool. On CUDA both are kernels of the local GPU on a side stream that first waits for the
-work already queued (the forward that wrote the KV); the scatter's stores cross NVLink, and the
-engine's next forward overlaps the copy. On CPU a worker thread copies.
+src[:, src_blocks] block by block. Runs of blocks that are consecutive on both sides are copied
+one strided copy per run; many runs (scattered blocks) go through a gather into a contiguous
+buffer and a scatter into the mapped pool. On CUDA the copies are kernels of the local GPU whose
+stores cross NVLink (the peer's memory is mapped into our device's context), on a side stream
+that first waits for the work already queued (the forward that wrote the KV), so the engine's
+next forward overlaps the copy. On CPU a worker thread copies.
 
 There is no notification: when wait() returns (or poll() says True) the bytes are in the peer's
 memory, and the control plane's reply tells the decode side the blocks are complete.
@@ -454,13 +456,15 @@ class IpcTransport:
         """Starts copying blocks src_blocks[i] -> the peer's dst_blocks[i]. `notif` is accepted
         for the NIXL transport's call shape and ignored."""
         if len(src_blocks) != len(dst_blocks):
-            raise IpcTransferError(f"length mismatch: {len(src_blocks)} source blocks, {len(dst_blocks)} destination blocks")
+            raise IpcTransferError(f"length mismatch: {len(src_blocks)} source blocks, "
+                                   f"{len(dst_blocks)} destination blocks")
         with self._lock:
             self._check_open()
             self._prune()
             info = self._peers.get(peer)
             if info is None:
-                raise IpcTransferError(f"{self.name}: unknown peer {peer!r} (connect() it first; known: {sorted(self._peers)})")
+                raise IpcTransferError(f"{self.name}: unknown peer {peer!r} "
+                                       f"(connect() it first; known: {sorted(self._peers)})")
             src = self._block_ids(src_blocks, self.num_blocks, "source", self.name)
             dst = self._block_ids(dst_blocks, info["num_blocks"], "destination", peer)
             if len(set(dst)) != len(dst):
@@ -558,7 +562,8 @@ class IpcTransport:
         ev = handle._event
         err = ev.exception() if isinstance(ev, Future) else None
         if err is not None:
-            handle.error = f"{self.name} -> {handle.peer}: write of {handle.num_blocks} blocks failed: {type(err).__name__}: {err}"
+            handle.error = (f"{self.name} -> {handle.peer}: write of {handle.num_blocks} blocks failed: "
+                            f"{type(err).__name__}: {err}")
             raise IpcTransferError(handle.error)
         handle.done = True
         handle._keep = ()
@@ -566,7 +571,8 @@ class IpcTransport:
 
     def _timed_out(self, handle: IpcWrite, timeout_s: float) -> IpcTransferError:
         # The copy cannot be stopped: it stays in _inflight, its memory mapped, until it ends.
-        handle.error = f"{self.name} -> {handle.peer}: transfer of {handle.nbytes} bytes timed out after {timeout_s:g} s"
+        handle.error = (f"{self.name} -> {handle.peer}: transfer of {handle.nbytes} bytes "
+                        f"timed out after {timeout_s:g} s")
         return IpcTransferError(handle.error)
 
     def wait(self, handle: IpcWrite, timeout_s: float) -> None:

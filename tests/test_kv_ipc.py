@@ -272,7 +272,8 @@ def test_engine_pool_in_shm_and_pd_handoff_equals_decode_alone(tiny_ckpt):
         decode = LLMEngine.from_pretrained(tiny_ckpt, cfg, progress=False)
     prefill = LLMEngine.from_pretrained(tiny_ckpt, cfg, progress=False)
     assert len(pool.paths) == len(pool_tensors(decode.runner.kv)) >= 1
-    assert prefill.runner.kv.global_kv.untyped_storage().data_ptr() != decode.runner.kv.global_kv.untyped_storage().data_ptr()
+    ptr = [e.runner.kv.global_kv.untyped_storage().data_ptr() for e in (prefill, decode)]
+    assert ptr[0] != ptr[1]
     d = IpcTransport("decode", pool_tensors(decode.runner.kv), cfg.block_size)
     p = IpcTransport("prefill", pool_tensors(prefill.runner.kv), cfg.block_size)
     try:
