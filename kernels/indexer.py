@@ -47,11 +47,9 @@ def _pad_positions(pos: torch.Tensor, topk: int) -> torch.Tensor:
     return pos
 
 
-def indexer_topk_reference(q: torch.Tensor, w: torch.Tensor, index_keys: torch.Tensor,
-                           block_tables: torch.Tensor, g_lens: torch.Tensor,
-                           block_size: int, topk: int) -> torch.Tensor:
-    """Positions [B, topk] int32 of the top-k scores, best first; -1 fills rows with fewer."""
-    scores = indexer_scores_reference(q, w, index_keys, block_tables, g_lens, block_size)
+def select_topk_reference(scores: torch.Tensor, g_lens: torch.Tensor, topk: int) -> torch.Tensor:
+    """Positions [B, topk] int32 of each row's top-k scores, best first, equal scores latest
+    position first; -1 past min(g_len, topk). Positions >= g_len are never chosen."""
     width = scores.shape[1]
     k = min(topk, width)
     # Stable sort of the reversed row: among equal scores the later position comes first.
@@ -59,6 +57,14 @@ def indexer_topk_reference(q: torch.Tensor, w: torch.Tensor, index_keys: torch.T
     pos = width - 1 - order
     pos = torch.where(pos < g_lens.to(pos.device).long()[:, None], pos, -1).to(torch.int32)
     return _pad_positions(pos, topk)
+
+
+def indexer_topk_reference(q: torch.Tensor, w: torch.Tensor, index_keys: torch.Tensor,
+                           block_tables: torch.Tensor, g_lens: torch.Tensor,
+                           block_size: int, topk: int) -> torch.Tensor:
+    """Positions [B, topk] int32 of the top-k scores, best first; -1 fills rows with fewer."""
+    scores = indexer_scores_reference(q, w, index_keys, block_tables, g_lens, block_size)
+    return select_topk_reference(scores, g_lens, topk)
 
 
 if triton is not None:
@@ -69,7 +75,7 @@ if triton is not None:
                            stride_ks, stride_kd, stride_tb, stride_tm, stride_ob,
                            num_heads, head_dim, width, block_size,
                            HEADS: tl.constexpr, DIM: tl.constexpr, TILE: tl.constexpr,
-                           PRECISION: tl.constexpr, UPCAST: tl.constexpr, PACK: tl.constexpr):
+                           PRECISION: tl.constexpr, UPCAST: tl.constexpr):
         seq = tl.program_id(0)
         pos = tl.program_id(1) * TILE + tl.arange(0, TILE)
         g_len = tl.load(lens_ptr + seq)
@@ -94,30 +100,66 @@ if triton is not None:
         wt = tl.load(w_ptr + seq * stride_wb + h * stride_wh, mask=h_ok, other=0.0).to(tl.float32)
         score = tl.sum(tl.maximum(dots, 0.0) * wt[None, :], axis=1)
         score = tl.where(live, score, float("-inf"))
+        tl.store(out_ptr + seq * stride_ob + pos, score, mask=pos < width)
 
-        in_row = pos < width
-        if PACK:
-            # (score, position) as one int64 that orders like (score, then later position):
-            # the float bits made monotone as a signed int32 in the high word, the position
-            # in the low word. -0.0 becomes +0.0 first so that the two tie, as floats do.
-            bits = score.to(tl.int32, bitcast=True)
-            bits = tl.where(score == 0.0, 0, bits)
-            bits = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-            packed = (bits.to(tl.int64) << 32) | pos.to(tl.int64)
-            tl.store(out_ptr + seq * stride_ob + pos, packed, mask=in_row)
-        else:
-            tl.store(out_ptr + seq * stride_ob + pos, score, mask=in_row)
+    @triton.jit
+    def _count_chunk_kernel(scores_ptr, kth_ptr, lens_ptr, above_ptr, equal_ptr,
+                            stride_sb, stride_cb, width, CHUNK: tl.constexpr):
+        seq = tl.program_id(0)
+        chunk = tl.program_id(1)
+        pos = chunk * CHUNK + tl.arange(0, CHUNK)
+        live = (pos < tl.load(lens_ptr + seq)) & (pos < width)
+        s = tl.load(scores_ptr + seq * stride_sb + pos, mask=live, other=float("-inf"))
+        kth = tl.load(kth_ptr + seq)
+        tl.store(above_ptr + seq * stride_cb + chunk, tl.sum((live & (s > kth)).to(tl.int32), axis=0))
+        tl.store(equal_ptr + seq * stride_cb + chunk, tl.sum((live & (s == kth)).to(tl.int32), axis=0))
+
+    @triton.jit
+    def _emit_chunk_kernel(scores_ptr, kth_ptr, lens_ptr, above_ptr, equal_ptr, out_ptr,
+                           stride_sb, stride_cb, stride_ob, width, num_chunks, k, topk,
+                           CHUNK: tl.constexpr, CHUNKS: tl.constexpr, FILL: tl.constexpr):
+        seq = tl.program_id(0)
+        chunk = tl.program_id(1)
+        c = tl.arange(0, CHUNKS)
+        c_ok = c < num_chunks
+        above = tl.load(above_ptr + seq * stride_cb + c, mask=c_ok, other=0)
+        equal = tl.load(equal_ptr + seq * stride_cb + c, mask=c_ok, other=0)
+        total_above = tl.sum(above, axis=0)
+        # Everything above the k-th score is kept; the remaining places go to the scores equal
+        # to it, latest position first.
+        ties_wanted = k - total_above
+        above_before = tl.sum(tl.where(c < chunk, above, 0), axis=0)
+        ties_after = tl.sum(tl.where(c > chunk, equal, 0), axis=0)
+
+        pos = chunk * CHUNK + tl.arange(0, CHUNK)
+        live = (pos < tl.load(lens_ptr + seq)) & (pos < width)
+        s = tl.load(scores_ptr + seq * stride_sb + pos, mask=live, other=float("-inf"))
+        kth = tl.load(kth_ptr + seq)
+        row_out = out_ptr + seq * stride_ob
+        is_above = live & (s > kth)
+        above_rank = above_before + tl.cumsum(is_above.to(tl.int32), axis=0) - 1
+        tl.store(row_out + above_rank, pos, mask=is_above)
+        is_tie = (live & (s == kth)).to(tl.int32)
+        later_ties = ties_after + tl.sum(is_tie, axis=0) - tl.cumsum(is_tie, axis=0)
+        take = (is_tie != 0) & (later_ties < ties_wanted)
+        tl.store(row_out + total_above + later_ties, pos, mask=take)
+
+        if chunk == 0:
+            filled = total_above + tl.minimum(ties_wanted, tl.sum(equal, axis=0))
+            for start in range(0, topk, FILL):
+                i = start + tl.arange(0, FILL)
+                tl.store(row_out + i, tl.full([FILL], -1, tl.int32), mask=(i >= filled) & (i < topk))
 
 
 def _next_pow2(n: int, floor: int) -> int:
     return max(floor, 1 << max(0, (n - 1).bit_length()))
 
 
-def _score_launch(q, w, index_keys, block_tables, g_lens, block_size, pack: bool,
+def _score_launch(q, w, index_keys, block_tables, g_lens, block_size,
                   tile: int | None = None, num_warps: int = 4) -> torch.Tensor:
     num_seqs, num_heads, head_dim = q.shape
     width = block_tables.shape[1] * block_size
-    out = torch.empty(num_seqs, width, device=q.device, dtype=torch.int64 if pack else torch.float32)
+    out = torch.empty(num_seqs, width, device=q.device, dtype=torch.float32)
     if num_seqs == 0 or width == 0:
         return out
     g_lens = g_lens.to(device=q.device, dtype=torch.int32).contiguous()
@@ -139,7 +181,6 @@ def _score_launch(q, w, index_keys, block_tables, g_lens, block_size, pack: bool
         out.stride(0),
         num_heads, head_dim, width, block_size,
         HEADS=heads, DIM=dim, TILE=tile, PRECISION="ieee" if fp32 else "tf32", UPCAST=upcast,
-        PACK=pack,
         num_warps=num_warps,
     )
     return out
@@ -149,26 +190,48 @@ def indexer_scores_triton(q: torch.Tensor, w: torch.Tensor, index_keys: torch.Te
                           block_tables: torch.Tensor, g_lens: torch.Tensor,
                           block_size: int) -> torch.Tensor:
     """Triton form of indexer_scores_reference (same shape and -inf padding)."""
-    return _score_launch(q, w, index_keys, block_tables, g_lens, block_size, pack=False)
+    return _score_launch(q, w, index_keys, block_tables, g_lens, block_size)
 
 
-def select_topk_packed(packed: torch.Tensor, g_lens: torch.Tensor, topk: int) -> torch.Tensor:
-    """Top-k of packed (score, position) keys -> positions [B, topk] int32, in no order."""
-    k = min(topk, packed.shape[1])
-    # Keys are distinct (the position is in them), so any exact top-k of them is the answer;
-    # unsorted lets torch.topk stop after its radix select.
-    vals = torch.topk(packed, k, dim=1, sorted=False).values
-    pos = (vals & 0xFFFFFFFF).to(torch.int32)
-    pos = torch.where(pos < g_lens.to(device=pos.device, dtype=torch.int32)[:, None], pos, -1)
-    return _pad_positions(pos, topk)
+def select_topk_triton(scores: torch.Tensor, g_lens: torch.Tensor, topk: int,
+                       chunk: int | None = None) -> torch.Tensor:
+    """Positions [B, topk] int32 of the top-k scores of each row (the reference's tie rule),
+    -1 past min(g_len, topk); in no particular order.
+
+    torch.topk finds each row's k-th score; it is only trusted for that value, as which of
+    several equal scores it keeps is unspecified. Two passes over chunks of the row then keep
+    every position scoring above it and fill the remaining places with the latest positions
+    scoring exactly it. This costs far less than torch.topk on (score, position) int64 keys,
+    which needs twice the radix passes.
+    """
+    num_seqs, width = scores.shape
+    out = torch.empty(num_seqs, topk, device=scores.device, dtype=torch.int32)
+    k = min(topk, width)
+    if num_seqs == 0 or k == 0:
+        return out.fill_(-1)
+    g_lens = g_lens.to(device=scores.device, dtype=torch.int32).contiguous()
+    kth = torch.topk(scores, k, dim=1, sorted=False).values.amin(dim=1)
+    chunk = chunk or min(4096, _next_pow2(width, 16))
+    num_chunks = triton.cdiv(width, chunk)
+    above = torch.empty(num_seqs, num_chunks, device=scores.device, dtype=torch.int32)
+    equal = torch.empty_like(above)
+    grid = (num_seqs, num_chunks)
+    warps = 8 if chunk >= 2048 else 4
+    _count_chunk_kernel[grid](scores, kth, g_lens, above, equal, scores.stride(0), above.stride(0), width,
+                              CHUNK=chunk, num_warps=warps)
+    _emit_chunk_kernel[grid](scores, kth, g_lens, above, equal, out,
+                             scores.stride(0), above.stride(0), out.stride(0), width, num_chunks, k, topk,
+                             CHUNK=chunk, CHUNKS=_next_pow2(num_chunks, 16), FILL=min(1024, _next_pow2(topk, 16)),
+                             num_warps=warps)
+    return out
 
 
 def indexer_topk_triton(q: torch.Tensor, w: torch.Tensor, index_keys: torch.Tensor,
                         block_tables: torch.Tensor, g_lens: torch.Tensor,
                         block_size: int, topk: int) -> torch.Tensor:
     """Same position set as indexer_topk_reference, in no particular order."""
-    packed = _score_launch(q, w, index_keys, block_tables, g_lens, block_size, pack=True)
-    return select_topk_packed(packed, g_lens, topk)
+    scores = _score_launch(q, w, index_keys, block_tables, g_lens, block_size)
+    return select_topk_triton(scores, g_lens, topk)
 
 
 def indexer_topk(q: torch.Tensor, w: torch.Tensor, index_keys: torch.Tensor,

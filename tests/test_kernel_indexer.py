@@ -13,9 +13,17 @@ from kernels.indexer import (  # noqa: E402
     indexer_topk,
     indexer_topk_reference,
     indexer_topk_triton,
+    select_topk_reference,
+    select_topk_triton,
 )
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
+# Triton runs CPU tensors only under the interpreter, which is off where CUDA is present.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRETED, reason="TRITON_INTERPRET is off")),
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")),
+]
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def make_case(device, g_lens, block_size, heads=4, dim=16, dtype=torch.float32, extra_blocks=1,
@@ -140,9 +148,26 @@ def test_negative_weights_order_negative_scores(device):
     check_rows(got, want, g_lens, 40)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("width,topk,chunk", [(100, 10, 16), (100, 60, 16), (64, 64, 16), (37, 50, 16), (300, 7, 32)])
+def test_selection_with_many_ties_across_chunks(device, width, topk, chunk):
+    """Scores from a handful of values, so the k-th score is shared by positions in several
+    chunks: exactly the latest of them must fill the places left."""
+    g = torch.Generator().manual_seed(width + topk)
+    scores = torch.randint(-2, 3, (4, width), generator=g).float()
+    scores[1] = 0.0
+    scores[2, ::3] = -0.0  # ties with +0.0, as floats do
+    g_lens = torch.tensor([width, width - 5, width // 2, 0], dtype=torch.int32)
+    scores[torch.arange(width)[None, :] >= g_lens[:, None].long()] = float("-inf")
+    scores, g_lens = scores.to(device), g_lens.to(device)
+    want = select_topk_reference(scores, g_lens, topk)
+    got = select_topk_triton(scores, g_lens, topk, chunk=chunk)
+    check_rows(got, want, g_lens.tolist(), topk)
+
+
 def test_dispatcher_uses_reference_without_triton_device(monkeypatch):
     import kernels.indexer as mod
-    args = make_case("cpu", [30, 9], 8)
+    args = make_case(TRITON_DEVICE, [30, 9], 8)
     monkeypatch.setattr(mod, "triton_ok", lambda t: False)
     ref = indexer_topk(*args, 8, 10)
     assert torch.equal(ref, indexer_topk_reference(*args, 8, 10))
