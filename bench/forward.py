@@ -16,6 +16,7 @@ random global KV (and a full window ring), then the same decode step is replayed
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -216,13 +217,14 @@ def main(argv=None):
         if args.moe_share:
             undo = without_moe(engine)
             if engine.runner.graphs is not None:
-                engine.runner.graphs.graphs.clear()
+                engine.runner.graphs.clear()
             no_moe = time_forward(engine, batch, args.iters)[0]
             undo()
             row.update(no_moe_forward_ms=round(no_moe, 3), moe_share=round(1 - no_moe / fwd, 3))
         print(json.dumps(row), flush=True)
         rows.append(row)
         del engine, batch
+        gc.collect()  # the engine's graphs and KV pool, before the next engine allocates its own
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
     base = rows[0]["forward_ms"] if rows else None

@@ -3,11 +3,11 @@
     python -m bench.replay_ttft --device cuda --contexts 8192 32768 100000
     python -m bench.replay_ttft --device cpu --preset tiny-v4 --dtype float32 --contexts 256 1024   # smoke
 
-Turn 1 runs a prompt of `context` tokens (not timed); turn 2 sends the same tokens plus
-`--new-tokens` more and is timed to its first token. Modes, all on the same weights:
+Every turn sends the same `context` tokens plus `--new-tokens` new ones and is timed to its
+first token, on one engine:
+- none: the first turn, nothing cached: the whole prompt is prefilled;
 - bounded: a prefix hit replays only the last W positions' window KV (the default);
-- exact: it replays W x layers positions, far enough that every window entry equals a cold run;
-- none: no prefix cache, turn 2 prefills its whole prompt again.
+- exact: it replays W x layers positions, far enough that every window entry equals a cold run.
 """
 from __future__ import annotations
 
@@ -53,26 +53,27 @@ def main(argv=None):
     rows = []
     for context in args.contexts:
         base = torch.randint(4, cfg.vocab_size, (context,), generator=g).tolist()
+        turn = lambda: base + torch.randint(4, cfg.vocab_size, (args.new_tokens,), generator=g).tolist()  # noqa: E731
         row = dict(preset=args.preset, device=args.device, context=context, new_tokens=args.new_tokens)
-        for mode in ("bounded", "exact", "none"):
-            blocks = 2 * -(-(context + args.new_tokens * (args.repeats + 2)) // bs) + 8
-            ecfg = EngineConfig(device=args.device, dtype=args.dtype, block_size=bs, num_blocks=blocks, max_num_seqs=2,
-                                max_num_batched_tokens=args.chunk, enable_prefix_caching=mode != "none",
-                                replay_mode="exact" if mode == "exact" else "bounded")
-            engine = LLMEngine(model, None, ecfg)
-            engine.generate([base], ONE)  # turn 1: the cached prefix (and warm-up)
+        blocks = 2 * -(-(context + args.new_tokens * (2 * args.repeats + 2)) // bs) + 8
+        ecfg = EngineConfig(device=args.device, dtype=args.dtype, block_size=bs, num_blocks=blocks, max_num_seqs=2,
+                            max_num_batched_tokens=args.chunk)
+        engine = LLMEngine(model, None, ecfg)
+        engine.generate([list(range(4, 4 + 2 * bs))], ONE)  # warm-up, shares no block with `base`
+        # No cache: the first turn prefills everything (the same length as the later turns).
+        row["none_ttft_ms"] = round(1e3 * ttft(engine, turn(), args.device), 1)
+        for mode in ("bounded", "exact"):
+            engine.cfg.replay_mode = mode  # the scheduler reads it at each admission
             times, replayed = [], []
-            for r in range(args.repeats):
-                # each repeat a different next turn on the same prefix, so only the prefix hits
-                extra = torch.randint(4, cfg.vocab_size, (args.new_tokens,), generator=g).tolist()
+            for _ in range(args.repeats):
                 before = engine.scheduler.replayed_tokens
-                times.append(ttft(engine, base + extra, args.device))
+                times.append(ttft(engine, turn(), args.device))
                 replayed.append(engine.scheduler.replayed_tokens - before)
             row[f"{mode}_ttft_ms"] = round(1e3 * statistics.median(times), 1)
             row[f"{mode}_replayed"] = replayed[-1]
-            del engine
-            if args.device.startswith("cuda"):
-                torch.cuda.empty_cache()
+        del engine
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
         row["bounded_vs_exact"] = round(row["bounded_ttft_ms"] / row["exact_ttft_ms"] - 1, 3)
         row["bounded_vs_none"] = round(row["bounded_ttft_ms"] / row["none_ttft_ms"] - 1, 3)
         print(json.dumps(row), flush=True)

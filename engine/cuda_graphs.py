@@ -9,7 +9,12 @@ block and window ring.
 """
 from __future__ import annotations
 
+import gc
+import logging
+
 import torch
+
+log = logging.getLogger(__name__)
 
 
 def _batch_sizes(max_batch: int) -> list[int]:
@@ -23,6 +28,7 @@ class DecodeGraphs:
         self.sizes = _batch_sizes(min(max_batch, runner.cfg.max_num_seqs))
         self.graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, tuple, torch.Tensor]] = {}
         self.pool = None
+        self.failed: set[tuple[int, int, bool]] = set()
         cfg = runner.cfg
         limit = min(runner.model.cfg.max_position_embeddings, cfg.num_blocks * cfg.block_size)
         self.rotary = runner.model.model.rotary
@@ -45,15 +51,29 @@ class DecodeGraphs:
         pad_m = self._blocks_bucket(num_blocks)
         inputs = r.decode_inputs(batch, pad_batch=pad_b, pad_blocks=pad_m)
         if self._tables_moved():
-            self.graphs.clear()  # they read the rope tables a longer context has since replaced
+            self.clear()  # they read the rope tables a longer context has since replaced
         key = (pad_b, pad_m, inputs[-1])
+        if key in self.failed:
+            return r.decode_forward(*inputs)
         if key not in self.graphs:
-            self.graphs[key] = self._capture(inputs)
+            try:
+                self.graphs[key] = self._capture(inputs)
+            except RuntimeError as e:  # a shape that cannot be captured still runs, eagerly
+                log.warning("CUDA graph capture failed for batch %d x %d blocks (%s); running it eagerly",
+                            pad_b, pad_m, e)
+                self.failed.add(key)
+                torch.cuda.synchronize()
+                return r.decode_forward(*inputs)
         graph, static, logits = self.graphs[key]
         for dst, src in zip(static, inputs[:-1]):
             dst.copy_(src, non_blocking=True)
         graph.replay()
         return logits
+
+    def clear(self) -> None:
+        """Drop every graph, and their memory pool with them (a new capture starts a new pool)."""
+        self.graphs.clear()
+        self.pool = None
 
     def _tables_moved(self) -> bool:
         ptr = self.rotary.cos.data_ptr()
@@ -72,8 +92,16 @@ class DecodeGraphs:
             r.decode_forward(*static, sparse)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            logits = r.decode_forward(*static, sparse)
+        # A CUDA graph destroyed while another is being captured (an unreachable engine's graphs,
+        # freed by the cyclic collector at some allocation) invalidates the capture: collect
+        # first, and keep the collector off until the capture ends.
+        gc.collect()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                logits = r.decode_forward(*static, sparse)
+        finally:
+            gc.enable()
         if self.pool is None:
             self.pool = graph.pool()
         return graph, static, logits

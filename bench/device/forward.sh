@@ -1,18 +1,23 @@
 #!/usr/bin/env bash
-# GPU run 2: the engine on the `bench` model: decode step vs context and vs the roofline,
-# MoE share, CUDA graphs vs eager, transformers generate, next-turn TTFT with bounded replay,
-# and (with 2 GPUs) the same-host KV transport vs a peer copy.
+# GPU run 2: the engine on the `bench` model: decode step vs context and vs the roofline
+# (bf16 and FP8 KV), MoE share, CUDA graphs vs eager, Triton vs torch MoE GEMM, transformers
+# generate, next-turn TTFT with bounded replay, and (2 GPUs) the same-host KV transport.
+# STEPS picks a subset, e.g. STEPS="fp8 b64 replay ipc".
 source bench/device/setup.sh
+STEPS=${STEPS:-"bf16 fp8 b64 hf replay ipc"}
 t() { local s=$1; shift; local t0=$SECONDS; timeout "$s" "$@"; echo "rc=$? $((SECONDS - t0))s $*" >> "$OUT/steps.txt"; }
-t 150 python3 -m bench.forward --batch 16 --contexts 8192 65536 131072 524288 --kv-dtype auto fp8_e4m3 \
-  --iters 10 --json "$OUT/forward.jsonl" > "$OUT/forward_b16.log" 2>&1
-t 100 python3 -m bench.forward --batch 64 --contexts 8192 --moe-share --graphs-vs-eager --moe-gemm triton grouped_mm \
-  --json "$OUT/forward.jsonl" > "$OUT/forward_b64.log" 2>&1
-t 120 python3 -m bench.engine_vs_hf --preset bench --device cuda --dtype bfloat16 --batches 1 16 64 \
+on() { [[ " $STEPS " == *" $1 "* ]]; }
+for kv in bf16 fp8; do
+  on $kv && t 150 python3 -m bench.forward --batch 16 --contexts 8192 65536 131072 524288 \
+    --kv-dtype "$([ $kv = fp8 ] && echo fp8_e4m3 || echo auto)" --iters 10 --json "$OUT/forward.jsonl" > "$OUT/forward_b16_$kv.log" 2>&1
+done
+on b64 && t 100 python3 -m bench.forward --batch 64 --contexts 8192 --moe-share --graphs-vs-eager --moe-gemm triton grouped_mm \
+  --iters 10 --json "$OUT/forward.jsonl" > "$OUT/forward_b64.log" 2>&1
+on hf && t 120 python3 -m bench.engine_vs_hf --preset bench --device cuda --dtype bfloat16 --batches 1 16 64 \
   --out "$OUT/engine_vs_hf.jsonl" > "$OUT/engine_vs_hf.log" 2>&1
-t 120 python3 -m bench.replay_ttft --contexts 8192 32768 100000 --repeats 2 --json "$OUT/replay.jsonl" \
+on replay && t 150 python3 -m bench.replay_ttft --contexts 8192 32768 100000 --repeats 2 --json "$OUT/replay.jsonl" \
   > "$OUT/replay.log" 2>&1
-if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+if on ipc && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
   t 60 python3 -m bench.kv_ipc_bench --out "$OUT/kv_ipc.json" > "$OUT/kv_ipc.log" 2>&1
 fi
 cat "$OUT/steps.txt"
