@@ -6,8 +6,9 @@
 
 Sequences are made up, not prefilled: each of `batch` sequences gets `context` positions of
 random global KV (and a full window ring), then the same decode step is replayed. Columns:
-- forward_ms: the decode forward on the device (CUDA graph replay, or the eager forward),
-  CUDA events, median; step_ms: the engine's whole `runner.run` (host-side inputs included);
+- forward_ms: the decode forward on the device (the CUDA graph's replay alone, or the eager
+  forward), CUDA events, median; step_ms: the engine's whole `runner.run` (host-side inputs
+  built from the block tables included), wall clock;
 - roofline_ms: bytes the step must read (weights it touches + KV it reads) / copy bandwidth
   measured in the same run (a device-to-device copy reads and writes: 2 x bytes / time);
   roofline_pct = roofline_ms / forward_ms;
@@ -99,7 +100,7 @@ def time_forward(engine: LLMEngine, batch: ScheduledBatch, iters: int) -> tuple[
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
         if r.graphs is not None:
-            r.run(batch)
+            r.graphs.last.replay()
         else:
             r.decode_forward(*inputs)
         if cuda:

@@ -68,6 +68,7 @@ class DecodeGraphs:
         for dst, src in zip(static, inputs[:-1]):
             dst.copy_(src, non_blocking=True)
         graph.replay()
+        self.last = graph  # benchmarks time the replay alone
         return logits
 
     def clear(self) -> None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from contextvars import ContextVar
 
+import numpy as np
 import torch
 
 from .attention import AttentionContext, build_masks
@@ -17,6 +18,21 @@ from .scheduler import ScheduledBatch
 # Set around engine construction by a transport that needs the KV pool in memory another
 # process can map (engine/kv_ipc.py); unset, the pool is ordinary tensors.
 KV_POOL_ALLOCATOR: ContextVar = ContextVar("kv_pool_allocator", default=None)
+
+
+def _table_array(seq) -> np.ndarray:
+    """The sequence's block table as int32, converted once and then extended as it grows: at long
+    context a table has thousands of entries, and rebuilding each one every step costs more
+    than the GPU's decode step. A block table only grows, or is replaced by a new list."""
+    table, cached = seq.block_table, seq.table_cache
+    if cached is None or cached[0] is not table or len(cached[1]) > len(table):
+        arr = np.asarray(table, dtype=np.int32)
+    elif len(cached[1]) < len(table):
+        arr = np.concatenate([cached[1], np.asarray(table[len(cached[1]):], dtype=np.int32)])
+    else:
+        return cached[1]
+    seq.table_cache = (table, arr)
+    return arr
 
 
 class KVCache:
@@ -91,19 +107,20 @@ class ModelRunner:
         positions = [seq.num_tokens - 1 for seq in batch.seqs]
         num_blocks = max(p // bs + 1 for p in positions)
         width = pad_blocks or num_blocks
-        ids = torch.zeros(rows, dtype=torch.long)
-        pos = torch.zeros(rows, dtype=torch.long)
-        slots = torch.full((rows,), self.kv.scratch_slot, dtype=torch.long)
-        tables = torch.zeros(rows, width, dtype=torch.int32)
-        wslots = torch.full((rows,), self.kv.scratch_window, dtype=torch.long)
+        ids = np.zeros(rows, dtype=np.int64)
+        pos = np.zeros(rows, dtype=np.int64)
+        slots = np.full(rows, self.kv.scratch_slot, dtype=np.int64)
+        tables = np.zeros((rows, width), dtype=np.int32)
+        wslots = np.full(rows, self.kv.scratch_window, dtype=np.int64)
         for i, (seq, p) in enumerate(zip(batch.seqs, positions)):
             ids[i] = seq.token_slice(p, p + 1)[0]
             pos[i] = p
             slots[i] = seq.block_table[p // bs] * bs + p % bs
-            t = seq.block_table[:width]
-            tables[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+            t = _table_array(seq)[:width]
+            tables[i, :len(t)] = t
             if seq.window_slot is not None:
                 wslots[i] = seq.window_slot
+        ids, pos, slots, tables, wslots = map(torch.from_numpy, (ids, pos, slots, tables, wslots))
         g_max = max(positions) + 1 - (mc.sliding_window - 1 if mc.sliding_window else 0)
         sparse = bool(mc.index_topk) and g_max > mc.index_topk
         dev = self.device

@@ -35,6 +35,7 @@ class Sequence:
     num_hashed_blocks: int = 0
     prefix_hash: bytes = b""      # chain hash of the last hashed block
     window_slot: int | None = None
+    table_cache: tuple | None = field(default=None, repr=False)  # (block_table list, its int32 array)
     generator: torch.Generator | None = None
     hold_kv: bool = False           # prefill side: keep the blocks after finishing, until released
     # statistics

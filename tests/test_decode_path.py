@@ -127,3 +127,17 @@ def test_cuda_graphs_and_triton_kernels_on_gpu(tiny_v4_ckpt, kv_dtype):
     engine = LLMEngine.from_pretrained(tiny_v4_ckpt, EngineConfig(block_size=4, **kw), progress=False)
     engine.generate(prompts, GREEDY)
     assert engine.runner.graphs is not None and engine.runner.graphs.graphs  # graphs were captured and used
+
+
+def test_block_table_array_follows_growth_and_replacement():
+    from engine.model_runner import _table_array
+    from engine.sequence import Sequence
+    seq = Sequence("r", [1, 2, 3], GREEDY)
+    seq.block_table = [5, 9]
+    assert _table_array(seq).tolist() == [5, 9]
+    seq.block_table.append(2)  # grows in place: extended, not rebuilt
+    assert _table_array(seq).tolist() == [5, 9, 2]
+    seq.block_table = [7]  # replaced (preemption, prefix hit): rebuilt
+    assert _table_array(seq).tolist() == [7]
+    seq.block_table = [1, 4]
+    assert _table_array(seq).tolist() == [1, 4]

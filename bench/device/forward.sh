@@ -15,7 +15,7 @@ on b64 && t 100 python3 -m bench.forward --batch 64 --contexts 8192 --moe-share 
   --iters 10 --json "$OUT/forward.jsonl" > "$OUT/forward_b64.log" 2>&1
 on hf && t 120 python3 -m bench.engine_vs_hf --preset bench --device cuda --dtype bfloat16 --batches 1 16 64 \
   --out "$OUT/engine_vs_hf.jsonl" > "$OUT/engine_vs_hf.log" 2>&1
-on replay && t 150 python3 -m bench.replay_ttft --contexts 8192 32768 100000 --repeats 2 --json "$OUT/replay.jsonl" \
+on replay && t 150 python3 -m bench.replay_ttft --contexts ${REPLAY_CONTEXTS:-8192 32768 100000} --repeats 2 --json "$OUT/replay.jsonl" \
   > "$OUT/replay.log" 2>&1
 if on ipc && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
   t 60 python3 -m bench.kv_ipc_bench --out "$OUT/kv_ipc.json" > "$OUT/kv_ipc.log" 2>&1
