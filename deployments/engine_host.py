@@ -22,11 +22,11 @@ def load_engine(model_path: str, engine_cfg: dict, device: str, ep=None) -> Asyn
 
 
 def make_transport(engine: AsyncLLMEngine, role: str):
-    """A KV transport over the engine's global KV (and indexer keys): the only state that moves."""
-    from engine.kv_transfer import KVTransport
+    """A KV transport over the engine's global KV (its FP8 scales, indexer keys): the only state
+    that moves."""
+    from engine.kv_transfer import KVTransport, transfer_tensors
 
-    kv = engine.engine.runner.kv
-    tensors = [t for t in (kv.global_kv, kv.index_keys) if t is not None]
+    tensors = transfer_tensors(engine.engine.runner.kv)
     return KVTransport(f"{role}-{uuid.uuid4().hex[:8]}", tensors, engine.engine.cfg.block_size)
 
 

@@ -89,6 +89,13 @@ def _progress_loop(ref: "weakref.ref[KVTransport]") -> None:
         wake.wait(_FAST_S if busy else _IDLE_S)
         wake.clear()
 
+def transfer_tensors(kv) -> list[torch.Tensor]:
+    """The KV-cache tensors that move between engines (global KV, its FP8 scales, indexer keys),
+    each as a [layers, slots, width] view: the per-token FP8 scales travel as width 1."""
+    from .kv_ipc import pool_tensors
+    return [t if t.dim() == 3 else t.unsqueeze(-1) for t in pool_tensors(kv)]
+
+
 def _layout(t: torch.Tensor) -> dict:
     return {
         "address": t.data_ptr(),

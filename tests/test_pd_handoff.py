@@ -141,3 +141,33 @@ def test_reservation_refused_when_pool_is_full_queues_locally(tiny_ckpt):
     decode.fallback_local("a")
     outs = _run(decode)
     assert set(outs) == {"a", "b"} and decode.stats()["kv_blocks_used"] == 0
+
+
+def test_fp8_kv_moves_with_its_scales_over_nixl(tiny_v4_ckpt):
+    """With an FP8 global KV the per-token scales are part of the pool: a hand-off through the
+    NIXL transport (host memory) must carry them, or decode reads mis-scaled keys."""
+    from engine.kv_transfer import KVTransport, transfer_tensors
+
+    prefill, decode = _engines(tiny_v4_ckpt, kv_cache_dtype="fp8_e4m3", replay_mode="exact")
+    alone = LLMEngine.from_pretrained(tiny_v4_ckpt, EngineConfig(block_size=4, kv_cache_dtype="fp8_e4m3",
+                                                                 replay_mode="exact"), progress=False)
+    src_t = transfer_tensors(prefill.runner.kv)
+    assert any(t.dtype == torch.float32 and t.shape[-1] == 1 for t in src_t)  # the scales travel
+    src = KVTransport("fp8-prefill", src_t, 4)
+    dst = KVTransport("fp8-decode", transfer_tensors(decode.runner.kv), 4)
+    try:
+        peer = src.connect(dst.metadata())
+        prompt = _prompt(50, 5)
+        res = decode.reserve_remote("r", prompt, GREEDY)
+        prefill.add_request("r", res["prompt_token_ids"], SamplingParams(max_tokens=1, temperature=0), hold_kv=True)
+        first = _run(prefill)["r"].output_token_ids[0]
+        blocks = prefill.held_blocks("r")[res["cached_blocks"]:]
+        src.wait(src.write_blocks(peer, blocks, res["dst_blocks"], b"fp8"), 30)
+        assert dst.wait_notification(b"fp8", 30)
+        prefill.release_held("r")
+        decode.commit_remote("r", first)
+        out = _run(decode)["r"]
+    finally:
+        src.close()
+        dst.close()
+    assert out.output_token_ids == alone.generate([prompt], GREEDY)[0].output_token_ids
