@@ -52,7 +52,16 @@ class AsyncLLMEngine:
                     reservation = self.engine.reserve_remote(request_id, prompt, params, messages=messages)
                 self._streams[request_id] = (loop, queue)
                 return reservation
-        reservation = await asyncio.to_thread(admit)
+        admission = asyncio.ensure_future(asyncio.to_thread(admit))
+        try:
+            reservation = await asyncio.shield(admission)
+        except asyncio.CancelledError:
+            # The admission runs on in its thread and will queue the request: abort it once
+            # it has, or it would hold KV (or a reservation) with nobody reading its stream.
+            admission.add_done_callback(
+                lambda t: t.cancelled() or t.exception() is not None
+                or loop.run_in_executor(None, self.abort, request_id))
+            raise
         finished = False
         try:
             if reservation is not None:

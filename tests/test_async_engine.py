@@ -53,3 +53,27 @@ def test_bad_request_raises_to_the_caller(aengine):
             pass
     with pytest.raises(RequestError, match="empty"):
         asyncio.run(main())
+
+
+def test_cancel_during_admission_still_aborts(aengine):
+    """A caller cancelled while its admission waits for the engine (the lock is held for a whole
+    step) must not leave the request queued once the admission lands."""
+    params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
+
+    async def scenario():
+        aengine._lock.acquire()  # the engine is mid-step: admission blocks in its thread
+        try:
+            task = asyncio.create_task(anext(aengine.generate("late", "hello there", params)))
+            await asyncio.sleep(0.2)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        finally:
+            aengine._lock.release()
+        for _ in range(200):  # the admission lands, then its abort runs
+            await asyncio.sleep(0.01)
+            if not aengine.engine.has_unfinished_requests() and "late" not in aengine.engine.requests:
+                break
+    asyncio.run(scenario())
+    assert not aengine.engine.has_unfinished_requests()
+    assert aengine.stats()["kv_blocks_used"] == 0 and "late" not in aengine._streams
