@@ -1,5 +1,5 @@
-# Sourced at the start of a run on the GPU machine: unpack the carried Ray bundle
-# (built by pack-ray.sh into .devpack/) and point Python at it and at this checkout.
+# Sourced at the start of a run on a GPU machine without Ray or a package index: unpack the Ray
+# Serve bundle (.devpack/ray-site.tar.xz, the wheels unpacked) and point Python at it and this checkout.
 mkdir -p /tmp/site && tar xJf .devpack/ray-site.tar.xz -C /tmp/site
 # the bundle's Ray binaries lose their exec bit in the archive
 find /tmp/site/ray/core -type f ! -name "*.py" ! -name "*.so*" -exec chmod +x {} +
