@@ -5,7 +5,9 @@ GPU waits on Python to launch them. One graph per (padded batch size, padded blo
 width, sparse or dense attention) is captured the first time that shape is seen and replayed
 after: the inputs are copied into the graph's static index tensors, nothing else crosses the
 host. Batches pad up to the next captured size; padding rows write to the KV cache's scratch
-block and window ring.
+block and window ring. Their routed tokens do land in the MoE layers' per-slot load counts,
+as does the eager warm-up of each capture; those counts feed only the load balancer, which
+runs with expert parallelism, where decode steps are not captured.
 """
 from __future__ import annotations
 
