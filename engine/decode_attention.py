@@ -1,4 +1,6 @@
-"""The decode fast path: one query per sequence, keys read through block tables by kernels.
+"""The kernel attention path: every query row attended on its own, keys read through block
+tables by the paged kernels. Decode steps (one query per sequence) always take it; prefill
+chunks take it with sparse attention, where a row reads at most index_topk + 2W keys.
 
 A step in which every sequence decodes one token needs no [B, N, C] padding or masks: the
 attention kernel walks each sequence's block table up to `g_lens` (global positions that
@@ -29,6 +31,10 @@ class DecodeBatch:
     block_size: int
     sparse: bool                        # some sequence has more global positions than index_topk
     win_valid: torch.Tensor | None = None  # [B, W + 1] ring entries still in the window, then the fresh token
+    # Prefill chunks (rows are tokens, several per sequence): each row's sequence, and the rows of
+    # this step's latents that sit in its window (the row itself first).
+    ring_rows: torch.Tensor | None = None    # [T] which sequence's window ring a row reads
+    fresh_index: torch.Tensor | None = None  # [T, W]
 
 
 def build_decode_batch(positions: torch.Tensor, block_tables: torch.Tensor, block_size: int,
@@ -47,8 +53,36 @@ def build_decode_batch(positions: torch.Tensor, block_tables: torch.Tensor, bloc
                        sparse=sparse, win_valid=win_valid)
 
 
+def build_token_batch(positions: torch.Tensor, starts: torch.Tensor, seq_of: torch.Tensor,
+                      tables: torch.Tensor, block_size: int, window: int | None,
+                      ring_pos: torch.Tensor | None, sparse: bool) -> DecodeBatch:
+    """Device-only metadata for any batch, one row per token: positions [T], starts [T] (first
+    position computed this step for the row's sequence), seq_of [T], tables [B, M] int32,
+    ring_pos [B, W]. Rows of a sequence are consecutive, in position order.
+
+    A row at position p of a chunk starting at s holds in its window the ring's positions
+    (all < s) and the chunk's positions s..p; those inside (p - W, p] are read from there and
+    form a suffix [c, p] of the positions (the ring keeps a sequence's latest positions), so the
+    global keys are exactly 0 .. c-1: g_len = p + 1 - (window entries)."""
+    rows = seq_of.shape[0]
+    block_tables = tables[seq_of]
+    if window is None:
+        return DecodeBatch(block_tables=block_tables, g_lens=(positions + 1).to(torch.int32),
+                           block_size=block_size, sparse=sparse)
+    p, s = positions[:, None], starts[:, None]
+    ring = ring_pos[seq_of]
+    ring_ok = (ring >= 0) & (ring > p - window) & (ring < s)
+    back = torch.arange(window, device=positions.device)
+    fresh_ok = (p - back) >= s
+    fresh_index = (torch.arange(rows, device=positions.device)[:, None] - back).clamp(min=0)
+    covered = ring_ok.sum(1) + fresh_ok.sum(1)
+    return DecodeBatch(block_tables=block_tables, g_lens=(positions + 1 - covered).to(torch.int32),
+                       block_size=block_size, sparse=sparse, win_valid=torch.cat([ring_ok, fresh_ok], dim=1),
+                       ring_rows=seq_of, fresh_index=fresh_index)
+
+
 def decode_attention(attn, q_full: torch.Tensor, x: torch.Tensor, latent: torch.Tensor | None, ctx) -> torch.Tensor:
-    """MLA for a decode step. q_full [B, H, D] absorbed queries -> latent output [B, H, kv_lora]."""
+    """MLA over kernel rows. q_full [T, H, D] absorbed queries -> latent output [T, H, kv_lora]."""
     cfg, dec = attn.cfg, ctx.decode
     kv, kv_scale = ctx.global_slab(attn.source)
     topk_pos = None
@@ -61,7 +95,10 @@ def decode_attention(attn, q_full: torch.Tensor, x: torch.Tensor, latent: torch.
     win_kv = None
     if cfg.sliding_window is not None:
         ring = ctx.window_kv[ctx.window_slots, attn.layer]  # a copy, read before this step's write
-        win_kv = torch.cat([ring.to(latent.dtype), latent[:, None]], dim=1)
+        if dec.fresh_index is None:
+            win_kv = torch.cat([ring.to(latent.dtype), latent[:, None]], dim=1)
+        else:
+            win_kv = torch.cat([ring[dec.ring_rows].to(latent.dtype), latent[dec.fresh_index]], dim=1)
         ctx.write_window(attn.layer, latent)
     return mla_decode(q_full, kv, kv_scale, dec.block_tables, dec.g_lens, dec.block_size, attn.scale,
                       cfg.kv_lora_rank, topk_pos=topk_pos, win_kv=win_kv,

@@ -8,7 +8,7 @@ import torch
 
 from .attention import AttentionContext, build_masks
 from .cuda_graphs import DecodeGraphs
-from .decode_attention import build_decode_batch
+from .decode_attention import build_decode_batch, build_token_batch
 from .config import EngineConfig
 from .model import DeepseekForCausalLM
 from .sampling import Sampler
@@ -181,15 +181,23 @@ class ModelRunner:
             row += n
         self.model.model.rotary.ensure(c_max)
         max_blocks = -(-c_max // bs)
-        tables = torch.zeros(b, max_blocks, dtype=torch.long)
+        tables = np.zeros((b, max_blocks), dtype=np.int64)
         for i, seq in enumerate(batch.seqs):
-            t = seq.block_table[:max_blocks]
-            tables[i, :len(t)] = torch.tensor(t, dtype=torch.long)
-        j = torch.arange(c_max)
-        key_slots = tables[:, j // bs] * bs + j % bs
-
+            t = _table_array(seq)[:max_blocks]
+            tables[i, :len(t)] = t
+        tables = torch.from_numpy(tables)
+        # Past index_topk positions each row reads at most index_topk + 2W keys: the kernels
+        # attend row by row (no [B, N, C] scores or masks). Shorter contexts and dense models
+        # keep the padded path, whose attention is a few large matmuls; a row-by-row dense
+        # prefill would read every key once per query.
+        topk = self.model.cfg.index_topk
+        token_rows = self.cfg.decode_kernels and topk is not None and c_max > topk
         dev = self.device
-        q_index, q_pos, key_slots = q_index.to(dev), q_pos.to(dev), key_slots.to(dev)
+        key_slots = None
+        if not token_rows:
+            j = torch.arange(c_max)
+            key_slots = (tables[:, j // bs] * bs + j % bs).to(dev)
+        q_index, q_pos = q_index.to(dev), q_pos.to(dev)
         context_lens = self._tensor(ctx_lens)
         positions = self._tensor(positions)
         ctx = AttentionContext(
@@ -221,7 +229,13 @@ class ModelRunner:
                     r += 1
             ctx.win_write_rows, ctx.win_write_slot, ctx.win_write_idx = (
                 self._tensor(rows), self._tensor(wslot), self._tensor(widx))
-        ctx.g_mask, ctx.w_mask = build_masks(q_pos, context_lens, c_max, self.kv.window, ring_pos)
+        if token_rows:
+            seq_of = torch.repeat_interleave(torch.arange(b), torch.tensor(batch.num_tokens))
+            ctx.decode = build_token_batch(
+                positions, torch.tensor(starts)[seq_of].to(dev), seq_of.to(dev), tables.to(dev, torch.int32), bs,
+                self.kv.window, ring_pos, sparse=True)
+        else:
+            ctx.g_mask, ctx.w_mask = build_masks(q_pos, context_lens, c_max, self.kv.window, ring_pos)
         return self._tensor(ids), ctx, logit_rows
 
     @torch.inference_mode()

@@ -52,12 +52,15 @@ def test_decode_kernels_match_padded_path(which, tiny_ckpt, tiny_v4_ckpt):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
 
 
-def test_decode_path_after_prefix_hit_and_preemption(tiny_v4_ckpt):
-    # A second request sharing a prefix (bounded replay) and a pool so small that sequences are
-    # preempted and recomputed: the window ring must still be complete at every decode step.
+@pytest.mark.parametrize("chunk", [512, 7])
+def test_kernel_path_after_prefix_hit_and_preemption(tiny_v4_ckpt, chunk):
+    # A second request sharing a prefix (bounded replay: its ring starts empty mid-sequence),
+    # prefill chunks of 7 tokens (chunks start inside the window), and a pool so small that
+    # sequences are preempted and recomputed. Prefill rows and decode rows both take the kernel
+    # path here (tiny-v4 is sparse); decode_kernels=False is the padded reference.
     shared = _prompts([40])[0]
     prompts = [shared + [7, 8, 9], shared + [10], _prompts([37], seed=3)[0]]
-    kw = dict(num_blocks=30, max_num_seqs=3)
+    kw = dict(num_blocks=30, max_num_seqs=3, max_num_batched_tokens=chunk)
     fast, _, steps = _run(tiny_v4_ckpt, prompts, decode_kernels=True, **kw)
     slow, _, _ = _run(tiny_v4_ckpt, prompts, decode_kernels=False, **kw)
     assert steps and fast == slow
