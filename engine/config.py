@@ -174,6 +174,9 @@ class EngineConfig(BaseModel):
     moe_gemm: Literal["auto", "triton", "grouped_mm"] = Field(
         "auto", description="routed-expert GEMMs on GPU: the fused Triton SwiGLU kernel (kernels/moe_gemm.py; "
                             "auto, measured faster on H200) or torch's grouped GEMM")
+    warmup: bool = Field(
+        True, description="on GPU, run a few short requests at start so kernel compilation and the first "
+                          "CUDA graph capture do not delay the first users")
     cuda_graph_max_batch: int = Field(64, gt=0, description="largest decode batch replayed from a CUDA graph")
     remote_kv_grace_s: float = Field(
         30.0, ge=0, description="after an abandoned KV transfer (failed, late, aborted), its reserved blocks "

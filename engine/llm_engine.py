@@ -76,6 +76,27 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self.eos_token_id = tokenizer.eos_token_id if tokenizer is not None else None
         self.num_steps = 0
+        # A lockstep (expert-parallel) rank cannot run forwards on its own.
+        if cfg.warmup and self.runner.device.type == "cuda" and ep is None:
+            self.warmup()
+
+    def warmup(self) -> None:
+        """Run a few short requests before the first real one: the Triton kernels compile a
+        variant per shape class on first use (up to a second each) and the batch-1 decode graph
+        is captured, so that cost is paid at start, not by the first users. Leaves no request,
+        used block or statistic behind."""
+        limit = self.max_model_len - 4
+        lengths = {1, 17, 64}
+        if self.model_cfg.index_topk:  # prefill rows on the kernel path
+            lengths.add(self.model_cfg.index_topk + 65)
+        vocab = self.model_cfg.vocab_size
+        prompts = [[4 + (i * 7919) % (vocab - 4) for i in range(n)] for n in sorted(lengths) if n <= limit]
+        self.generate(prompts, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+        s = self.scheduler
+        s.prefix_hit_tokens = s.replayed_tokens = s.num_preemptions = 0
+        self.num_steps = 0
+        for moe in self.runner.model.moe_layers():
+            moe.take_load()
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | Path, cfg: EngineConfig | None = None,

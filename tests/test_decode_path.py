@@ -144,3 +144,18 @@ def test_block_table_array_follows_growth_and_replacement():
     assert _table_array(seq).tolist() == [7]
     seq.block_table = [1, 4]
     assert _table_array(seq).tolist() == [1, 4]
+
+
+def test_warmup_leaves_nothing_behind(tiny_v4_ckpt):
+    """On GPU the engine warms up at start; the same routine on CPU must leave no request,
+    used block, statistic or load count behind, and not change what a request computes."""
+    engine = LLMEngine.from_pretrained(tiny_v4_ckpt, EngineConfig(block_size=4), progress=False)
+    prompts = _prompts([30, 5])
+    before = [o.output_token_ids for o in engine.generate(prompts, GREEDY)]
+    fresh = LLMEngine.from_pretrained(tiny_v4_ckpt, EngineConfig(block_size=4), progress=False)
+    fresh.warmup()
+    stats = fresh.stats()
+    assert stats["kv_blocks_used"] == 0 and stats["running"] == stats["waiting"] == 0
+    assert stats["steps"] == 0 and stats["prefix_hit_tokens"] == 0 and not fresh.requests
+    assert all(int(m.slot_load.sum()) == 0 for m in fresh.runner.model.moe_layers())
+    assert [o.output_token_ids for o in fresh.generate(prompts, GREEDY)] == before
