@@ -5,6 +5,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.rmsnorm import rms_norm
+from kernels.rope import apply_rope
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6):
@@ -13,7 +16,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        # one fused kernel on GPU (kernels/rmsnorm.py); its reference is the expression
+        # weight * rms_norm(x in fp32).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class MLP(nn.Module):
@@ -61,13 +66,6 @@ class Rotary:
         return self.cos[positions], self.sin[positions]
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: [T, ..., dim] rotated by the [T, dim/2] tables."""
-        shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (-1,)
-        cos, sin = cos.view(shape), sin.view(shape)
-        xf = x.float()
-        if self.interleave:
-            x1, x2 = xf[..., 0::2], xf[..., 1::2]
-        else:
-            x1, x2 = xf.chunk(2, dim=-1)
-        out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-        return out.to(x.dtype)
+        """x: [T, ..., dim] rotated by the [T, dim/2] tables (one fused kernel on GPU,
+        kernels/rope.py, whose reference defines the maths)."""
+        return apply_rope(x, cos, sin, self.interleave)
