@@ -81,15 +81,14 @@ def build_token_batch(positions: torch.Tensor, starts: torch.Tensor, seq_of: tor
                        ring_rows=seq_of, fresh_index=fresh_index)
 
 
-def decode_attention(attn, q_full: torch.Tensor, x: torch.Tensor, latent: torch.Tensor | None, ctx) -> torch.Tensor:
-    """MLA over kernel rows. q_full [T, H, D] absorbed queries -> latent output [T, H, kv_lora]."""
+def decode_attention(attn, q_full: torch.Tensor, idx_q: torch.Tensor | None, idx_w: torch.Tensor | None,
+                     latent: torch.Tensor | None, ctx) -> torch.Tensor:
+    """MLA over kernel rows. q_full [T, H, D] absorbed queries, idx_q [T, Hi, Di] / idx_w [T, Hi]
+    the indexer's (scaled) -> latent output [T, H, kv_lora]."""
     cfg, dec = attn.cfg, ctx.decode
     kv, kv_scale = ctx.global_slab(attn.source)
     topk_pos = None
     if attn.indexer is not None and dec.sparse:
-        b = x.shape[0]
-        idx_q = attn.indexer.wq(x).view(b, attn.indexer.n_heads, attn.indexer.head_dim)
-        idx_w = attn.indexer.weights_proj(x).float() * attn.indexer.n_heads ** -0.5
         topk_pos = indexer_topk(idx_q, idx_w, ctx.index_keys[attn.source], dec.block_tables, dec.g_lens,
                                 dec.block_size, cfg.index_topk)
     win_kv = None

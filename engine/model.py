@@ -7,6 +7,7 @@ physical slots (`mlp.w13`, `mlp.w2`); the loader converts.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .attention import AttentionContext, attend, index_topk_mask
@@ -55,10 +56,39 @@ class MLAttention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * cfg.v_head_dim, h, bias=cfg.attention_bias)
         self.indexer = Indexer(cfg, self.is_source) if cfg.index_topk else None
         self.scale = cfg.qk_head_dim ** -0.5
+        self._fused = (None, None, None)  # (source weights' identity, weight, bias), see project()
+
+    def _x_projections(self) -> list[tuple[str, nn.Linear]]:
+        """The projections that read the layer input x (all fused into one GEMM)."""
+        mods = [("q", self.q_proj if self.cfg.q_lora_rank is None else self.q_a_proj)]
+        if self.has_latent:
+            mods.append(("kv", self.kv_a_proj_with_mqa))
+        if self.indexer is not None:
+            mods += [("idx_q", self.indexer.wq), ("idx_w", self.indexer.weights_proj)]
+            if self.indexer.wk is not None:
+                mods.append(("idx_k", self.indexer.wk))
+        return mods
+
+    def project(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Every projection of x in one GEMM instead of up to five: at decode batch sizes each is
+        a small, launch-bound kernel. The concatenated weight is a cached copy (a few MB per
+        layer), rebuilt whenever a source weight is replaced or written (load, .to())."""
+        mods = self._x_projections()
+        key = tuple((m.weight.data_ptr(), m.weight._version) for _, m in mods)
+        if self._fused[0] != key:
+            weight = torch.cat([m.weight for _, m in mods])
+            bias = None
+            if any(m.bias is not None for _, m in mods):
+                bias = torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features)
+                                  for _, m in mods])
+            self._fused = (key, weight, bias)
+        out = F.linear(x, self._fused[1], self._fused[2])
+        return dict(zip([n for n, _ in mods], out.split([m.out_features for _, m in mods], dim=-1)))
 
     def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         cfg, t = self.cfg, x.shape[0]
-        q = self.q_proj(x) if cfg.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        xp = self.project(x)
+        q = xp["q"] if cfg.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(xp["q"]))
         q = q.view(t, self.n_heads, cfg.qk_head_dim)
         q_nope, q_rope = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
         q_rope = self.rotary.apply(q_rope, *ctx.rope)
@@ -69,30 +99,31 @@ class MLAttention(nn.Module):
 
         latent = None
         if self.has_latent:
-            c_kv, k_rope = self.kv_a_proj_with_mqa(x).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+            c_kv, k_rope = xp["kv"].split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
             k_rope = self.rotary.apply(k_rope, *ctx.rope)
             latent = torch.cat([self.kv_a_layernorm(c_kv), k_rope], dim=-1)
         if self.is_source:
-            index_key = self.indexer.wk(x) if self.indexer is not None else None
-            ctx.write_global(self.source, latent, index_key)
+            ctx.write_global(self.source, latent, xp.get("idx_k"))
 
+        idx_q = idx_w = None
+        if self.indexer is not None:
+            idx_q = xp["idx_q"].view(t, self.indexer.n_heads, self.indexer.head_dim)
+            idx_w = xp["idx_w"].float() * self.indexer.n_heads ** -0.5
         if ctx.decode is not None:
-            out = decode_attention(self, q_full, x, latent, ctx)  # [T, H, kv_lora]
+            out = decode_attention(self, q_full, idx_q, idx_w, latent, ctx)  # [T, H, kv_lora]
         else:
-            out = self._attend_padded(q_full[ctx.q_index], x, latent, ctx)
+            out = self._attend_padded(q_full[ctx.q_index], idx_q, idx_w, latent, ctx)
         out = torch.einsum("thc,hvc->thv", out.to(q_full.dtype), w_uv).reshape(t, -1)
         return self.o_proj(out)
 
-    def _attend_padded(self, q_full: torch.Tensor, x: torch.Tensor, latent: torch.Tensor | None,
-                       ctx: AttentionContext) -> torch.Tensor:
+    def _attend_padded(self, q_full: torch.Tensor, idx_q: torch.Tensor | None, idx_w: torch.Tensor | None,
+                       latent: torch.Tensor | None, ctx: AttentionContext) -> torch.Tensor:
         """Any batch (prefill chunks, mixed): queries padded to [B, N], masks over [B, N, C]."""
-        cfg, t = self.cfg, x.shape[0]
+        cfg = self.cfg
         g_keys, idx_keys = ctx.global_keys(self.source)
         g_mask = ctx.g_mask
         if self.indexer is not None:
-            idx_q = self.indexer.wq(x).view(t, self.indexer.n_heads, self.indexer.head_dim)[ctx.q_index]
-            idx_w = self.indexer.weights_proj(x)[ctx.q_index] * self.indexer.n_heads ** -0.5
-            g_mask = index_topk_mask(idx_q, idx_w, idx_keys, g_mask, cfg.index_topk)
+            g_mask = index_topk_mask(idx_q[ctx.q_index], idx_w[ctx.q_index], idx_keys, g_mask, cfg.index_topk)
         if cfg.sliding_window is not None:
             keys = torch.cat([g_keys, ctx.window_keys(self.layer, latent)], dim=1)
             mask = torch.cat([g_mask, ctx.w_mask], dim=-1)
