@@ -30,7 +30,8 @@ import time
 
 import torch
 
-from engine.kv_ipc import SHM_DIR, IpcTransport, ShmPool, _sweep_stale
+from engine.kv_ipc import IpcTransport, ShmPool
+from engine.shm_pool import SHM_DIR, sweep_stale
 
 LAYERS, WIDTH, DTYPE = 4, 576, torch.bfloat16
 
@@ -270,7 +271,7 @@ def serve_smoke(backend: str, device: str) -> dict:
         serve.shutdown()
         ray.shutdown()
         time.sleep(0.5)
-        _sweep_stale(SHM_DIR)  # Ray ends the decode rank without its exit hooks (CPU pool files)
+        sweep_stale(SHM_DIR)  # Ray ends the decode rank without its exit hooks (CPU pool files)
     print(json.dumps(report), flush=True)
     return report
 

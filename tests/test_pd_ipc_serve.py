@@ -11,7 +11,7 @@ from ray import serve
 
 from app.main import build_app
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.kv_ipc import SHM_DIR, _sweep_stale
+from engine.shm_pool import SHM_DIR, sweep_stale
 
 ENGINE = {"block_size": 4, "num_blocks": 128, "max_num_seqs": 4, "max_num_batched_tokens": 128,
           "remote_kv_grace_s": 0.5}
@@ -55,7 +55,7 @@ def cluster(tmp_path_factory):
         ray.shutdown()
         # Ray ends its actors without running their exit hooks: their pool files go now.
         time.sleep(0.5)
-        _sweep_stale(SHM_DIR)
+        sweep_stale(SHM_DIR)
 
 
 def _generate(group, rid, prompt, n=10):
