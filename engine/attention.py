@@ -41,6 +41,7 @@ class AttentionContext:
     global_kv: torch.Tensor          # [num_sources, num_slots, latent_dim]; float8 when kv_scale is set
     index_keys: torch.Tensor | None  # [num_sources, num_slots, index_head_dim]
     kv_scale: torch.Tensor | None = None  # [num_sources, num_slots] per-token scales of an FP8 global KV
+    index_scale: torch.Tensor | None = None  # the same for FP8 indexer keys
     decode: "DecodeBatch | None" = None   # set when every sequence decodes one token (the kernel path)
     compute_dtype: torch.dtype = torch.float32
     # window KV (None when sliding_window is off)
@@ -60,7 +61,11 @@ class AttentionContext:
             self.kv_scale[source, self.write_slots] = scale
         self.global_kv[source, self.write_slots] = rows.to(self.global_kv.dtype)
         if index_key is not None:
-            self.index_keys[source, self.write_slots] = index_key[self.write_rows].to(self.index_keys.dtype)
+            rows = index_key[self.write_rows]
+            if self.index_scale is not None:
+                rows, scale = quantize_kv(rows)
+                self.index_scale[source, self.write_slots] = scale
+            self.index_keys[source, self.write_slots] = rows.to(self.index_keys.dtype)
         self._gathered.pop(source, None)
 
     def global_keys(self, source: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -70,6 +75,8 @@ class AttentionContext:
             if self.kv_scale is not None:
                 lat = dequantize_kv(lat, self.kv_scale[source][self.key_slots], self.compute_dtype)
             idx = self.index_keys[source][self.key_slots] if self.index_keys is not None else None
+            if self.index_scale is not None:
+                idx = dequantize_kv(idx, self.index_scale[source][self.key_slots], self.compute_dtype)
             self._gathered[source] = (lat, idx)
         return self._gathered[source]
 

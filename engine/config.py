@@ -164,8 +164,8 @@ class EngineConfig(BaseModel):
         "bounded", description="window-KV rebuild after a prefix hit: last W tokens, or far enough to be exact")
     seed: int = 0
     kv_cache_dtype: Literal["auto", "fp8_e4m3"] = Field(
-        "auto", description="global latent KV storage: the model dtype, or FP8 E4M3 with one scale per token "
-                            "(half the bytes; quantised on write, dequantised in attention)")
+        "auto", description="global latent KV and indexer keys: the model dtype, or FP8 E4M3 with one scale per "
+                            "token (half the bytes; quantised on write, dequantised in attention and scoring)")
     decode_kernels: bool = Field(
         True, description="steps where every sequence decodes one token use the paged decode kernels "
                           "(Triton on GPU, their torch references elsewhere) instead of the padded path")

@@ -89,8 +89,9 @@ def decode_attention(attn, q_full: torch.Tensor, idx_q: torch.Tensor | None, idx
     kv, kv_scale = ctx.global_slab(attn.source)
     topk_pos = None
     if attn.indexer is not None and dec.sparse:
+        scale = ctx.index_scale[attn.source] if ctx.index_scale is not None else None
         topk_pos = indexer_topk(idx_q, idx_w, ctx.index_keys[attn.source], dec.block_tables, dec.g_lens,
-                                dec.block_size, cfg.index_topk)
+                                dec.block_size, cfg.index_topk, key_scale=scale)
     win_kv = None
     if cfg.sliding_window is not None:
         ring = ctx.window_kv[ctx.window_slots, attn.layer]  # a copy, read before this step's write

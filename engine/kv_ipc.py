@@ -68,8 +68,9 @@ _CUDA_MAX_RUNS = 8
 
 
 def pool_tensors(kv) -> list[torch.Tensor]:
-    """The KV-cache tensors that move between engines (global KV, its FP8 scales, indexer keys)."""
-    return [t for t in (getattr(kv, n, None) for n in ("global_kv", "kv_scale", "index_keys")) if t is not None]
+    """The KV-cache tensors that move between engines (global KV, indexer keys, their FP8 scales)."""
+    names = ("global_kv", "kv_scale", "index_keys", "index_scale")
+    return [t for t in (getattr(kv, n, None) for n in names) if t is not None]
 
 
 # -- transport -------------------------------------------------------------------------------------

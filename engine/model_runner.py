@@ -50,8 +50,12 @@ class KVCache:
         self.global_kv = torch.zeros(n_src, slots, mc.latent_dim, device=device,
                                      dtype=torch.float8_e4m3fn if fp8 else dtype)
         self.kv_scale = torch.ones(n_src, slots, device=device, dtype=torch.float32) if fp8 else None
-        self.index_keys = (torch.zeros(n_src, slots, mc.index_head_dim, device=device, dtype=dtype)
+        # FP8 applies to the indexer's keys too: at long context scoring them is the largest read.
+        self.index_keys = (torch.zeros(n_src, slots, mc.index_head_dim, device=device,
+                                       dtype=torch.float8_e4m3fn if fp8 else dtype)
                            if mc.index_topk else None)
+        self.index_scale = (torch.ones(n_src, slots, device=device, dtype=torch.float32)
+                            if fp8 and mc.index_topk else None)
         self.window = mc.sliding_window
         if self.window:
             self.window_kv = torch.zeros(cfg.max_num_seqs + 1, mc.num_hidden_layers, self.window, mc.latent_dim,
@@ -62,12 +66,13 @@ class KVCache:
         # tensors that move between engines go through it (the window KV never moves).
         alloc = alloc or KV_POOL_ALLOCATOR.get()
         if alloc is not None:
-            for name in ("global_kv", "kv_scale", "index_keys"):
+            for name in ("global_kv", "kv_scale", "index_keys", "index_scale"):
                 if getattr(self, name, None) is not None:
                     setattr(self, name, alloc(name, getattr(self, name)))
 
     def nbytes(self) -> int:
-        tensors = [self.global_kv, self.kv_scale, self.index_keys] + ([self.window_kv] if self.window else [])
+        tensors = [self.global_kv, self.kv_scale, self.index_keys, self.index_scale] + (
+            [self.window_kv] if self.window else [])
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
@@ -135,6 +140,7 @@ class ModelRunner:
             positions=positions, rope=self.model.model.rotary.tables(positions), write_rows=rows,
             write_slots=write_slots, q_index=None, q_flat=None, q_pos=None, key_slots=None, g_mask=None,
             global_kv=self.kv.global_kv, index_keys=self.kv.index_keys, kv_scale=self.kv.kv_scale,
+            index_scale=self.kv.index_scale,
             compute_dtype=self.dtype)
         ring_pos = None
         if self.kv.window:
@@ -205,6 +211,7 @@ class ModelRunner:
             write_slots=self._tensor(write_slots), q_index=q_index, q_flat=self._tensor(q_flat), q_pos=q_pos,
             key_slots=key_slots, g_mask=None,
             global_kv=self.kv.global_kv, index_keys=self.kv.index_keys, kv_scale=self.kv.kv_scale,
+            index_scale=self.kv.index_scale,
             compute_dtype=self.dtype)
         ring_pos = None
         if self.kv.window:

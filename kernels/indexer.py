@@ -25,8 +25,9 @@ except Exception:  # a CPU-only install without triton still gets the reference
 
 def indexer_scores_reference(q: torch.Tensor, w: torch.Tensor, index_keys: torch.Tensor,
                              block_tables: torch.Tensor, g_lens: torch.Tensor,
-                             block_size: int) -> torch.Tensor:
-    """fp32 scores [B, M*block_size]; -inf at positions j >= g_lens[b]."""
+                             block_size: int, key_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 scores [B, M*block_size]; -inf at positions j >= g_lens[b]. With key_scale [S]
+    (FP8 index keys), key = index_keys[slot] * key_scale[slot]."""
     num_seqs, max_blocks = block_tables.shape
     width = max_blocks * block_size
     pos = torch.arange(width, device=q.device)
@@ -35,6 +36,8 @@ def indexer_scores_reference(q: torch.Tensor, w: torch.Tensor, index_keys: torch
     # Table entries past a sequence's last block may hold anything: never follow them.
     slots = torch.where(live, blocks * block_size + pos % block_size, 0)
     keys = index_keys[slots].float()
+    if key_scale is not None:
+        keys = keys * key_scale[slots].float()[..., None]
     s = torch.einsum("bhd,bld->bhl", q.float(), keys).relu()
     s = (s * w.float()[:, :, None]).sum(1)
     return s.masked_fill(~live, float("-inf"))
@@ -61,21 +64,21 @@ def select_topk_reference(scores: torch.Tensor, g_lens: torch.Tensor, topk: int)
 
 def indexer_topk_reference(q: torch.Tensor, w: torch.Tensor, index_keys: torch.Tensor,
                            block_tables: torch.Tensor, g_lens: torch.Tensor,
-                           block_size: int, topk: int) -> torch.Tensor:
+                           block_size: int, topk: int, key_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Positions [B, topk] int32 of the top-k scores, best first; -1 fills rows with fewer."""
-    scores = indexer_scores_reference(q, w, index_keys, block_tables, g_lens, block_size)
+    scores = indexer_scores_reference(q, w, index_keys, block_tables, g_lens, block_size, key_scale)
     return select_topk_reference(scores, g_lens, topk)
 
 
 if triton is not None:
 
     @triton.jit
-    def _score_tile_kernel(q_ptr, w_ptr, keys_ptr, table_ptr, lens_ptr, out_ptr,
+    def _score_tile_kernel(q_ptr, w_ptr, keys_ptr, scale_ptr, table_ptr, lens_ptr, out_ptr,
                            stride_qb, stride_qh, stride_qd, stride_wb, stride_wh,
                            stride_ks, stride_kd, stride_tb, stride_tm, stride_ob,
                            num_heads, head_dim, width, block_size,
                            HEADS: tl.constexpr, DIM: tl.constexpr, TILE: tl.constexpr,
-                           PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                           PRECISION: tl.constexpr, UPCAST: tl.constexpr, SCALED: tl.constexpr):
         seq = tl.program_id(0)
         pos = tl.program_id(1) * TILE + tl.arange(0, TILE)
         g_len = tl.load(lens_ptr + seq)
@@ -96,9 +99,13 @@ if triton is not None:
         if UPCAST:
             keys = keys.to(tl.float32)
             q = q.to(tl.float32)
+        elif SCALED:  # E4M3 values are exact in q's 16-bit type
+            keys = keys.to(q.dtype)
         dots = tl.dot(keys, q, input_precision=PRECISION)  # [TILE, HEADS] fp32
         wt = tl.load(w_ptr + seq * stride_wb + h * stride_wh, mask=h_ok, other=0.0).to(tl.float32)
         score = tl.sum(tl.maximum(dots, 0.0) * wt[None, :], axis=1)
+        if SCALED:  # relu(q . (s k)) = s relu(q . k) for the positive per-key scale s
+            score = score * tl.load(scale_ptr + slot, mask=live, other=1.0)
         score = tl.where(live, score, float("-inf"))
         tl.store(out_ptr + seq * stride_ob + pos, score, mask=pos < width)
 
@@ -156,7 +163,7 @@ def _next_pow2(n: int, floor: int) -> int:
 
 
 def _score_launch(q, w, index_keys, block_tables, g_lens, block_size,
-                  tile: int | None = None, num_warps: int = 4) -> torch.Tensor:
+                  tile: int | None = None, num_warps: int = 4, key_scale: torch.Tensor | None = None) -> torch.Tensor:
     num_seqs, num_heads, head_dim = q.shape
     width = block_tables.shape[1] * block_size
     out = torch.empty(num_seqs, width, device=q.device, dtype=torch.float32)
@@ -170,17 +177,21 @@ def _score_launch(q, w, index_keys, block_tables, g_lens, block_size,
     # Mixed dtypes meet in fp32. So do bf16 ones under the CPU interpreter, whose tl.dot
     # multiplies bf16 bit patterns as integers (seen with triton 3.9); bf16 products are
     # exact in fp32, so this only moves rounding of the sum, as the native path does.
-    upcast = q.dtype != index_keys.dtype or not q.is_cuda
+    scaled = key_scale is not None
+    # FP8 keys are widened to q's type in the kernel when q is 16-bit.
+    upcast = (q.dtype != index_keys.dtype and not (scaled and q.dtype in (torch.bfloat16, torch.float16))
+              or not q.is_cuda)
     # fp32 operands must not be rounded to tf32, or near-equal scores would swap places.
     fp32 = upcast or q.dtype == torch.float32
     grid = (num_seqs, triton.cdiv(width, tile))
+    scale = key_scale.float().contiguous() if scaled else out  # any pointer when unused
     _score_tile_kernel[grid](
-        q, w, index_keys, block_tables, g_lens, out,
+        q, w, index_keys, scale, block_tables, g_lens, out,
         q.stride(0), q.stride(1), q.stride(2), w.stride(0), w.stride(1),
         index_keys.stride(0), index_keys.stride(1), block_tables.stride(0), block_tables.stride(1),
         out.stride(0),
         num_heads, head_dim, width, block_size,
-        HEADS=heads, DIM=dim, TILE=tile, PRECISION="ieee" if fp32 else "tf32", UPCAST=upcast,
+        HEADS=heads, DIM=dim, TILE=tile, PRECISION="ieee" if fp32 else "tf32", UPCAST=upcast, SCALED=scaled,
         num_warps=num_warps,
     )
     return out
@@ -188,9 +199,9 @@ def _score_launch(q, w, index_keys, block_tables, g_lens, block_size,
 
 def indexer_scores_triton(q: torch.Tensor, w: torch.Tensor, index_keys: torch.Tensor,
                           block_tables: torch.Tensor, g_lens: torch.Tensor,
-                          block_size: int) -> torch.Tensor:
+                          block_size: int, key_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Triton form of indexer_scores_reference (same shape and -inf padding)."""
-    return _score_launch(q, w, index_keys, block_tables, g_lens, block_size)
+    return _score_launch(q, w, index_keys, block_tables, g_lens, block_size, key_scale=key_scale)
 
 
 def select_topk_triton(scores: torch.Tensor, g_lens: torch.Tensor, topk: int,
@@ -227,22 +238,23 @@ def select_topk_triton(scores: torch.Tensor, g_lens: torch.Tensor, topk: int,
 
 def indexer_topk_triton(q: torch.Tensor, w: torch.Tensor, index_keys: torch.Tensor,
                         block_tables: torch.Tensor, g_lens: torch.Tensor,
-                        block_size: int, topk: int) -> torch.Tensor:
+                        block_size: int, topk: int, key_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Same position set as indexer_topk_reference, in no particular order."""
-    scores = _score_launch(q, w, index_keys, block_tables, g_lens, block_size)
+    scores = _score_launch(q, w, index_keys, block_tables, g_lens, block_size, key_scale=key_scale)
     return select_topk_triton(scores, g_lens, topk)
 
 
 def indexer_topk(q: torch.Tensor, w: torch.Tensor, index_keys: torch.Tensor,
                  block_tables: torch.Tensor, g_lens: torch.Tensor,
-                 block_size: int, topk: int) -> torch.Tensor:
+                 block_size: int, topk: int, key_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Top-k cached positions per decoding sequence by indexer score.
 
     q [B, Hi, Di], w [B, Hi], index_keys [S, Di] (slot = block * block_size + offset),
     block_tables [B, M] int32, g_lens [B] int32 (sequence b sees positions 0..g_lens[b]-1).
     Returns [B, topk] int32 positions (not slots); -1 fills the row past min(g_len, topk).
-    Row order is unspecified (best-first on the reference path).
+    Row order is unspecified (best-first on the reference path). FP8 index keys
+    (float8_e4m3fn) come with key_scale [S] fp32: key = index_keys[slot] * key_scale[slot].
     """
     if triton is not None and triton_ok(q):
-        return indexer_topk_triton(q, w, index_keys, block_tables, g_lens, block_size, topk)
-    return indexer_topk_reference(q, w, index_keys, block_tables, g_lens, block_size, topk)
+        return indexer_topk_triton(q, w, index_keys, block_tables, g_lens, block_size, topk, key_scale)
+    return indexer_topk_reference(q, w, index_keys, block_tables, g_lens, block_size, topk, key_scale)

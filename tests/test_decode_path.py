@@ -72,6 +72,7 @@ def test_fp8_kv_cache(tiny_v4_ckpt):
     engine = LLMEngine.from_pretrained(tiny_v4_ckpt, EngineConfig(block_size=4, kv_cache_dtype="fp8_e4m3"),
                                        progress=False)
     assert engine.runner.kv.global_kv.dtype == torch.float8_e4m3fn
+    assert engine.runner.kv.index_keys.dtype == torch.float8_e4m3fn  # the indexer's keys too
     plain = LLMEngine.from_pretrained(tiny_v4_ckpt, EngineConfig(block_size=4), progress=False)
     assert engine.runner.kv.global_kv.nbytes == plain.runner.kv.global_kv.numel()  # one byte per element
     out, fp8_logits, steps = _run(tiny_v4_ckpt, prompts, kv_cache_dtype="fp8_e4m3")
@@ -81,7 +82,8 @@ def test_fp8_kv_cache(tiny_v4_ckpt):
     assert 0 < err < 0.1
 
 
-def test_engine_with_triton_kernels_interpreted(tiny_v4_ckpt):
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8_e4m3"])
+def test_engine_with_triton_kernels_interpreted(tiny_v4_ckpt, kv_dtype):
     """The same comparison with the Triton kernels themselves (interpreted on CPU): the
     interpreter has to be chosen before triton is imported, so this runs in a fresh process."""
     code = textwrap.dedent(f"""
@@ -103,8 +105,8 @@ def test_engine_with_triton_kernels_interpreted(tiny_v4_ckpt):
         p = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
         outs = {{}}
         for fast in (True, False):
-            e = LLMEngine.from_pretrained({str(tiny_v4_ckpt)!r}, EngineConfig(block_size=4, decode_kernels=fast),
-                                          progress=False)
+            e = LLMEngine.from_pretrained({str(tiny_v4_ckpt)!r}, EngineConfig(block_size=4, decode_kernels=fast,
+                                          kv_cache_dtype={kv_dtype!r}), progress=False)
             outs[fast] = [o.output_token_ids for o in e.generate(prompts, p)]
         assert outs[True] == outs[False], outs
         assert set(calls) == {{"mla_decode_triton", "indexer_topk_triton", "route_triton"}}, calls

@@ -173,3 +173,26 @@ def test_dispatcher_uses_reference_without_triton_device(monkeypatch):
     assert torch.equal(ref, indexer_topk_reference(*args, 8, 10))
     monkeypatch.setattr(mod, "triton_ok", lambda t: True)
     check_rows(indexer_topk(*args, 8, 10), ref, [30, 9], 10)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+def test_fp8_keys_with_scales(device, q_dtype):
+    """FP8 index keys with one scale per slot (the engine's kv_cache_dtype fp8_e4m3): the kernel
+    scores (q . k8) * scale; the reference dequantises first."""
+    from kernels.fp8_kv import quantize_kv
+    g_lens, bs, topk = [70, 9, 33], 8, 12
+    q, w, keys, tables, lens = make_case(device, g_lens, bs, seed=5)
+    keys8, scale = quantize_kv(keys.float())
+    q = q.to(q_dtype)
+    ref = indexer_scores_reference(q, w, keys8, tables, lens, bs, key_scale=scale)
+    got = indexer_scores_triton(q, w, keys8, tables, lens, bs, key_scale=scale)
+    live = torch.isfinite(ref)
+    assert torch.equal(live, torch.isfinite(got))
+    tol = 1e-4 if q_dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got[live], ref[live], atol=tol, rtol=tol)
+    # the scales matter: without them the scores differ
+    assert not torch.allclose(indexer_scores_reference(q, w, keys8, tables, lens, bs)[live], ref[live])
+    if q_dtype == torch.float32:
+        check_rows(indexer_topk_triton(q, w, keys8, tables, lens, bs, topk, key_scale=scale),
+                   indexer_topk_reference(q, w, keys8, tables, lens, bs, topk, key_scale=scale), g_lens, topk)

@@ -152,7 +152,7 @@ def test_fp8_kv_moves_with_its_scales_over_nixl(tiny_v4_ckpt):
     alone = LLMEngine.from_pretrained(tiny_v4_ckpt, EngineConfig(block_size=4, kv_cache_dtype="fp8_e4m3",
                                                                  replay_mode="exact"), progress=False)
     src_t = transfer_tensors(prefill.runner.kv)
-    assert any(t.dtype == torch.float32 and t.shape[-1] == 1 for t in src_t)  # the scales travel
+    assert sum(t.dtype == torch.float32 and t.shape[-1] == 1 for t in src_t) == 2  # both sets of scales travel
     src = KVTransport("fp8-prefill", src_t, 4)
     dst = KVTransport("fp8-decode", transfer_tensors(decode.runner.kv), 4)
     try:
