@@ -2,9 +2,13 @@
 
 This package must not import ray or engine: the engine imports kernels, never the other way.
 """
+import logging
 import os
 
 import torch
+
+log = logging.getLogger(__name__)
+_unusable: set[str] = set()
 
 
 def triton_ok(t: torch.Tensor) -> bool:
@@ -19,3 +23,19 @@ def triton_ok(t: torch.Tensor) -> bool:
     if t.is_cuda:
         return True
     return os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("WIDEEP_CPU_KERNELS") == "1"
+
+
+def kernel_or_reference(name: str, kernel, reference, *args):
+    """kernel(*args), unless it cannot be built or launched here (a Triton release or GPU it was
+    not checked on): then warn once and use the reference from then on. Argument errors
+    (ValueError, TypeError) are the caller's and still raise; wrong results are the tests' job."""
+    if name not in _unusable:
+        try:
+            return kernel(*args)
+        except (ValueError, TypeError):
+            raise
+        except Exception as e:
+            _unusable.add(name)
+            log.warning("Triton kernel %s failed here (%s: %s); using its torch reference from now on",
+                        name, type(e).__name__, e)
+    return reference(*args)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import triton_ok
+from . import kernel_or_reference, triton_ok
 
 try:
     import triton
@@ -131,4 +131,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     use_kernel = (triton is not None and triton_ok(x) and x.dtype in _KERNEL_DTYPES
                   and weight.dtype in _KERNEL_DTYPES
                   and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
-    return (rms_norm_triton if use_kernel else rms_norm_reference)(x, weight, eps)
+    if not use_kernel:
+        return rms_norm_reference(x, weight, eps)
+    return kernel_or_reference("rms_norm", rms_norm_triton, rms_norm_reference, x, weight, eps)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from . import triton_ok
+from . import kernel_or_reference, triton_ok
 
 try:
     import triton
@@ -123,4 +123,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     """
     use_kernel = (triton is not None and triton_ok(x) and x.dtype in _KERNEL_DTYPES
                   and cos.dtype == sin.dtype == torch.float32 and not (torch.is_grad_enabled() and x.requires_grad))
-    return (apply_rope_triton if use_kernel else apply_rope_reference)(x, cos, sin, interleave)
+    if not use_kernel:
+        return apply_rope_reference(x, cos, sin, interleave)
+    return kernel_or_reference("apply_rope", apply_rope_triton, apply_rope_reference, x, cos, sin, interleave)

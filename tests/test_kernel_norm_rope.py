@@ -276,3 +276,30 @@ def test_rope_dispatcher(device, monkeypatch):
         monkeypatch.delenv("WIDEEP_CPU_KERNELS")
         assert torch.equal(apply_rope(x, cos, sin, True), ref)
         assert calls == [1]
+
+
+def test_a_kernel_that_cannot_run_here_falls_back_once(monkeypatch, caplog):
+    """A Triton kernel that fails to build or launch (a Triton release it was not checked on)
+    must not take the engine down: warn once, then the reference answers."""
+    import kernels
+    import kernels.rmsnorm as mod
+    calls = []
+
+    def broken(*args):
+        calls.append(1)
+        raise RuntimeError("PTX assembly failed")
+    monkeypatch.setattr(mod, "triton_ok", lambda t: True)
+    monkeypatch.setattr(mod, "rms_norm_triton", broken)
+    monkeypatch.setattr(kernels, "_unusable", set())
+    x, w = torch.randn(3, 16), torch.randn(16)
+    with caplog.at_level("WARNING"):
+        out1 = mod.rms_norm(x, w, 1e-6)
+        out2 = mod.rms_norm(x, w, 1e-6)
+    assert calls == [1]  # tried once, not on every call
+    torch.testing.assert_close(out1, mod.rms_norm_reference(x, w, 1e-6))
+    torch.testing.assert_close(out2, out1)
+    assert "rms_norm" in caplog.text and "reference" in caplog.text
+    monkeypatch.setattr(mod, "rms_norm_triton", lambda *a: (_ for _ in ()).throw(ValueError("bad shape")))
+    monkeypatch.setattr(kernels, "_unusable", set())
+    with pytest.raises(ValueError):  # argument errors are the caller's, not a reason to fall back
+        mod.rms_norm(x, w, 1e-6)
