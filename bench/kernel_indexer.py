@@ -14,13 +14,11 @@ stays ~0 when the only disagreements are near-ties rounded differently.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import statistics
-import time
 
 import torch
+
+from bench.kernel_timing import bench_main, graph_ms, time_ms
 
 HEADS, DIM, BLOCK = 8, 64, 64
 
@@ -36,47 +34,6 @@ def make_inputs(batch: int, context: int, device: str, block_size: int = BLOCK, 
     keys = torch.randn(batch * blocks_per_seq * block_size, DIM, device=device, dtype=dtype)
     lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     return q, w, keys, tables, lens
-
-
-def time_ms(fn, device: str, iters: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-        for _ in range(iters):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-    else:
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
-def graph_ms(fn, device: str, iters: int) -> float | None:
-    """GPU time alone: the same call captured in a CUDA graph and replayed (None off CUDA).
-    Eager timings of small shapes mostly measure the host launching kernels."""
-    if not device.startswith("cuda"):
-        return None
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph):
-            fn()
-    except RuntimeError:
-        return None
-    return round(time_ms(graph.replay, device, iters, 3), 4)
 
 
 def reference_batch_that_fits(batch: int, context: int, device: str) -> int:
@@ -137,14 +94,15 @@ def run(device: str = "cuda", quick: bool = False) -> list[dict]:
         score_mag = float(ref_scores[live].abs().max())
         del ref_pos, ref_scores, tri_scores, live
 
-        ref_ms = time_ms(lambda: indexer_topk_reference(*ref_args, topk), device, iters, warmup)
-        tri_ms = time_ms(lambda: indexer_topk_triton(*args, topk), device, iters, warmup)
-        score_ms = time_ms(lambda: indexer_scores_triton(*args), device, iters, warmup)
+        ref_ms = time_ms(lambda: indexer_topk_reference(*ref_args, topk), device, warmup, iters)
+        tri_ms = time_ms(lambda: indexer_topk_triton(*args, topk), device, warmup, iters)
+        score_ms = time_ms(lambda: indexer_scores_triton(*args), device, warmup, iters)
         scores = indexer_scores_triton(*args)
-        select_ms = time_ms(lambda: select_topk_triton(scores, lens, topk), device, iters, warmup)
+        select_ms = time_ms(lambda: select_topk_triton(scores, lens, topk), device, warmup, iters)
         del scores
-        ref_graph_ms = graph_ms(lambda: indexer_topk_reference(*ref_args, topk), device, iters)
-        tri_graph_ms = graph_ms(lambda: indexer_topk_triton(*args, topk), device, iters)
+        cuda = device.startswith("cuda")
+        ref_graph_ms = graph_ms(lambda: indexer_topk_reference(*ref_args, topk), 3, iters) if cuda else None
+        tri_graph_ms = graph_ms(lambda: indexer_topk_triton(*args, topk), 3, iters) if cuda else None
         # A reference run on fewer sequences is scaled up per sequence for the speedup.
         ref_full_ms = ref_ms * batch / ref_b
         key_bytes = batch * context * DIM * keys.element_size()
@@ -167,27 +125,13 @@ def run(device: str = "cuda", quick: bool = False) -> list[dict]:
     return rows
 
 
-def markdown(rows: list[dict]) -> str:
-    cols = ["context", "batch", "topk", "ref_ms", "ref_batch", "triton_ms", "score_ms", "select_ms",
-            "speedup", "ref_graph_ms", "triton_graph_ms", "graph_speedup", "score_GBps", "agree",
-            "worst_gap", "score_max_err"]
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for r in rows:
-        lines.append("| " + " | ".join(f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c]) for c in cols) + " |")
-    return "\n".join(lines)
+COLUMNS = ["context", "batch", "topk", "ref_ms", "ref_batch", "triton_ms", "score_ms", "select_ms",
+           "speedup", "ref_graph_ms", "triton_graph_ms", "graph_speedup", "score_GBps", "agree",
+           "worst_gap", "score_max_err"]
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--quick", action="store_true", help="small shapes, few iterations (CPU smoke)")
-    parser.add_argument("--json", metavar="PATH", help="also write the rows here")
-    args = parser.parse_args(argv)
-    rows = run(args.device, args.quick)
-    print(markdown(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+    bench_main(run, __doc__.splitlines()[0], COLUMNS, argv)
 
 
 if __name__ == "__main__":

@@ -15,13 +15,11 @@ sequences and its time is scaled up per sequence for `speedup`.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import statistics
-import time
 
 import torch
+
+from bench.kernel_timing import bench_main, time_ms
 
 HEADS, KV_LORA, ROPE, BLOCK = 16, 512, 64, 64
 SM_SCALE = 192 ** -0.5  # DeepSeek's qk_head_dim = 128 + 64
@@ -53,29 +51,6 @@ def quantize_in_chunks(kv: torch.Tensor, rows: int = 1 << 20):
     for i in range(0, kv.shape[0], rows):
         q8[i:i + rows], scale[i:i + rows] = quantize_kv(kv[i:i + rows])
     return q8, scale
-
-
-def time_ms(fn, device: str, iters: int, warmup: int, flush: torch.Tensor | None) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-        for _ in range(iters):
-            if flush is not None:
-                flush.zero_()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-    else:
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def reference_batch_that_fits(batch: int, keys_per_seq: int, d: int, heads: int, device: str) -> int:
@@ -135,8 +110,8 @@ def run(device: str = "cuda", quick: bool = False) -> list[dict]:
             mag = float(ref.float().abs().max())
             del out, ref
 
-            ref_ms = time_ms(lambda: mla_decode_reference(*ref_args), device, iters, warmup, flush)
-            tri_ms = time_ms(lambda: mla_decode_triton(*args), device, iters, warmup, flush)
+            ref_ms = time_ms(lambda: mla_decode_reference(*ref_args), device, warmup, iters, flush)
+            tri_ms = time_ms(lambda: mla_decode_triton(*args), device, warmup, iters, flush)
             row_bytes = d * kv.element_size() + (4 if kv_scale is not None else 0)
             rows.append({
                 "name": "mla_decode", "mode": mode, "kv_dtype": kv_dtype, "batch": batch, "context": context,
@@ -153,26 +128,12 @@ def run(device: str = "cuda", quick: bool = False) -> list[dict]:
     return rows
 
 
-def markdown(rows: list[dict]) -> str:
-    cols = ["mode", "kv_dtype", "batch", "context", "topk", "ref_ms", "ref_batch", "triton_ms", "speedup",
-            "kv_GBps", "max_err", "rel_err"]
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for r in rows:
-        lines.append("| " + " | ".join(f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c]) for c in cols) + " |")
-    return "\n".join(lines)
+COLUMNS = ["mode", "kv_dtype", "batch", "context", "topk", "ref_ms", "ref_batch", "triton_ms", "speedup",
+           "kv_GBps", "max_err", "rel_err"]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--quick", action="store_true", help="tiny shapes, few iterations (CPU smoke test)")
-    ap.add_argument("--json", default=None, help="also write the rows to this file")
-    args = ap.parse_args()
-    rows = run(args.device, args.quick)
-    print(markdown(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+def main(argv: list[str] | None = None) -> None:
+    bench_main(run, __doc__.splitlines()[0], COLUMNS, argv)
 
 
 if __name__ == "__main__":

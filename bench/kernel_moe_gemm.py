@@ -15,13 +15,11 @@ grouped GEMM's) against the reference on the same inputs: err = max |out - ref| 
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import statistics
-import time
 
 import torch
+
+from bench.kernel_timing import bench_main, graph_ms, time_ms
 
 BENCH_MODEL = dict(name="bench", hidden=2048, inter=768, slots=64, top_k=6)
 DEEPSEEK_V3 = dict(name="dsv3", hidden=7168, inter=2048, slots=32, top_k=8)
@@ -46,40 +44,6 @@ def make_inputs(case: dict, device: str, dtype: torch.dtype, seed: int = 0):
     weight_of = torch.rand(t * k, generator=g) / k
     return (x.to(device, dtype), w13.to(device, dtype), w2.to(device, dtype),
             token_of.to(device), slot_of.to(device), weight_of.to(device))
-
-
-def time_eager(fn, device: str, warmup: int, iters: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-        for _ in range(iters):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-    else:
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
-def time_graph(fn, warmup: int, iters: int) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # compile and allocate outside the capture
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return time_eager(graph.replay, "cuda", warmup, iters)
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -109,11 +73,11 @@ def run(device: str = "cuda", quick: bool = False) -> list[dict]:
             "block_m": pick_config(pairs, case["slots"], dtype).block_m,
             "err_triton": relative_error(fused_experts_triton(*args), ref),
         }
-        timings = {"ref": time_eager(lambda: fused_experts_reference(*args), device, warmup, iters)}
+        timings = {"ref": time_ms(lambda: fused_experts_reference(*args), device, warmup, iters)}
         if grouped_mm_available(args[0], args[1]):
             row["err_grouped_mm"] = relative_error(fused_experts_grouped_mm(*args), ref)
-            timings["grouped_mm"] = time_eager(lambda: fused_experts_grouped_mm(*args), device, warmup, iters)
-        timings["triton"] = time_eager(lambda: fused_experts_triton(*args), device, warmup, iters)
+            timings["grouped_mm"] = time_ms(lambda: fused_experts_grouped_mm(*args), device, warmup, iters)
+        timings["triton"] = time_ms(lambda: fused_experts_triton(*args), device, warmup, iters)
         row["ref_ms"] = timings["ref"]
         row["grouped_mm_ms"] = timings.get("grouped_mm")
         row["triton_ms"] = timings["triton"]
@@ -123,35 +87,15 @@ def run(device: str = "cuda", quick: bool = False) -> list[dict]:
         row["best"] = min(timings, key=timings.get)
         row["triton_tflops"] = flops / timings["triton"] / 1e9
         if cuda:
-            row["triton_graph_ms"] = time_graph(lambda: fused_experts_triton(*args), warmup, iters)
+            row["triton_graph_ms"] = graph_ms(lambda: fused_experts_triton(*args), warmup, iters)
             if "grouped_mm" in timings:
-                row["grouped_mm_graph_ms"] = time_graph(lambda: fused_experts_grouped_mm(*args), warmup, iters)
+                row["grouped_mm_graph_ms"] = graph_ms(lambda: fused_experts_grouped_mm(*args), warmup, iters)
         rows.append(row)
     return rows
 
 
-def markdown(rows: list[dict]) -> str:
-    cols = list(dict.fromkeys(k for r in rows for k in r))
-    fmt = lambda v: "-" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)  # noqa: E731
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(fmt(r.get(c)) for c in cols) + " |" for r in rows]
-    return "\n".join(lines)
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--quick", action="store_true", help="tiny shapes, few iterations (CPU smoke)")
-    ap.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
-    args = ap.parse_args()
-    rows = run(args.device, args.quick)
-    if args.device.startswith("cuda"):
-        print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
-    print(markdown(rows))
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+def main(argv: list[str] | None = None) -> None:
+    bench_main(run, __doc__.splitlines()[0], argv=argv)
 
 
 if __name__ == "__main__":

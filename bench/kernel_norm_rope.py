@@ -16,13 +16,11 @@ decode step pays, and where the fewer kernels show). Median of the iterations, C
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 
 import torch
 
-from bench.kernel_routing import _time_eager, _time_graph, markdown
+from bench.kernel_timing import bench_main, graph_ms, time_ms
 
 HIDDEN, Q_LORA, KV_LORA, HEADS, NOPE, ROPE = 2048, 768, 512, 16, 128, 64
 EPS = 1e-6
@@ -84,31 +82,18 @@ def run(device: str = "cuda", quick: bool = False) -> list[dict]:
 
 
 def _timings(ref_fn, tri_fn, device: str, cuda: bool, warmup: int, iters: int) -> dict:
-    row = {"ref_ms": _time_eager(ref_fn, device, warmup, iters),
-           "triton_ms": _time_eager(tri_fn, device, warmup, iters)}
+    row = {"ref_ms": time_ms(ref_fn, device, warmup, iters),
+           "triton_ms": time_ms(tri_fn, device, warmup, iters)}
     row["speedup"] = row["ref_ms"] / row["triton_ms"]
     if cuda:
-        row["ref_graph_ms"] = _time_graph(ref_fn, warmup, iters)
-        row["triton_graph_ms"] = _time_graph(tri_fn, warmup, iters)
+        row["ref_graph_ms"] = graph_ms(ref_fn, warmup, iters)
+        row["triton_graph_ms"] = graph_ms(tri_fn, warmup, iters)
         row["graph_speedup"] = row["ref_graph_ms"] / row["triton_graph_ms"]
     return row
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--quick", action="store_true", help="small shapes, few iterations (CPU smoke)")
-    ap.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
-    args = ap.parse_args()
-    rows = run(args.device, args.quick)
-    import triton
-    where = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU, TRITON_INTERPRET=1"
-    print(f"{where}, torch {torch.__version__}, triton {triton.__version__}, bf16")
-    print(markdown(rows))
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+def main(argv: list[str] | None = None) -> None:
+    bench_main(run, __doc__.splitlines()[0], argv=argv)
 
 
 if __name__ == "__main__":

@@ -13,13 +13,11 @@ decode step pays). Median of the iterations, CUDA events.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import statistics
-import time
 
 import torch
+
+from bench.kernel_timing import bench_main, graph_ms, time_ms
 
 EXPERTS, N_GROUP, TOPK_GROUP, TOP_K, REDUNDANT = 256, 8, 4, 8, 32
 SCALING = 2.5
@@ -36,40 +34,6 @@ def _expert_map(seed: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         log2phys[e, fill[e]] = slot
         fill[e] += 1
     return log2phys, num_replicas, len(phys)
-
-
-def _time_eager(fn, device: str, warmup: int, iters: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-        for _ in range(iters):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-    else:
-        for _ in range(iters):
-            t = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
-
-
-def _time_graph(fn, warmup: int, iters: int) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm up (and compile) outside the capture
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return _time_eager(graph.replay, "cuda", warmup, iters)
 
 
 def run(device: str = "cuda", quick: bool = False) -> list[dict]:
@@ -103,40 +67,19 @@ def run(device: str = "cuda", quick: bool = False) -> list[dict]:
         }
         ref_fn = lambda: route_reference(*args, load_ref)  # noqa: E731
         tri_fn = lambda: route_triton(*args, load_tri)  # noqa: E731
-        row["ref_ms"] = _time_eager(ref_fn, device, warmup, iters)
-        row["triton_ms"] = _time_eager(tri_fn, device, warmup, iters)
+        row["ref_ms"] = time_ms(ref_fn, device, warmup, iters)
+        row["triton_ms"] = time_ms(tri_fn, device, warmup, iters)
         row["speedup"] = row["ref_ms"] / row["triton_ms"]
         if cuda:
-            row["ref_graph_ms"] = _time_graph(ref_fn, warmup, iters)
-            row["triton_graph_ms"] = _time_graph(tri_fn, warmup, iters)
+            row["ref_graph_ms"] = graph_ms(ref_fn, warmup, iters)
+            row["triton_graph_ms"] = graph_ms(tri_fn, warmup, iters)
             row["graph_speedup"] = row["ref_graph_ms"] / row["triton_graph_ms"]
         rows.append(row)
     return rows
 
 
-def markdown(rows: list[dict]) -> str:
-    cols = list(dict.fromkeys(k for r in rows for k in r))
-    fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)  # noqa: E731
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in cols) + " |" for r in rows]
-    return "\n".join(lines)
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--quick", action="store_true", help="small shapes, few iterations (CPU smoke)")
-    ap.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
-    args = ap.parse_args()
-    rows = run(args.device, args.quick)
-    import triton
-    where = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU, TRITON_INTERPRET=1"
-    print(f"{where}, torch {torch.__version__}, triton {triton.__version__}")
-    print(markdown(rows))
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+def main(argv: list[str] | None = None) -> None:
+    bench_main(run, __doc__.splitlines()[0], argv=argv)
 
 
 if __name__ == "__main__":
