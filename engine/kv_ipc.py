@@ -67,6 +67,27 @@ _MAX_PEERS = 64
 _CUDA_MAX_RUNS = 8
 
 
+def check_pool(owner: str, tensors: list[torch.Tensor], block_size: int, dims=(3,)) -> None:
+    """The layout contract of a transport's pool (see the module docstring): contiguous
+    [layers, num_slots(, width)] tensors on one device, num_slots a whole number of blocks."""
+    if not tensors:
+        raise ValueError(f"{owner} needs at least one tensor")
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    shape = "[layers, num_slots(, width)]" if 2 in dims else "[layers, num_slots, width]"
+    for i, t in enumerate(tensors):
+        if t.dim() not in dims or not t.is_contiguous():
+            raise ValueError(f"tensor {i} must be a contiguous {shape} tensor, "
+                             f"got shape {tuple(t.shape)} contiguous={t.is_contiguous()}")
+        if t.shape[1] != tensors[0].shape[1]:
+            raise ValueError(f"tensor {i} has {t.shape[1]} slots, tensor 0 has {tensors[0].shape[1]}")
+        # One copy (or NIXL descriptor list) per write serves one device and memory kind.
+        if t.device != tensors[0].device:
+            raise ValueError(f"tensor {i} is on {t.device}, tensor 0 on {tensors[0].device}")
+    if tensors[0].shape[1] % block_size:
+        raise ValueError(f"num_slots {tensors[0].shape[1]} is not a multiple of block_size {block_size}")
+
+
 def pool_tensors(kv) -> list[torch.Tensor]:
     """The KV-cache tensors that move between engines (global KV, indexer keys, their FP8 scales)."""
     names = ("global_kv", "kv_scale", "index_keys", "index_scale")
@@ -151,20 +172,7 @@ class IpcTransport:
     copy_mode = "auto"          # "runs" or "indexed" forces one way (tests, benchmarks)
 
     def __init__(self, name: str, tensors: list[torch.Tensor], block_size: int):
-        if not tensors:
-            raise ValueError("IpcTransport needs at least one tensor")
-        if block_size <= 0:
-            raise ValueError(f"block_size must be positive, got {block_size}")
-        for i, t in enumerate(tensors):
-            if t.dim() not in (2, 3) or not t.is_contiguous():
-                raise ValueError(f"tensor {i} must be a contiguous [layers, num_slots(, width)] tensor, "
-                                 f"got shape {tuple(t.shape)} contiguous={t.is_contiguous()}")
-            if t.shape[1] != tensors[0].shape[1]:
-                raise ValueError(f"tensor {i} has {t.shape[1]} slots, tensor 0 has {tensors[0].shape[1]}")
-            if t.device != tensors[0].device:
-                raise ValueError(f"tensor {i} is on {t.device}, tensor 0 on {tensors[0].device}")
-        if tensors[0].shape[1] % block_size:
-            raise ValueError(f"num_slots {tensors[0].shape[1]} is not a multiple of block_size {block_size}")
+        check_pool("IpcTransport", tensors, block_size, dims=(2, 3))
         self.name = name
         self.block_size = block_size
         self.num_blocks = tensors[0].shape[1] // block_size

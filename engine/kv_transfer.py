@@ -43,6 +43,8 @@ import numpy as np
 import torch
 from nixl._api import nixl_agent, nixl_agent_config
 
+from .kv_ipc import check_pool, pool_tensors
+
 __all__ = ["KVTransport", "TransferError", "TransferHandle"]
 
 # Progress-thread periods. Fast: short against the time a block write takes, while costing a few
@@ -92,7 +94,6 @@ def _progress_loop(ref: "weakref.ref[KVTransport]") -> None:
 def transfer_tensors(kv) -> list[torch.Tensor]:
     """The KV-cache tensors that move between engines (global KV, its FP8 scales, indexer keys),
     each as a [layers, slots, width] view: the per-token FP8 scales travel as width 1."""
-    from .kv_ipc import pool_tensors
     return [t if t.dim() == 3 else t.unsqueeze(-1) for t in pool_tensors(kv)]
 
 
@@ -141,22 +142,7 @@ class KVTransport:
                  nixl_progress_thread: bool = False):
         """nixl_progress_thread=True uses NIXL's own (spinning) progress thread in addition to
         ours; only worth it where a core per agent is cheap and latency matters more."""
-        if not tensors:
-            raise ValueError("KVTransport needs at least one tensor")
-        if block_size <= 0:
-            raise ValueError(f"block_size must be positive, got {block_size}")
-        for i, t in enumerate(tensors):
-            if t.dim() != 3 or not t.is_contiguous():
-                raise ValueError(f"tensor {i} must be a contiguous [layers, num_slots, width] tensor, "
-                                 f"got shape {tuple(t.shape)} contiguous={t.is_contiguous()}")
-            if t.shape[1] != tensors[0].shape[1]:
-                raise ValueError(f"tensor {i} has {t.shape[1]} slots, tensor 0 has {tensors[0].shape[1]}")
-            # One NIXL descriptor list carries one memory kind and the device id per row is the
-            # same for all rows, so a mixed pool would need several requests per write.
-            if t.device != tensors[0].device:
-                raise ValueError(f"tensor {i} is on {t.device}, tensor 0 on {tensors[0].device}")
-        if tensors[0].shape[1] % block_size:
-            raise ValueError(f"num_slots {tensors[0].shape[1]} is not a multiple of block_size {block_size}")
+        check_pool("KVTransport", tensors, block_size)
 
         self.name = name
         self.block_size = block_size
