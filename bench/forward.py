@@ -83,6 +83,7 @@ def make_batch(engine: LLMEngine, batch: int, context: int, seed: int = 0) -> Sc
     return ScheduledBatch(seqs=seqs, num_tokens=[1] * batch)
 
 
+@torch.inference_mode()
 def time_forward(engine: LLMEngine, batch: ScheduledBatch, iters: int) -> tuple[float, float]:
     """(forward_ms, step_ms) medians. Replaying the same step is idempotent: it rewrites the
     same KV entries and window slots."""
@@ -172,6 +173,29 @@ def without_moe(engine: LLMEngine):
     return undo
 
 
+@torch.inference_mode()
+def profile_step(engine: LLMEngine, batch: ScheduledBatch, path: str, title: str) -> int:
+    """Profile one eager decode forward (graphs hide the kernels from the profiler): append
+    the table of kernels by device time to `path`; returns how many kernels the step launched."""
+    from torch.profiler import ProfilerActivity, profile
+    r = engine.runner
+    graphs, r.graphs = r.graphs, None
+    inputs = r.decode_inputs(batch)
+    r.decode_forward(*inputs)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if r.device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        r.decode_forward(*inputs)
+        if r.device.type == "cuda":
+            torch.cuda.synchronize()
+    r.graphs = graphs
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by = "cuda_time_total" if kernels else "cpu_time_total"
+    with open(path, "a") as f:
+        f.write(f"## {title}: {len(kernels)} kernels, {sum(e.device_time for e in kernels) / 1e3:.3f} ms kernel time\n")
+        f.write(prof.key_averages().table(sort_by=by, row_limit=45, max_name_column_width=70) + "\n\n")
+    return len(kernels)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="bench")
@@ -186,6 +210,8 @@ def main(argv=None):
     ap.add_argument("--moe-share", action="store_true", help="also time the step with MoE layers removed")
     ap.add_argument("--graphs-vs-eager", action="store_true", help="also time the eager forward (no CUDA graphs)")
     ap.add_argument("--json", default=None, help="append JSON lines here")
+    ap.add_argument("--profile", default=None,
+                    help="write the eager decode step's kernels (count, device time) per context here")
     args = ap.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     cfg = preset(args.preset, max_position_embeddings=max(max(args.contexts) + 2, 4096))
@@ -222,6 +248,8 @@ def main(argv=None):
             no_moe = time_forward(engine, batch, args.iters)[0]
             undo()
             row.update(no_moe_forward_ms=round(no_moe, 3), moe_share=round(1 - no_moe / fwd, 3))
+        if args.profile:
+            row["kernels_per_step"] = profile_step(engine, batch, args.profile, f"batch {args.batch}, context {context}")
         print(json.dumps(row), flush=True)
         rows.append(row)
         del engine, batch

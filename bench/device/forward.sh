@@ -7,12 +7,14 @@ source bench/device/setup.sh
 STEPS=${STEPS:-"bf16 fp8 b64 hf replay ipc"}
 t() { local s=$1; shift; local t0=$SECONDS; timeout "$s" "$@"; echo "rc=$? $((SECONDS - t0))s $*" >> "$OUT/steps.txt"; }
 on() { [[ " $STEPS " == *" $1 "* ]]; }
+# PROFILE=1: also write each eager step's kernel table (count, device time) to $OUT/profile.txt
+PROF=${PROFILE:+--profile $OUT/profile.txt}
+on b64 && t 100 python3 -m bench.forward --batch 64 --contexts 8192 --moe-share --graphs-vs-eager --moe-gemm triton grouped_mm \
+  --iters 10 $PROF --json "$OUT/forward.jsonl" > "$OUT/forward_b64.log" 2>&1
 for kv in bf16 fp8; do
   on $kv && t 150 python3 -m bench.forward --batch 16 --contexts 8192 65536 131072 524288 \
-    --kv-dtype "$([ $kv = fp8 ] && echo fp8_e4m3 || echo auto)" --iters 10 --json "$OUT/forward.jsonl" > "$OUT/forward_b16_$kv.log" 2>&1
+    --kv-dtype "$([ $kv = fp8 ] && echo fp8_e4m3 || echo auto)" --iters 10 --json "$OUT/forward.jsonl" $([ $kv = bf16 ] && echo $PROF) > "$OUT/forward_b16_$kv.log" 2>&1
 done
-on b64 && t 100 python3 -m bench.forward --batch 64 --contexts 8192 --moe-share --graphs-vs-eager --moe-gemm triton grouped_mm \
-  --iters 10 --json "$OUT/forward.jsonl" > "$OUT/forward_b64.log" 2>&1
 on hf && t 120 python3 -m bench.engine_vs_hf --preset bench --device cuda --dtype bfloat16 --batches 1 16 64 \
   --out "$OUT/engine_vs_hf.jsonl" > "$OUT/engine_vs_hf.log" 2>&1
 on replay && t 150 python3 -m bench.replay_ttft --contexts ${REPLAY_CONTEXTS:-8192 32768 100000} --repeats 2 --json "$OUT/replay.jsonl" \
