@@ -196,3 +196,19 @@ def test_fp8_keys_with_scales(device, q_dtype):
     if q_dtype == torch.float32:
         check_rows(indexer_topk_triton(q, w, keys8, tables, lens, bs, topk, key_scale=scale),
                    indexer_topk_reference(q, w, keys8, tables, lens, bs, topk, key_scale=scale), g_lens, topk)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_radix_select_over_several_pass_chunks(device):
+    """Rows longer than one histogram chunk (4096), scores sharing their top bytes (one binade,
+    many repeats), negative and -inf ones: every radix pass has to narrow the k-th score."""
+    g = torch.Generator().manual_seed(7)
+    width, topk = 9000, 300
+    scores = 1.0 + torch.randint(0, 2000, (3, width), generator=g).float() / 4096  # [1, 1.5), repeats
+    scores[1] = -scores[1]
+    scores[2, 4000:] = float("-inf")
+    g_lens = torch.tensor([width, width - 17, 4000], dtype=torch.int32)
+    scores[torch.arange(width)[None, :] >= g_lens[:, None].long()] = float("-inf")
+    scores, g_lens = scores.to(device), g_lens.to(device)
+    check_rows(select_topk_triton(scores, g_lens, topk), select_topk_reference(scores, g_lens, topk),
+               g_lens.tolist(), topk)
