@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from . import triton_ok
+from .tuning import tuned_config
 
 try:
     import triton
@@ -209,8 +210,14 @@ def _next_pow2(n: int, floor: int) -> int:
     return max(floor, 1 << max(0, (n - 1).bit_length()))
 
 
+def score_tune_key(num_heads: int, head_dim: int, width: int, fp8: bool) -> str:
+    """Shape key of the scoring kernel in kernels/tuned/<gpu>.json."""
+    return f"{'fp8' if fp8 else 'bf16'}|h{num_heads}|d{head_dim}|{'long' if width >= 65536 else 'short'}"
+
+
 def _score_launch(q, w, index_keys, block_tables, g_lens, block_size,
-                  tile: int | None = None, num_warps: int = 4, key_scale: torch.Tensor | None = None) -> torch.Tensor:
+                  tile: int | None = None, num_warps: int | None = None,
+                  key_scale: torch.Tensor | None = None) -> torch.Tensor:
     num_seqs, num_heads, head_dim = q.shape
     width = block_tables.shape[1] * block_size
     out = torch.empty(num_seqs, width, device=q.device, dtype=torch.float32)
@@ -220,7 +227,11 @@ def _score_launch(q, w, index_keys, block_tables, g_lens, block_size,
     # tl.dot wants every dimension >= 16; padded heads carry zero weight.
     heads = _next_pow2(num_heads, 16)
     dim = _next_pow2(head_dim, 16)
-    tile = tile or (128 if width >= 8192 else 64)
+    tuned = None
+    if tile is None and num_warps is None and q.dtype != torch.float32:
+        tuned = tuned_config(q.device, "indexer_score", score_tune_key(num_heads, head_dim, width, key_scale is not None))
+    tile = tile or (tuned["tile"] if tuned else 128 if width >= 8192 else 64)
+    num_warps = num_warps or (tuned["num_warps"] if tuned else 4)
     # Mixed dtypes meet in fp32. So do bf16 ones under the CPU interpreter, whose tl.dot
     # multiplies bf16 bit patterns as integers (seen with triton 3.9); bf16 products are
     # exact in fp32, so this only moves rounding of the sum, as the native path does.

@@ -18,6 +18,7 @@ import torch
 
 from kernels import triton_ok
 from kernels.fp8_kv import FP8_DTYPE
+from kernels.tuning import batch_bucket, tuned_config
 
 try:
     import triton
@@ -224,15 +225,23 @@ def _tile_config(block_c: int, block_h: int, kv_bytes: int, q_dtype: torch.dtype
     return 64, 8, 3
 
 
-def _target_programs(device: torch.device) -> int:
+def _target_programs(device: torch.device, waves: int = 2) -> int:
     if device.type == "cuda":
-        return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+        return waves * torch.cuda.get_device_properties(device).multi_processor_count
     return 8
 
 
+def tune_key(batch: int, heads: int, width: int, is_fp8: bool, has_topk: bool) -> str:
+    """Shape key of kernels/tuned/<gpu>.json: KV type, sparse or dense, heads, latent width, batch bucket."""
+    return f"{'fp8' if is_fp8 else 'bf16'}|{'topk' if has_topk else 'dense'}|h{heads}|d{width}|b{batch_bucket(batch)}"
+
+
 def mla_decode_triton(q, kv, kv_scale, block_tables, g_lens, block_size: int, sm_scale: float, kv_lora: int,
-                      topk_pos=None, win_kv=None, win_valid=None, num_splits: int | None = None) -> torch.Tensor:
-    """Triton flash-decoding path of mla_decode; num_splits overrides the per-sequence split count."""
+                      topk_pos=None, win_kv=None, win_valid=None, num_splits: int | None = None,
+                      config: dict | None = None) -> torch.Tensor:
+    """Triton flash-decoding path of mla_decode; num_splits overrides the per-sequence split count,
+    config the launch configuration (block_n, num_warps, num_stages, waves, min_tiles; the tuned
+    one for this GPU and shape when None, see kernels/tuning.py)."""
     b, h, d = q.shape
     rope = d - kv_lora
     if kv.shape[-1] != d or rope < 0:
@@ -274,11 +283,17 @@ def mla_decode_triton(q, kv, kv_scale, block_tables, g_lens, block_size: int, sm
     block_h = min(_pow2(h), max(16, 16384 // block_c))  # keeps the fp32 accumulator in registers
     head_groups = triton.cdiv(h, block_h)
     block_n, num_warps, num_stages = _tile_config(block_c, block_h, kv.element_size(), q.dtype)
+    waves, min_tiles = 2, 4
+    if config is None and q.dtype != torch.float32:
+        config = tuned_config(q.device, "mla_decode", tune_key(b, h, d, is_fp8, has_topk))
+    if config:
+        block_n, num_warps, num_stages = config["block_n"], config["num_warps"], config["num_stages"]
+        waves, min_tiles = config["waves"], config["min_tiles"]
     tiles = triton.cdiv(max(n_cap, 1), block_n)
     if num_splits is None:
-        # Enough programs to fill the GPU, but at least 4 tiles each so the merge stays cheap.
-        num_splits = triton.cdiv(_target_programs(q.device), b * head_groups)
-        num_splits = max(1, min(num_splits, triton.cdiv(tiles, 4)))
+        # Enough programs to fill the GPU, but at least min_tiles each so the merge stays cheap.
+        num_splits = triton.cdiv(_target_programs(q.device, waves), b * head_groups)
+        num_splits = max(1, min(num_splits, triton.cdiv(tiles, min_tiles)))
     num_splits = max(1, min(num_splits, tiles))
     keys_per_split = triton.cdiv(tiles, num_splits) * block_n
     num_global = triton.cdiv(max(n_cap, 1), keys_per_split)

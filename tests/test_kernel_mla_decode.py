@@ -202,3 +202,34 @@ def test_dispatcher_and_empty_batch(device, monkeypatch):
     assert out.shape == (0, 2, KV_LORA)
     with pytest.raises(ValueError):
         real(q, kv.to(torch.float8_e4m3fn), None, table, lens, BS, SCALE, KV_LORA)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("config", [
+    dict(block_n=16, num_warps=4, num_stages=2, waves=1, min_tiles=1),
+    dict(block_n=32, num_warps=8, num_stages=3, waves=4, min_tiles=2),
+])
+def test_launch_configs_agree(device, config):
+    """A tuned launch configuration (kernels/tuning.py) changes tiles and splits, not the result."""
+    q, kv, table, lens = make_case([70, 2, 33], 16, torch.bfloat16, device, seed=5)
+    win = torch.randn(3, 5, D, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16).to(device)
+    out = mla_decode_triton(q, kv, None, table, lens, BS, SCALE, KV_LORA, win_kv=win, config=config)
+    ref = mla_decode_reference(q, kv, None, table, lens, BS, SCALE, KV_LORA, win_kv=win)
+    check(out, ref, torch.bfloat16)
+
+
+def test_tuned_table_lookup(tmp_path, monkeypatch):
+    import json
+
+    from kernels import tuning
+    (tmp_path / "Some_GPU.json").write_text(json.dumps({"mla_decode": {"k|b16": {"block_n": 32}}}))
+    monkeypatch.setattr(tuning, "TUNED_DIR", tmp_path)
+    monkeypatch.setattr(tuning, "_stem", lambda index: "Some_GPU")
+    tuning.reload()
+    try:
+        assert tuning.tuned_config(torch.device("cuda", 0), "mla_decode", "k|b16") == {"block_n": 32}
+        assert tuning.tuned_config(torch.device("cuda", 0), "mla_decode", "k|b64") is None
+        assert tuning.tuned_config(torch.device("cpu"), "mla_decode", "k|b16") is None  # CPU keeps built-ins
+    finally:
+        tuning.reload()
+    assert [tuning.batch_bucket(b) for b in (1, 2, 16, 17, 300)] == [1, 4, 16, 64, 256]
