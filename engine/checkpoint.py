@@ -163,14 +163,37 @@ def random_weights(cfg: ModelConfig, seed: int = 0, std: float = 0.02, device="c
             yield name, torch.randn(p.shape, generator=gen, device=device, dtype=dtype) * std
 
 
+def mask_output_rows(weight: torch.Tensor, keep: list[int]) -> torch.Tensor:
+    """`weight` ([vocab, hidden], the output projection) with every row but `keep` zeroed.
+
+    The offline tokenizer of a random checkpoint knows far fewer ids than the model's vocab
+    (578 of 32,000 for `bench`), and some of those it knows decode to no text (special
+    tokens, lone UTF-8 bytes). With random weights every id is as likely as any other, so the
+    model would mostly emit ids that stream no text. A zero row gives a logit of exactly 0 in
+    any dtype, while the kept rows' logits are spread around 0 (N(0, std^2 * hidden) for the
+    final RMSNorm's unit-weight output), so greedy decoding picks a kept id unless all of them
+    are negative at once (probability 2^-len(keep)). Sampling at temperature 1 is only
+    partly helped: the zero logits still share the mass (about len(keep) / vocab of it for
+    `bench`); top-k or top-p sampling keeps to the kept ids."""
+    mask = torch.zeros(weight.shape[0], dtype=torch.bool, device=weight.device)
+    mask[torch.tensor(keep, dtype=torch.long, device=weight.device)] = True
+    return weight * mask.unsqueeze(1).to(weight.dtype)
+
+
 def write_random_checkpoint(cfg: ModelConfig, out: str | Path, seed: int = 0, dtype=torch.float32,
                             shard_bytes: int = 2 << 30, progress: bool = True, device="cpu") -> Path:
     """config.json + sharded safetensors + an offline-built tokenizer. device="cuda" draws the
-    weights on the GPU (a few billion parameters in seconds rather than minutes)."""
-    from .tokenizer import build_tokenizer
+    weights on the GPU (a few billion parameters in seconds rather than minutes). The output
+    projection only has non-zero rows for ids the tokenizer decodes to text (see
+    mask_output_rows), so generated tokens stream as text."""
+    from .tokenizer import build_tokenizer, text_token_ids
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(cfg.vocab_size)
+    keep = [i for i in text_token_ids(tokenizer) if i < cfg.vocab_size]
+    # the output projection: lm_head, or the embedding when they are tied
+    head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
     shard: dict[str, torch.Tensor] = {}
     size, index = 0, 0
     weight_map = {}
@@ -185,6 +208,8 @@ def write_random_checkpoint(cfg: ModelConfig, out: str | Path, seed: int = 0, dt
 
     for name, t in tqdm(random_weights(cfg, seed, device=device, dtype=dtype), desc="writing random weights",
                         unit="tensor", disable=not progress, file=sys.stderr):
+        if name == head:
+            t = mask_output_rows(t, keep)
         shard[name] = t.contiguous().to("cpu", copy=True)
         size += t.numel() * t.element_size()
         if size >= shard_bytes:
@@ -194,7 +219,7 @@ def write_random_checkpoint(cfg: ModelConfig, out: str | Path, seed: int = 0, dt
     (out / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total_size}, "weight_map": weight_map}, indent=1))
     (out / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
-    build_tokenizer(cfg.vocab_size).save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
     return out
 
 

@@ -46,6 +46,19 @@ def build_tokenizer(vocab_size: int):
                                    chat_template=CHAT_TEMPLATE, model_max_length=1 << 30)
 
 
+def text_token_ids(tokenizer) -> list[int]:
+    """Ids that decode, each on its own, to non-empty valid text: no special tokens, and no
+    byte-level token holding part of a UTF-8 sequence (decoded alone it gives U+FFFD, which
+    streaming holds back). `tokenizer`: a transformers tokenizer."""
+    special = set(tokenizer.all_special_ids)
+    ids = []
+    for i in range(len(tokenizer)):
+        text = tokenizer.decode([i], skip_special_tokens=True)
+        if i not in special and text and "\ufffd" not in text:
+            ids.append(i)
+    return ids
+
+
 class Tokenizer:
     """What the engine needs of a tokenizer: encode, decode, chat template, EOS."""
 

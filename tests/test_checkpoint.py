@@ -87,3 +87,42 @@ def test_no_safetensors(tiny_ckpt, tmp_path):
         f.unlink()
     with pytest.raises(CheckpointError, match="no \\*.safetensors"):
         load_model(d, progress=False)
+
+
+def _stream(engine, prompts, params):
+    """Per request: [(token id, text delta)] in the order the engine produced them."""
+    out = {}
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", messages=p, params=params)
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out.setdefault(o.request_id, []).extend((t, o.text_delta) for t in o.new_token_ids)
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_random_checkpoint_streams_text_for_every_greedy_token(tiny_ckpt, tmp_path, dtype):
+    """The random model's tokenizer knows fewer ids than its vocab, and some ids it knows
+    decode to nothing: the checkpoint must leave greedy decoding no way to pick those, or
+    streamed chunks (and the TTFT / ITL a client measures from them) go missing."""
+    from engine import LLMEngine, SamplingParams
+    from engine.checkpoint import write_random_checkpoint
+    from engine.tokenizer import Tokenizer, text_token_ids
+
+    ckpt = tiny_ckpt if dtype == "float32" else write_random_checkpoint(
+        preset("tiny"), tmp_path / "bf16", dtype=torch.bfloat16, progress=False)
+    tok = Tokenizer(ckpt)
+    keep = set(text_token_ids(tok.hf))
+    assert 0 < len(keep) < preset("tiny").vocab_size  # the tiny tokenizer does leave ids without text
+    head = load_file(next(ckpt.glob("*.safetensors")))["lm_head.weight"]
+    zero = (head == 0).all(dim=1)
+    assert not zero[sorted(keep)].any() and zero[[i for i in range(len(head)) if i not in keep]].all()
+
+    engine = LLMEngine.from_pretrained(str(ckpt), EngineConfig(dtype=dtype))
+    prompts = [[{"role": "user", "content": f"request {i}: write a function that sorts a list"}] for i in range(4)]
+    streams = _stream(engine, prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    assert len(streams) == 4
+    for rid, pieces in streams.items():
+        assert len(pieces) == 24
+        assert all(t in keep for t, _ in pieces), rid
+        assert all(text for _, text in pieces), f"{rid}: a token streamed no text: {pieces}"
