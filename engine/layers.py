@@ -21,6 +21,32 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
+class DerivedWeight:
+    """A weight computed from parameters (concatenated, cast) and cached until one of them is
+    replaced or written (load, .to(), EPLB). At decode batch sizes every GEMM is a small,
+    launch-bound kernel, so one GEMM over concatenated weights beats several."""
+
+    def __init__(self):
+        self._key, self._value = None, None
+
+    def get(self, sources: list[torch.Tensor], build):
+        key = tuple((t.data_ptr(), t._version, t.dtype) for t in sources)
+        if self._key != key:
+            self._key, self._value = key, build()
+        return self._value
+
+
+def fused_linear(x: torch.Tensor, mods: list[nn.Linear], cache: DerivedWeight) -> list[torch.Tensor]:
+    """[m(x) for m in mods] from one GEMM over the mods' concatenated weights (and biases)."""
+    def build():
+        bias = None
+        if any(m.bias is not None for m in mods):
+            bias = torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in mods])
+        return torch.cat([m.weight for m in mods]), bias
+    weight, bias = cache.get([m.weight for m in mods], build)
+    return list(F.linear(x, weight, bias).split([m.out_features for m in mods], dim=-1))
+
+
 class MLP(nn.Module):
     """SwiGLU feed-forward: the dense layers and the shared experts."""
 
@@ -29,9 +55,11 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, inter, bias=False)
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self._gate_up = DerivedWeight()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = fused_linear(x, [self.gate_proj, self.up_proj], self._gate_up)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Rotary:

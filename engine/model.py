@@ -7,13 +7,12 @@ physical slots (`mlp.w13`, `mlp.w2`); the loader converts.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .attention import AttentionContext, attend, index_topk_mask
 from .config import ModelConfig
 from .decode_attention import decode_attention
-from .layers import MLP, RMSNorm, Rotary
+from .layers import MLP, DerivedWeight, RMSNorm, Rotary, fused_linear
 from .moe import MoE
 
 
@@ -56,7 +55,7 @@ class MLAttention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * cfg.v_head_dim, h, bias=cfg.attention_bias)
         self.indexer = Indexer(cfg, self.is_source) if cfg.index_topk else None
         self.scale = cfg.qk_head_dim ** -0.5
-        self._fused = (None, None, None)  # (source weights' identity, weight, bias), see project()
+        self._fused = DerivedWeight()  # the x projections' concatenated weight, see project()
 
     def _x_projections(self) -> list[tuple[str, nn.Linear]]:
         """The projections that read the layer input x (all fused into one GEMM)."""
@@ -70,20 +69,10 @@ class MLAttention(nn.Module):
         return mods
 
     def project(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Every projection of x in one GEMM instead of up to five: at decode batch sizes each is
-        a small, launch-bound kernel. The concatenated weight is a cached copy (a few MB per
-        layer), rebuilt whenever a source weight is replaced or written (load, .to())."""
-        mods = self._x_projections()
-        key = tuple((m.weight.data_ptr(), m.weight._version) for _, m in mods)
-        if self._fused[0] != key:
-            weight = torch.cat([m.weight for _, m in mods])
-            bias = None
-            if any(m.bias is not None for _, m in mods):
-                bias = torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features)
-                                  for _, m in mods])
-            self._fused = (key, weight, bias)
-        out = F.linear(x, self._fused[1], self._fused[2])
-        return dict(zip([n for n, _ in mods], out.split([m.out_features for _, m in mods], dim=-1)))
+        """Every projection of x in one GEMM instead of up to five (a cached concatenated copy of
+        their weights, a few MB per layer)."""
+        names, mods = zip(*self._x_projections())
+        return dict(zip(names, fused_linear(x, list(mods), self._fused)))
 
     def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         cfg, t = self.cfg, x.shape[0]

@@ -15,7 +15,7 @@ from kernels.moe_gemm import fused_experts
 from kernels.routing import fused_route
 
 from .config import ModelConfig
-from .layers import MLP
+from .layers import MLP, DerivedWeight
 
 
 def route(logits: torch.Tensor, bias: torch.Tensor, cfg: ModelConfig, expert_map: "ExpertMap",
@@ -116,9 +116,11 @@ class MoE(nn.Module):
         self.gemm = "auto"  # EngineConfig.moe_gemm, set by the model runner
         self.layer_index = -1  # position among the model's MoE layers, set by the model
         self.register_buffer("slot_load", torch.zeros(num_slots, dtype=torch.long), persistent=False)
+        self._gate_fp32 = DerivedWeight()  # router logits are computed in fp32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(x.float(), self.gate.weight.float())
+        w = self.gate.weight
+        logits = F.linear(x.float(), self._gate_fp32.get([w], w.float))
         bias = self.gate.e_score_correction_bias
         if self.ep is not None:
             # Slots are the group's (ep.maps); each rank counts the pairs it computes.
