@@ -164,6 +164,24 @@ def test_report_math_against_hand_computed_figures(tmp_path):
     assert "| hand | 1 | 5 (1) |" in report.table({"hand": written})
 
 
+def test_report_flags_latency_measured_on_fewer_text_chunks_than_tokens():
+    """3 chunks for 10 tokens (and a request whose tokens streamed no text at all) make the
+    TTFT / ITL figures unreliable: the summary counts it and the table says so. Records
+    written before `text_chunks` existed get it from their ITL samples."""
+    full = dict(_rec(0, 1.0, 3, 100, 0, 0, 0.2), text_chunks=3)             # 3 chunks, 3 tokens
+    short = dict(_rec(1, 1.0, 10, 150, 96, 100, 0.3), text_chunks=3)        # 3 chunks, 10 tokens
+    silent = dict(_rec(1, 1.0, 5, 120, 96, 100, None), itl_s=[], text_chunks=0)
+    legacy = {k: v for k, v in _rec(1, 1.0, 3, 120, 96, 100, 0.1).items()}  # no text_chunks: 2 ITL + 1
+    m = report.level_metrics([full, short, silent, legacy], wall_s=1.0, gpus=1, kv_block_size=16)
+    assert report.text_chunks(legacy) == 3 and report.text_chunks(dict(silent, text_chunks=None)) == 0
+    assert (m["short_stream_requests"], m["ttft_missing"], m["text_chunks"]) == (2, 1, 9)
+    assert (m["itl_samples"], m["itl_expected"]) == (6, 2 + 9 + 4 + 2)
+    text = report.table({"x": {"levels": [{"concurrency": 1, **m}]}})
+    assert "| 6 / 17 |" in text and "* some requests streamed fewer text chunks" in text
+    clean = report.level_metrics([full, legacy], wall_s=1.0, gpus=1, kv_block_size=16)
+    assert clean["short_stream_requests"] == 0 and "*" not in report.table({"x": {"levels": [{"concurrency": 1, **clean}]}})
+
+
 def test_replay_against_the_served_app(tiny_ckpt, tmp_path):
     """2 sessions x 2 turns at concurrency 2 through Ray Serve: every request succeeds, the
     token counts agree with the trace, and each second turn finds its first turn's prefix."""
@@ -192,6 +210,8 @@ def test_replay_against_the_served_app(tiny_ckpt, tmp_path):
         assert r["output_tokens"] == req.max_tokens
         assert r["cached_tokens"] + r["uncached_tokens"] == r["prompt_tokens"]
         assert len(r["itl_s"]) <= r["output_tokens"] - 1 and r["ttft_s"] <= r["e2e_s"]
+        # the random checkpoint only emits ids with text, so every token is its own chunk
+        assert r["text_chunks"] == r["output_tokens"] == len(r["itl_s"]) + 1
     second = [r for r in recs if r["turn"] == 1]
     assert len({r["session_id"] for r in second}) == 2
     for r in second:

@@ -81,8 +81,12 @@ async def _one(client: httpx2.AsyncClient, path: str, body: dict, session_id: st
     end = time.perf_counter() - t0
     if error is None and usage is None:
         error = "the stream ended without a usage chunk"
+    # text_chunks: how many arrivals were stamped. Fewer than the usage's output tokens means
+    # some tokens streamed no text (or several came in one chunk): TTFT is then late or
+    # missing, and the ITL samples are gaps between text chunks, not between tokens.
     rec = {"ok": error is None, "error": error, "status": status, "e2e_s": end,
-           "ttft_s": stamps[0] if stamps else None, "itl_s": [b - a for a, b in zip(stamps, stamps[1:])]}
+           "ttft_s": stamps[0] if stamps else None, "itl_s": [b - a for a, b in zip(stamps, stamps[1:])],
+           "text_chunks": len(stamps)}
     if usage:
         prompt = usage.get("prompt_tokens", 0)
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0

@@ -12,6 +12,12 @@ shares with the same session's previous prompt, rounded down to the KV block siz
 blocks can be cached). First turns have none by definition, so tokens a first turn finds in
 the cache (a system prompt shared across sessions) are reported apart.
 
+TTFT and ITL are stamped when a streamed chunk carries text. A request whose text chunks are
+fewer than its output tokens (tokens that decode to no text, or several tokens in one chunk)
+has a late or missing TTFT and ITL samples that are gaps between chunks, not tokens: the
+summary counts them (`short_stream_requests`, `itl_samples` against `itl_expected`) and the
+table flags such levels with `*`.
+
 A run directory holds records.jsonl (one line per request, with its concurrency) and
 summary.json (the run's meta, each level's wall time and the figures below); the plots are
 re-rendered from those two.
@@ -37,6 +43,14 @@ def theoretical_reuse(shared_prefix_tokens: int | None, kv_block_size: int) -> i
     return (shared_prefix_tokens // kv_block_size) * kv_block_size
 
 
+def text_chunks(r: dict) -> int:
+    """Text chunks a request received (records written before the field existed: one per
+    ITL sample plus the first, when there was a first)."""
+    if r.get("text_chunks") is not None:
+        return r["text_chunks"]
+    return len(r["itl_s"]) + 1 if r.get("ttft_s") is not None else 0
+
+
 def level_metrics(records: list[dict], wall_s: float, gpus: float, kv_block_size: int) -> dict:
     ok = [r for r in records if r["ok"]]
     cached = sum(r["cached_tokens"] for r in ok)
@@ -46,6 +60,9 @@ def level_metrics(records: list[dict], wall_s: float, gpus: float, kv_block_size
     p90_per_token = pct(per_token, 90)
     itl = [x for r in ok for x in r["itl_s"]]
     ms = lambda v: None if v is None else round(1000 * v, 2)  # noqa: E731
+
+    producing = [r for r in ok if r["output_tokens"] > 0]
+    short = [r for r in producing if text_chunks(r) < r["output_tokens"]]
 
     later = [r for r in ok if r["turn"] > 0 and r.get("shared_prefix_tokens") is not None]
     theo = [theoretical_reuse(r["shared_prefix_tokens"], kv_block_size) for r in later]
@@ -58,6 +75,11 @@ def level_metrics(records: list[dict], wall_s: float, gpus: float, kv_block_size
         "per_user_tok_s": round(1 / p90_per_token, 3) if p90_per_token else None,
         "ttft_p50_ms": ms(pct([r["ttft_s"] for r in ok], 50)), "ttft_p90_ms": ms(pct([r["ttft_s"] for r in ok], 90)),
         "itl_p50_ms": ms(pct(itl, 50)), "itl_p90_ms": ms(pct(itl, 90)),
+        # how complete the latency figures are: requests with fewer text chunks than output
+        # tokens, requests with no text at all (no TTFT), and ITL samples against tokens - 1
+        "text_chunks": sum(text_chunks(r) for r in ok),
+        "short_stream_requests": len(short), "ttft_missing": sum(1 for r in producing if r["ttft_s"] is None),
+        "itl_samples": len(itl), "itl_expected": sum(r["output_tokens"] - 1 for r in producing),
         "e2e_p50_s": _round(pct([r["e2e_s"] for r in ok], 50), 3),
         "prefix_hit_tokens": sum(hit), "theoretical_reuse_tokens": theo_sum,
         # cached tokens on later turns over what the previous turn made reusable; can pass 1
@@ -184,18 +206,27 @@ def plot_tradeoff(path: Path, runs: dict[str, dict]) -> None:
 def table(runs: dict[str, dict]) -> str:
     """A markdown table of every run's levels."""
     head = ("| run | conc. | requests (failed) | wall s | tok/s/GPU | per-user tok/s | TTFT p50 / p90 ms "
-            "| ITL p50 / p90 ms | prefix hit / theoretical | ratio (capped) |")
-    lines = [head, "|" + "---|" * 10]
+            "| ITL p50 / p90 ms | ITL samples / tokens-1 | prefix hit / theoretical | ratio (capped) |")
+    lines = [head, "|" + "---|" * 11]
+    flagged = False
     for label, s in runs.items():
         for lv in s["levels"]:
             ratio = "-" if lv["prefix_hit_ratio"] is None else \
                 f"{lv['prefix_hit_ratio']:.2f} ({lv['prefix_hit_ratio_capped']:.2f})"
+            short = lv.get("short_stream_requests")  # absent in summaries written before it existed
+            mark = " *" if short else ""
+            flagged |= bool(short)
+            samples = "-" if short is None else f"{lv['itl_samples']} / {lv['itl_expected']}"
             lines.append(
                 f"| {label} | {lv['concurrency']} | {lv['requests']} ({lv['failed']}) | {lv['wall_s']:.1f} "
                 f"| {_f(lv['throughput_per_gpu'], 0)} | {_f(lv['per_user_tok_s'], 1)} "
-                f"| {_f(lv['ttft_p50_ms'], 0)} / {_f(lv['ttft_p90_ms'], 0)} "
-                f"| {_f(lv['itl_p50_ms'], 0)} / {_f(lv['itl_p90_ms'], 0)} "
+                f"| {_f(lv['ttft_p50_ms'], 0)} / {_f(lv['ttft_p90_ms'], 0)}{mark} "
+                f"| {_f(lv['itl_p50_ms'], 0)} / {_f(lv['itl_p90_ms'], 0)}{mark} | {samples} "
                 f"| {lv['prefix_hit_tokens']} / {lv['theoretical_reuse_tokens']} | {ratio} |")
+    if flagged:
+        lines.append("\n\\* some requests streamed fewer text chunks than output tokens (tokens that decode "
+                     "to no text): their TTFT is late or missing and ITL is measured between text chunks, "
+                     "not tokens; these figures are unreliable.")
     return "\n".join(lines)
 
 
