@@ -77,7 +77,6 @@ def tune_mla(batches, device) -> tuple[dict, list[dict]]:
         rows.append(dict(kernel="mla_decode", key=key, builtin_us=round(base, 2), tuned_us=round(us, 2),
                          speedup=round(base / us, 2), config=best))
         print(json.dumps(rows[-1]), flush=True)
-        del q, kv, tables, topk_pos, win
     return entries, rows
 
 
@@ -126,15 +125,15 @@ def main(argv=None) -> int:
     tuning.TUNED_DIR = tuning.TUNED_DIR / "_none"
     tuning.reload()
     batches = (1, 64) if args.quick else tuning.BATCH_BUCKETS
-    mla, rows = tune_mla(batches, device)
-    score, score_rows = tune_score(device)
-    rows += score_rows
-    table = {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__,
-             "mla_decode": mla, "indexer_score": score}
-    if not args.dry_run:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
-        print(f"wrote {path}")
+    table = {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__}
+    rows = []
+    for name, tune in (("mla_decode", lambda: tune_mla(batches, device)), ("indexer_score", lambda: tune_score(device))):
+        table[name], kernel_rows = tune()
+        rows += kernel_rows
+        if not args.dry_run:  # after each kernel, so a run cut short keeps what it measured
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+            print(f"wrote {path}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
