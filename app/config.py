@@ -169,20 +169,49 @@ class KVTransportConfig(_Strict):
         return "ipc" if self.backend == "cuda_ipc" else self.backend
 
 
+RoutingPolicy = Literal["session_affinity", "prefix", "least_loaded", "power_of_two", "random"]
+
+
 class RoutingConfig(_Strict):
     """Ingress routing and session affinity."""
 
     session_header: str = Field("x-session-id", description="HTTP header carrying the session id.")
-    session_affinity: bool = Field(True, description="Keep a session on the same prefill replica, decode group and rank.")
+    policy: RoutingPolicy | None = Field(
+        None,
+        description="How a request picks its decode rank (and prefill replica). 'session_affinity' (default): a "
+                    "session stays on the rank and prefill replica holding its prefix until they saturate; "
+                    "requests without a session go by `prefix_aware`. 'prefix': every request is bound by its "
+                    "system prompt and first user turn, sessions ignored. 'least_loaded': the rank with the "
+                    "fewest running requests. 'power_of_two': the less loaded of two random ranks (Ray Serve's "
+                    "default router). 'random'. Only 'session_affinity' uses the session router for prefill "
+                    "replicas; the others leave them to Serve's default (power of two choices).")
+    session_affinity: bool | None = Field(
+        None, description="Older switch, kept for existing configs: true is policy 'session_affinity', false is "
+                          "policy 'prefix' (sessions unbound, but requests sharing a system prompt and first turn "
+                          "still meet on one rank; for a baseline without any stickiness use policy "
+                          "'least_loaded'). Set `policy` instead; after validation it mirrors the policy.")
     max_running_per_rank: int = Field(
         64, ge=1, description="A decode rank with this many running requests counts as saturated; sticky sessions move on."
     )
-    prefix_aware: bool = Field(True, description="Route session-less requests by prefix overlap as well as load.")
+    prefix_aware: bool = Field(
+        True, description="Under policy 'session_affinity', route requests without a session by their system "
+                          "prompt and first user turn; off, they go to the least loaded rank.")
     max_requests_per_rank: int = Field(
         256, ge=1, description="Admitted requests (running + queued) per decode rank; beyond it requests get "
                                "503 with Retry-After at once instead of queueing without bound.")
     token_timeout_s: float = Field(
         120.0, gt=0, description="A request whose next token takes longer fails with an error (never hangs).")
+
+    @model_validator(mode="after")
+    def _resolve_policy(self) -> "RoutingConfig":
+        legacy = None if self.session_affinity is None else ("session_affinity" if self.session_affinity else "prefix")
+        if self.policy is None:
+            self.policy = legacy or "session_affinity"
+        elif self.session_affinity is not None and self.session_affinity != (self.policy == "session_affinity"):
+            raise ValueError(f"session_affinity: {str(self.session_affinity).lower()} contradicts policy "
+                             f"{self.policy!r}; set only `policy`")
+        self.session_affinity = self.policy == "session_affinity"
+        return self
 
 
 class HTTPConfig(_Strict):

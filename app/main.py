@@ -61,7 +61,7 @@ def build_app(args: dict | None = None):
         in_replica = cfg.prefill.devices == "cuda" and cfg.prefill.group_size == 1
         actor = {"num_cpus": 0, **({"num_gpus": 1} if in_replica else {})}
         router = RequestRouterConfig(request_router_class=SessionAffinityRouter) \
-            if cfg.routing.session_affinity else None
+            if cfg.routing.policy == "session_affinity" else None
         prefill = PrefillServer.options(
             ray_actor_options=actor, max_ongoing_requests=cfg.engine.max_num_seqs * cfg.prefill.group_size,
             **({"request_router_config": router} if router else {}), **scaling,
@@ -75,11 +75,11 @@ def build_app(args: dict | None = None):
     decode = DecodeGroup.options(ray_actor_options=cpu_only or {"num_cpus": 0},
                                  max_ongoing_requests=2 * capacity + 16).bind(
         model_path, engine_cfg, cfg.decode.dp_size, cfg.decode.devices, prefill,
-        cfg.routing.session_affinity, cfg.routing.max_running_per_rank,
+        cfg.routing.policy, cfg.routing.max_running_per_rank,
         cfg.kv_transport.local_prefill_max_tokens, cfg.kv_transport.timeout_s, _rank_placement(cfg),
         eplb=cfg.eplb.model_dump(), expert_parallel=cfg.decode.expert_parallel,
         max_requests_per_rank=cfg.routing.max_requests_per_rank, token_timeout_s=cfg.routing.token_timeout_s,
-        kv_transport=cfg.kv_transport.mode)
+        kv_transport=cfg.kv_transport.mode, prefix_aware=cfg.routing.prefix_aware)
     max_model_len = context_limit(ModelConfig.from_file(model_path), EngineConfig(**engine_cfg))
     return Ingress.options(ray_actor_options=cpu_only or {"num_cpus": cfg.placement.ingress_cpus},
                            max_ongoing_requests=2 * capacity + 16).bind(

@@ -1,10 +1,10 @@
 """A decode group: one Serve replica that owns the group's DP rank actors.
 
-New requests go to the rank with the fewest running requests (decode cost follows the
-request count, not the context length). A session stays on its rank until that rank is
-saturated, so its next turn finds its prefix in that rank's cache; a request without a
-session goes where the last request with the same leading prompt went (prefix-aware),
-else to the least loaded rank.
+Routing to the ranks follows `routing.policy` (deployments/rank_router.py): by default a
+session stays on its rank until that rank is saturated, so its next turn finds its prefix in
+that rank's cache; a request without a session goes where the last request with the same
+system prompt and first turn went (prefix-aware), else to the rank with the fewest running
+requests. The `least_loaded`, `power_of_two` and `random` policies bind nothing.
 
 Admission is bounded (beyond `max_requests_per_rank` per rank a request gets Overloaded at
 once). A rank that dies is noticed by the request streams and by a watchdog; the group is
@@ -15,11 +15,8 @@ already produced, or ends with a clear error.
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
 import logging
 import time
-from collections import OrderedDict
 
 import ray
 from ray import serve
@@ -28,6 +25,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from engine.llm_engine import Overloaded
 
 from .decode_rank import DecodeRank
+from .rank_router import RankRouter
 
 log = logging.getLogger(__name__)
 MAX_RETRIES = 2
@@ -36,11 +34,11 @@ MAX_RETRIES = 2
 @serve.deployment(name="DecodeGroup")
 class DecodeGroup:
     def __init__(self, model_path: str, engine_cfg: dict, dp_size: int, device: str, prefill_handle=None,
-                 session_affinity: bool = True, max_running_per_rank: int = 64,
+                 routing_policy: str = "session_affinity", max_running_per_rank: int = 64,
                  local_prefill_max_tokens: int = 256, transfer_timeout_s: float = 30.0,
                  rank_placement: dict | None = None, max_sessions: int = 100_000, eplb: dict | None = None,
                  expert_parallel: bool = True, max_requests_per_rank: int = 256, token_timeout_s: float = 120.0,
-                 kv_transport: str = "nixl"):
+                 kv_transport: str = "nixl", prefix_aware: bool = True):
         self.model_path, self.engine_cfg, self.device = model_path, engine_cfg, device
         self.kv_transport = kv_transport
         self.dp_size, self.prefill_handle = dp_size, prefill_handle
@@ -52,12 +50,9 @@ class DecodeGroup:
             self.rank_options = [{"num_cpus": 0, "num_gpus": 0}] * dp_size
         self.eplb = eplb or {}
         self.expert_parallel = expert_parallel and dp_size > 1
-        self.session_affinity = session_affinity
-        self.saturated_at = max_running_per_rank
+        self.router = RankRouter(routing_policy, max_running_per_rank, max_sessions, prefix_aware)
         self.capacity = max_requests_per_rank * dp_size
         self.token_timeout_s = token_timeout_s
-        self.max_sessions = max_sessions
-        self.sessions: OrderedDict[str, int] = OrderedDict()
         self.generation = 0
         self.recoveries: list[dict] = []
         self._rebuild_lock = asyncio.Lock()
@@ -130,7 +125,7 @@ class DecodeGroup:
             self.controller = self._controller_actor()
             if self.controller is not None:
                 await self.controller.start.remote()
-            self.sessions.clear()
+            self.router.clear()
             self.generation += 1
             self.recoveries.append({"why": why, "seconds": time.monotonic() - t0})
 
@@ -153,20 +148,7 @@ class DecodeGroup:
 
     # routing ----------------------------------------------------------------------------
     def pick_rank(self, session_id: str | None, request: dict | None = None) -> int:
-        least = min(range(len(self.ranks)), key=lambda r: self.running[r])
-        key = session_id if self.session_affinity else None
-        if key is None and request is not None:
-            key = _prefix_key(request)
-        if key is None:
-            return least
-        bound = self.sessions.get(key)
-        rank = bound if bound is not None and bound < len(self.ranks) and self.running[bound] < self.saturated_at \
-            else least
-        self.sessions[key] = rank
-        self.sessions.move_to_end(key)
-        if len(self.sessions) > self.max_sessions:
-            self.sessions.popitem(last=False)
-        return rank
+        return self.router.pick(self.running, session_id, request)
 
     async def generate(self, request: dict, session_id: str | None = None):
         """Streams the rank's per-token dicts, each tagged with the rank that served it."""
@@ -244,18 +226,8 @@ class DecodeGroup:
 
     def info(self) -> dict:
         return {"dp_size": len(self.ranks), "max_model_len": self.max_model_len, "running": list(self.running),
-                "sessions": len(self.sessions), "generation": self.generation, "recoveries": list(self.recoveries)}
-
-
-def _prefix_key(request: dict, chars: int = 2048) -> str | None:
-    """Requests without a session that start alike (same system prompt and first turn) are
-    likely to share a cached prefix: key them by the head of their prompt."""
-    head = request.get("messages")
-    head = json.dumps(head[:2], sort_keys=True) if head else (request.get("prompt")
-                                                              or request.get("prompt_token_ids"))
-    if not head:
-        return None
-    return "prefix:" + hashlib.blake2b(str(head)[:chars].encode(), digest_size=12).hexdigest()
+                "policy": self.router.policy, "sessions": len(self.router), "generation": self.generation,
+                "recoveries": list(self.recoveries)}
 
 
 def _failed(error: str | None, prompt_ids, rank: int) -> dict:
