@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # GPU run (nvidia-h200-x2): the AgentX-style workload through the real Ray Serve app:
 # P/D (1 prefill + 1 decode, KV over CUDA IPC) vs aggregated (2 independent decode ranks),
-# session affinity on and off for the aggregated layout (with one prefill and one decode
-# replica there is no routing choice for affinity to make). Reports under $OUT/agentx/.
+# session affinity against plain least-loaded routing for the aggregated layout (with one
+# prefill and one decode replica there is no routing choice for affinity to make). The
+# baseline is routing.policy least_loaded, not `session_affinity: false`: that one still binds
+# requests by their prompt head (policy 'prefix'). Reports under $OUT/agentx/.
 source bench/device/setup.sh
 t() { local s=$1; shift; local t0=$SECONDS; timeout "$s" "$@"; echo "rc=$? $((SECONDS - t0))s $*" >> "$OUT/steps.txt"; }
 [ -f checkpoints/bench/config.json ] || t 120 python3 -m engine.checkpoint --preset bench --out checkpoints/bench \
@@ -18,6 +20,6 @@ run() {  # label, extra overrides...
 }
 run pd-affinity
 run agg-affinity --override "$AGG"
-run agg-no-affinity --override "$AGG" --override '{routing: {session_affinity: false}}'
+run agg-least-loaded --override "$AGG" --override '{routing: {policy: least_loaded}}'
 python3 -m bench.agentx report "$OUT"/agentx/* > "$OUT/agentx-report.txt" 2>&1
 cat "$OUT/steps.txt"; tail -30 "$OUT/agentx-report.txt"
