@@ -163,6 +163,9 @@ def random_weights(cfg: ModelConfig, seed: int = 0, std: float = 0.02, device="c
             yield name, torch.randn(p.shape, generator=gen, device=device, dtype=dtype) * std
 
 
+RANDOM_MARKER = "random_weights.json"
+
+
 def mask_output_rows(weight: torch.Tensor, keep: list[int]) -> torch.Tensor:
     """`weight` ([vocab, hidden], the output projection) with every row but `keep` zeroed.
 
@@ -220,6 +223,8 @@ def write_random_checkpoint(cfg: ModelConfig, out: str | Path, seed: int = 0, dt
         json.dumps({"metadata": {"total_size": total_size}, "weight_map": weight_map}, indent=1))
     (out / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
     tokenizer.save_pretrained(str(out))
+    # marks a random checkpoint written with the masked output rows (older ones lack it)
+    (out / RANDOM_MARKER).write_text(json.dumps({"seed": seed, "output_rows_kept": len(keep)}) + "\n")
     return out
 
 
@@ -229,7 +234,8 @@ def ensure_checkpoint(name_or_path: str, root: str | Path = "checkpoints") -> Pa
     if p.is_dir():
         return p
     target = Path(root) / name_or_path
-    if not (target / "config.json").exists():
+    # a preset's checkpoint from before the output rows were masked is written again
+    if not (target / "config.json").exists() or not (target / RANDOM_MARKER).exists():
         try:
             cfg = preset(name_or_path)
         except ConfigError:

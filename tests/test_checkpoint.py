@@ -118,6 +118,7 @@ def test_random_checkpoint_streams_text_for_every_greedy_token(tiny_ckpt, tmp_pa
     zero = (head == 0).all(dim=1)
     assert not zero[sorted(keep)].any() and zero[[i for i in range(len(head)) if i not in keep]].all()
 
+    assert json.loads((ckpt / "random_weights.json").read_text())["output_rows_kept"] == len(keep)
     engine = LLMEngine.from_pretrained(str(ckpt), EngineConfig(dtype=dtype))
     prompts = [[{"role": "user", "content": f"request {i}: write a function that sorts a list"}] for i in range(4)]
     streams = _stream(engine, prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))

@@ -7,7 +7,7 @@
 # requests by their prompt head (policy 'prefix'). Reports under $OUT/agentx/.
 source bench/device/setup.sh
 t() { local s=$1; shift; local t0=$SECONDS; timeout "$s" "$@"; echo "rc=$? $((SECONDS - t0))s $*" >> "$OUT/steps.txt"; }
-[ -f checkpoints/bench/config.json ] || t 120 python3 -m engine.checkpoint --preset bench --out checkpoints/bench \
+[ -f checkpoints/bench/random_weights.json ] || t 120 python3 -m engine.checkpoint --preset bench --out checkpoints/bench \
   --dtype bfloat16 --device cuda > "$OUT/checkpoint.log" 2>&1
 WORKLOAD="--trace-sessions 8 --turns 4 8 --system-tokens 3000 --task-tokens 1000 --answer-tokens 20 80
   --tool-tokens 200 1500 --large-tool-tokens 3000 8000 --large-tool-prob 0.2 --think-mean 1.0 --max-context 32000"
