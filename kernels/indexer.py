@@ -117,28 +117,33 @@ if triton is not None:
         return tl.where((bits >> 31) != 0, ~bits, bits | 0x80000000)
 
     @triton.jit
-    def _radix_state(hist_ptr, seq, num_seqs, k, PASSES: tl.constexpr):
-        """After PASSES 8-bit passes: the top 8 * PASSES bits of the k-th largest key of row
-        `seq`, and its rank among the keys that share them (1 = the largest of those)."""
-        prefix = tl.zeros([], dtype=tl.uint32)
-        rank = k
+    def _radix_state_kernel(hist_ptr, prefix_ptr, rank_ptr, kth_ptr, num_seqs, k, PASS: tl.constexpr):
+        """After the PASS-th histogram: the top 8 * (PASS + 1) bits of each row's k-th largest
+        key (`prefix`) and its rank among the keys sharing them (1 = the largest); after the
+        last pass, the k-th score itself. One program per row, so the passes and the emit
+        read a few words instead of re-deriving them in every program."""
+        seq = tl.program_id(0)
+        if PASS == 0:
+            prefix = tl.zeros([], dtype=tl.int32)
+            rank = k
+        else:
+            prefix = tl.load(prefix_ptr + seq)
+            rank = tl.load(rank_ptr + seq)
         d = tl.arange(0, 256)
-        for p in tl.static_range(PASSES):
-            h = tl.load(hist_ptr + (p * num_seqs + seq) * 256 + d)
-            from_top = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h  # keys with digit >= d
-            digit = tl.max(tl.where(from_top >= rank, d, -1), axis=0)
-            rank -= tl.sum(tl.where(d > digit, h, 0), axis=0)
-            prefix = (prefix << 8) | digit.to(tl.uint32)
-        return prefix, rank
+        h = tl.load(hist_ptr + (PASS * num_seqs + seq) * 256 + d)
+        from_top = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h  # keys with digit >= d
+        digit = tl.max(tl.where(from_top >= rank, d, -1), axis=0)
+        rank -= tl.sum(tl.where(d > digit, h, 0), axis=0)
+        prefix = (prefix << 8) | digit
+        tl.store(prefix_ptr + seq, prefix)
+        tl.store(rank_ptr + seq, rank)
+        if PASS == 3:
+            key = prefix.to(tl.uint32, bitcast=True)
+            bits = tl.where((key >> 31) != 0, key ^ 0x80000000, ~key)
+            tl.store(kth_ptr + seq, bits.to(tl.float32, bitcast=True))
 
     @triton.jit
-    def _kth_value(hist_ptr, seq, num_seqs, k):
-        key, _ = _radix_state(hist_ptr, seq, num_seqs, k, 4)
-        bits = tl.where((key >> 31) != 0, key ^ 0x80000000, ~key)
-        return bits.to(tl.float32, bitcast=True)
-
-    @triton.jit
-    def _radix_pass_kernel(scores_ptr, hist_ptr, stride_sb, width, num_seqs, k,
+    def _radix_pass_kernel(scores_ptr, hist_ptr, prefix_ptr, stride_sb, width, num_seqs,
                            PASS: tl.constexpr, CHUNK: tl.constexpr):
         """Histogram of the PASS-th byte (from the top) of the keys that match the k-th
         largest key in the bytes before it; counts are added into hist[PASS, seq]."""
@@ -149,29 +154,29 @@ if triton is not None:
         digit = (key >> (24 - 8 * PASS)) & 0xFF
         match = pos < width
         if PASS > 0:
-            prefix, _ = _radix_state(hist_ptr, seq, num_seqs, k, PASS)
+            prefix = tl.load(prefix_ptr + seq).to(tl.uint32, bitcast=True)
             match = match & ((key >> (32 - 8 * PASS)) == prefix)
-        # Bin 256 collects everything else: no masked histogram needed.
-        counts = tl.histogram(tl.where(match, digit, 256).to(tl.int32), 512)
-        bins = tl.arange(0, 512)
-        tl.atomic_add(hist_ptr + (PASS * num_seqs + seq) * 256 + bins, counts,
-                      mask=(bins < 256) & (counts > 0), sem="relaxed")
+        # Non-matching keys are counted in bin 0 and taken out again: no masked histogram needed.
+        bins = tl.arange(0, 256)
+        counts = tl.histogram(tl.where(match, digit, 0).to(tl.int32), 256)
+        counts -= tl.where(bins == 0, CHUNK - tl.sum(match.to(tl.int32), axis=0), 0)
+        tl.atomic_add(hist_ptr + (PASS * num_seqs + seq) * 256 + bins, counts, mask=counts > 0, sem="relaxed")
 
     @triton.jit
-    def _count_chunk_kernel(scores_ptr, hist_ptr, lens_ptr, above_ptr, equal_ptr,
-                            stride_sb, stride_cb, width, num_seqs, k, CHUNK: tl.constexpr):
+    def _count_chunk_kernel(scores_ptr, kth_ptr, lens_ptr, above_ptr, equal_ptr,
+                            stride_sb, stride_cb, width, CHUNK: tl.constexpr):
         seq = tl.program_id(0)
         chunk = tl.program_id(1)
         pos = chunk * CHUNK + tl.arange(0, CHUNK)
         live = (pos < tl.load(lens_ptr + seq)) & (pos < width)
         s = tl.load(scores_ptr + seq * stride_sb + pos, mask=live, other=float("-inf"))
-        kth = _kth_value(hist_ptr, seq, num_seqs, k)
+        kth = tl.load(kth_ptr + seq)
         tl.store(above_ptr + seq * stride_cb + chunk, tl.sum((live & (s > kth)).to(tl.int32), axis=0))
         tl.store(equal_ptr + seq * stride_cb + chunk, tl.sum((live & (s == kth)).to(tl.int32), axis=0))
 
     @triton.jit
-    def _emit_chunk_kernel(scores_ptr, hist_ptr, lens_ptr, above_ptr, equal_ptr, out_ptr,
-                           stride_sb, stride_cb, stride_ob, width, num_seqs, num_chunks, k, topk,
+    def _emit_chunk_kernel(scores_ptr, kth_ptr, lens_ptr, above_ptr, equal_ptr, out_ptr,
+                           stride_sb, stride_cb, stride_ob, width, num_chunks, k, topk,
                            CHUNK: tl.constexpr, CHUNKS: tl.constexpr, FILL: tl.constexpr):
         seq = tl.program_id(0)
         chunk = tl.program_id(1)
@@ -189,7 +194,7 @@ if triton is not None:
         pos = chunk * CHUNK + tl.arange(0, CHUNK)
         live = (pos < tl.load(lens_ptr + seq)) & (pos < width)
         s = tl.load(scores_ptr + seq * stride_sb + pos, mask=live, other=float("-inf"))
-        kth = _kth_value(hist_ptr, seq, num_seqs, k)
+        kth = tl.load(kth_ptr + seq)
         row_out = out_ptr + seq * stride_ob
         is_above = live & (s > kth)
         above_rank = above_before + tl.cumsum(is_above.to(tl.int32), axis=0) - 1
@@ -262,14 +267,37 @@ def indexer_scores_triton(q: torch.Tensor, w: torch.Tensor, index_keys: torch.Te
     return _score_launch(q, w, index_keys, block_tables, g_lens, block_size, key_scale=key_scale)
 
 
+# Widest row whose k-th score comes from the radix select; wider rows use torch.topk. On the
+# H200 (bench/RESULTS.md, forward profiles of 2026-11-30) the radix passes beat torch.topk up to
+# 128K positions and lost at 512K (2.99 against 2.22 ms a step at batch 16).
+RADIX_MAX_WIDTH = 131072
+
+
+def kth_scores(scores: torch.Tensor, k: int, method: str | None = None) -> torch.Tensor:
+    """[B] fp32: each row's k-th largest score (1 <= k <= width), by `method` 'radix' (four 8-bit
+    histogram passes over the scores' bits, no sort) or 'topk' (torch.topk); None picks by width."""
+    num_seqs, width = scores.shape
+    method = method or ("radix" if width <= RADIX_MAX_WIDTH else "topk")
+    if method == "topk":
+        return torch.topk(scores, k, dim=1, sorted=False).values.amin(dim=1)
+    hist = torch.zeros(4, num_seqs, 256, device=scores.device, dtype=torch.int32)
+    prefix = torch.empty(num_seqs, device=scores.device, dtype=torch.int32)
+    rank = torch.empty_like(prefix)
+    kth = torch.empty(num_seqs, device=scores.device, dtype=torch.float32)
+    chunk = min(4096, _next_pow2(width, 16))
+    for p in range(4):
+        _radix_pass_kernel[(num_seqs, triton.cdiv(width, chunk))](
+            scores, hist, prefix, scores.stride(0), width, num_seqs, PASS=p, CHUNK=chunk, num_warps=8)
+        _radix_state_kernel[(num_seqs,)](hist, prefix, rank, kth, num_seqs, k, PASS=p, num_warps=1)
+    return kth
+
+
 def select_topk_triton(scores: torch.Tensor, g_lens: torch.Tensor, topk: int,
-                       chunk: int | None = None) -> torch.Tensor:
+                       chunk: int | None = None, method: str | None = None) -> torch.Tensor:
     """Positions [B, topk] int32 of the top-k scores of each row (the reference's tie rule),
     -1 past min(g_len, topk); in no particular order.
 
-    The k-th largest score of each row is found by a radix select over the scores' bits (four
-    8-bit histogram passes over the row, no sort; torch.topk took 38-48 us a layer at 8K and
-    0.14 ms at 512K on an H200, one kernel launch of ours per pass). Two passes over chunks
+    The k-th largest score of each row comes from kth_scores (`method`). Two passes over chunks
     of the row then keep every position scoring above it and fill the remaining places with
     the latest positions scoring exactly it. Dead positions (past g_len) score -inf.
     """
@@ -279,20 +307,16 @@ def select_topk_triton(scores: torch.Tensor, g_lens: torch.Tensor, topk: int,
     if num_seqs == 0 or k == 0:
         return out.fill_(-1)
     g_lens = g_lens.to(device=scores.device, dtype=torch.int32).contiguous()
-    hist = torch.zeros(4, num_seqs, 256, device=scores.device, dtype=torch.int32)
-    pass_chunk = min(4096, _next_pow2(width, 16))
-    for p in range(4):
-        _radix_pass_kernel[(num_seqs, triton.cdiv(width, pass_chunk))](
-            scores, hist, scores.stride(0), width, num_seqs, k, PASS=p, CHUNK=pass_chunk, num_warps=8)
+    kth = kth_scores(scores, k, method)
     chunk = chunk or min(1024, _next_pow2(width, 16))
     num_chunks = triton.cdiv(width, chunk)
     above = torch.empty(num_seqs, num_chunks, device=scores.device, dtype=torch.int32)
     equal = torch.empty_like(above)
     grid = (num_seqs, num_chunks)
-    _count_chunk_kernel[grid](scores, hist, g_lens, above, equal, scores.stride(0), above.stride(0), width,
-                              num_seqs, k, CHUNK=chunk, num_warps=4)
-    _emit_chunk_kernel[grid](scores, hist, g_lens, above, equal, out,
-                             scores.stride(0), above.stride(0), out.stride(0), width, num_seqs, num_chunks, k, topk,
+    _count_chunk_kernel[grid](scores, kth, g_lens, above, equal, scores.stride(0), above.stride(0), width,
+                              CHUNK=chunk, num_warps=4)
+    _emit_chunk_kernel[grid](scores, kth, g_lens, above, equal, out,
+                             scores.stride(0), above.stride(0), out.stride(0), width, num_chunks, k, topk,
                              CHUNK=chunk, CHUNKS=_next_pow2(num_chunks, 16), FILL=min(1024, _next_pow2(topk, 16)),
                              num_warps=4)
     return out
