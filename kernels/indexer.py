@@ -156,10 +156,11 @@ if triton is not None:
         if PASS > 0:
             prefix = tl.load(prefix_ptr + seq).to(tl.uint32, bitcast=True)
             match = match & ((key >> (32 - 8 * PASS)) == prefix)
-        # Non-matching keys are counted in bin 0 and taken out again: no masked histogram needed.
+        # Non-matching keys land in bin 0, which the state kernel never needs exactly: it reads
+        # only the counts of digits above the one it picks, and bin 0 is picked only when every
+        # higher bin together holds fewer than `rank` keys. So no masked histogram is needed.
         bins = tl.arange(0, 256)
         counts = tl.histogram(tl.where(match, digit, 0).to(tl.int32), 256)
-        counts -= tl.where(bins == 0, CHUNK - tl.sum(match.to(tl.int32), axis=0), 0)
         tl.atomic_add(hist_ptr + (PASS * num_seqs + seq) * 256 + bins, counts, mask=counts > 0, sem="relaxed")
 
     @triton.jit
