@@ -305,6 +305,14 @@ class AppConfig(_Strict):
     eplb: EPLBConfig = Field(default_factory=EPLBConfig, description="Expert load balancer.")
     placement: PlacementConfig = Field(default_factory=PlacementConfig, description="Cluster and placement.")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_sections(cls, data: Any) -> Any:
+        # A section whose keys are all commented out is YAML null: take it as the defaults.
+        if isinstance(data, dict):
+            return {k: ({} if v is None and k in cls.model_fields else v) for k, v in data.items()}
+        return data
+
     @model_validator(mode="after")
     def _consistent(self) -> "AppConfig":
         if self.kv_transport.backend == "cuda_ipc" and "cpu" in (self.prefill.devices, self.decode.devices):

@@ -153,6 +153,22 @@ def test_defaults_are_the_tiny_cpu_layout():
     assert names == ["decode-0", "prefill-0"]
 
 
+def test_commented_out_section_means_its_defaults():
+    """`routing:` with every key commented out is YAML null: the section's defaults, not an error."""
+    cfg = parse_app_config(yaml.safe_load("routing:\n  # policy: least_loaded\neplb:\n  enabled: false\n"))
+    assert cfg.routing == parse_app_config({}).routing and cfg.eplb.enabled is False
+    with pytest.raises(ConfigError, match="routing"):
+        parse_app_config({"routing": 3})
+
+
+def test_agentx_bench_config_validates():
+    from bench.agentx.__main__ import app_args
+    for overrides in ([], ["{prefill: {replicas: 0}, kv_transport: {backend: none}, decode: {dp_size: 2}}",
+                           "{routing: {policy: least_loaded}}"]):
+        cfg = parse_app_config(app_args(str(CONFIGS / "agentx-h200x2.yaml"), overrides, None))
+        assert cfg.decode.devices == "cuda"
+
+
 def test_unknown_key_names_the_field_and_suggests():
     with pytest.raises(ConfigError) as e:
         parse_app_config({"prefill": {"replica": 2}})
