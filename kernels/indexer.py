@@ -117,6 +117,61 @@ if triton is not None:
         return tl.where((bits >> 31) != 0, ~bits, bits | 0x80000000)
 
     @triton.jit
+    def _pick_digit(h, rank):
+        """Histogram h [256] of one byte of the keys still in the running: the byte of the
+        rank-th largest of them, and that key's rank among the keys sharing the byte."""
+        d = tl.arange(0, 256)
+        from_top = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h  # keys with digit >= d
+        digit = tl.max(tl.where(from_top >= rank, d, -1), axis=0)
+        return digit, rank - tl.sum(tl.where(d > digit, h, 0), axis=0)
+
+    @triton.jit
+    def _key_to_score(key):
+        bits = tl.where((key >> 31) != 0, key ^ 0x80000000, ~key)
+        return bits.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _select_row_kernel(scores_ptr, lens_ptr, out_ptr, stride_sb, stride_ob, width, k, topk,
+                           WIDTH: tl.constexpr, FILL: tl.constexpr):
+        """The whole selection of one row in one program, for rows that fit in registers: the
+        radix select of the k-th score (four 8-bit histograms, no atomics) and the emit. Ten
+        launches fewer per layer than the multi-program path, which decode at short contexts
+        (a few microseconds of work a launch) cannot afford."""
+        seq = tl.program_id(0)
+        pos = tl.arange(0, WIDTH)
+        in_row = pos < width
+        s = tl.load(scores_ptr + seq * stride_sb + pos, mask=in_row, other=float("-inf"))
+        key = _order_key(s)
+        prefix = tl.zeros([], dtype=tl.uint32)
+        rank = k
+        for p in tl.static_range(4):
+            match = in_row
+            if p > 0:
+                match = match & ((key >> (32 - 8 * p)) == prefix)
+            digit = (key >> (24 - 8 * p)) & 0xFF
+            h = tl.histogram(tl.where(match, digit, 0).to(tl.int32), 256)  # bin 0: see _radix_pass_kernel
+            picked, rank = _pick_digit(h, rank)
+            prefix = (prefix << 8) | picked.to(tl.uint32)
+        kth = _key_to_score(prefix)
+
+        live = in_row & (pos < tl.load(lens_ptr + seq))
+        row_out = out_ptr + seq * stride_ob
+        is_above = live & (s > kth)
+        total_above = tl.sum(is_above.to(tl.int32), axis=0)
+        tl.store(row_out + tl.cumsum(is_above.to(tl.int32), axis=0) - 1, pos, mask=is_above)
+        # The places left go to the scores equal to the k-th, latest position first.
+        ties_wanted = k - total_above
+        is_tie = (live & (s == kth)).to(tl.int32)
+        num_ties = tl.sum(is_tie, axis=0)
+        later_ties = num_ties - tl.cumsum(is_tie, axis=0)
+        take = (is_tie != 0) & (later_ties < ties_wanted)
+        tl.store(row_out + total_above + later_ties, pos, mask=take)
+        filled = total_above + tl.minimum(ties_wanted, num_ties)
+        for start in range(0, topk, FILL):
+            i = start + tl.arange(0, FILL)
+            tl.store(row_out + i, tl.full([FILL], -1, tl.int32), mask=(i >= filled) & (i < topk))
+
+    @triton.jit
     def _radix_state_kernel(hist_ptr, prefix_ptr, rank_ptr, kth_ptr, num_seqs, k, PASS: tl.constexpr):
         """After the PASS-th histogram: the top 8 * (PASS + 1) bits of each row's k-th largest
         key (`prefix`) and its rank among the keys sharing them (1 = the largest); after the
@@ -129,18 +184,13 @@ if triton is not None:
         else:
             prefix = tl.load(prefix_ptr + seq)
             rank = tl.load(rank_ptr + seq)
-        d = tl.arange(0, 256)
-        h = tl.load(hist_ptr + (PASS * num_seqs + seq) * 256 + d)
-        from_top = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h  # keys with digit >= d
-        digit = tl.max(tl.where(from_top >= rank, d, -1), axis=0)
-        rank -= tl.sum(tl.where(d > digit, h, 0), axis=0)
+        h = tl.load(hist_ptr + (PASS * num_seqs + seq) * 256 + tl.arange(0, 256))
+        digit, rank = _pick_digit(h, rank)
         prefix = (prefix << 8) | digit
         tl.store(prefix_ptr + seq, prefix)
         tl.store(rank_ptr + seq, rank)
         if PASS == 3:
-            key = prefix.to(tl.uint32, bitcast=True)
-            bits = tl.where((key >> 31) != 0, key ^ 0x80000000, ~key)
-            tl.store(kth_ptr + seq, bits.to(tl.float32, bitcast=True))
+            tl.store(kth_ptr + seq, _key_to_score(prefix.to(tl.uint32, bitcast=True)))
 
     @triton.jit
     def _radix_pass_kernel(scores_ptr, hist_ptr, prefix_ptr, stride_sb, width, num_seqs,
@@ -268,9 +318,11 @@ def indexer_scores_triton(q: torch.Tensor, w: torch.Tensor, index_keys: torch.Te
     return _score_launch(q, w, index_keys, block_tables, g_lens, block_size, key_scale=key_scale)
 
 
-# Widest row whose k-th score comes from the radix select; wider rows use torch.topk. On the
-# H200 (bench/RESULTS.md, forward profiles of 2026-11-30) the radix passes beat torch.topk up to
-# 128K positions and lost at 512K (2.99 against 2.22 ms a step at batch 16).
+# Widest row selected by one program (the row in registers); wider rows run the multi-program
+# radix passes, and rows wider than RADIX_MAX_WIDTH torch.topk for the k-th score: on the H200
+# (bench/RESULTS.md, forward profiles of 2026-11-30) the radix passes beat torch.topk up to 128K
+# positions and lost at 512K (2.99 against 2.22 ms a step at batch 16).
+ROW_MAX_WIDTH = 16384
 RADIX_MAX_WIDTH = 131072
 
 
@@ -298,9 +350,11 @@ def select_topk_triton(scores: torch.Tensor, g_lens: torch.Tensor, topk: int,
     """Positions [B, topk] int32 of the top-k scores of each row (the reference's tie rule),
     -1 past min(g_len, topk); in no particular order.
 
-    The k-th largest score of each row comes from kth_scores (`method`). Two passes over chunks
-    of the row then keep every position scoring above it and fill the remaining places with
-    the latest positions scoring exactly it. Dead positions (past g_len) score -inf.
+    `method` 'row' does all of it in one program per row (the default up to ROW_MAX_WIDTH).
+    Otherwise the k-th largest score of each row comes from kth_scores (`method` 'radix' or
+    'topk'), and two passes over chunks of the row keep every position scoring above it and fill
+    the remaining places with the latest positions scoring exactly it. Dead positions (past
+    g_len) score -inf.
     """
     num_seqs, width = scores.shape
     out = torch.empty(num_seqs, topk, device=scores.device, dtype=torch.int32)
@@ -308,6 +362,12 @@ def select_topk_triton(scores: torch.Tensor, g_lens: torch.Tensor, topk: int,
     if num_seqs == 0 or k == 0:
         return out.fill_(-1)
     g_lens = g_lens.to(device=scores.device, dtype=torch.int32).contiguous()
+    fill = min(1024, _next_pow2(topk, 16))
+    if method == "row" or (method is None and width <= ROW_MAX_WIDTH):
+        row = _next_pow2(width, 16)
+        _select_row_kernel[(num_seqs,)](scores, g_lens, out, scores.stride(0), out.stride(0), width, k, topk,
+                                        WIDTH=row, FILL=fill, num_warps=16 if row >= 8192 else 8 if row >= 2048 else 4)
+        return out
     kth = kth_scores(scores, k, method)
     chunk = chunk or min(1024, _next_pow2(width, 16))
     num_chunks = triton.cdiv(width, chunk)
@@ -318,8 +378,7 @@ def select_topk_triton(scores: torch.Tensor, g_lens: torch.Tensor, topk: int,
                               CHUNK=chunk, num_warps=4)
     _emit_chunk_kernel[grid](scores, kth, g_lens, above, equal, out,
                              scores.stride(0), above.stride(0), out.stride(0), width, num_chunks, k, topk,
-                             CHUNK=chunk, CHUNKS=_next_pow2(num_chunks, 16), FILL=min(1024, _next_pow2(topk, 16)),
-                             num_warps=4)
+                             CHUNK=chunk, CHUNKS=_next_pow2(num_chunks, 16), FILL=fill, num_warps=4)
     return out
 
 
