@@ -220,3 +220,28 @@ def test_replay_against_the_served_app(tiny_ckpt, tmp_path):
         assert r["shared_prefix_tokens"] == first["prompt_tokens"]
     m = report.level_metrics(recs, level["wall_s"], gpus=1, kv_block_size=16)
     assert m["failed"] == 0 and m["throughput_per_gpu"] > 0 and m["theoretical_reuse_tokens"] > 0
+
+
+def test_serve_replay_ttft_smoke(tiny_v4_ckpt, tmp_path, capsys):
+    """bench.serve_replay_ttft through Ray Serve on CPU: each mode's next turn finds the first
+    turn's prefix, and a context past the app's limit is refused before anything starts."""
+    import yaml
+
+    from bench import serve_replay_ttft
+    cfg = tmp_path / "app.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "model": {"path": str(tiny_v4_ckpt), "name": "tiny"},
+        "engine": {"block_size": 16, "num_blocks": 128, "max_num_seqs": 4, "max_num_batched_tokens": 128},
+        "prefill": {"replicas": 0}, "kv_transport": {"backend": "none"}, "decode": {"dp_size": 1},
+        "eplb": {"enabled": False}}))
+    out = tmp_path / "rows.jsonl"
+    assert serve_replay_ttft.main(["--config", str(cfg), "--contexts", "96", "200", "--modes", "bounded", "exact",
+                                   "--new-tokens", "8", "--num-cpus", "2", "--json", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["mode"], r["context"]) for r in rows] == [("bounded", 96), ("bounded", 200), ("exact", 96), ("exact", 200)]
+    for r in rows:
+        assert r["none_ttft_ms"] > 0 and r["hit_ttft_ms"] > 0
+        assert r["context"] - 16 < r["hit_cached_tokens"] <= r["context"]  # whole blocks of the first turn
+    assert "| bounded | 200 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        serve_replay_ttft.main(["--config", str(cfg), "--contexts", "100000"])
