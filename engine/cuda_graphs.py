@@ -24,6 +24,17 @@ def _batch_sizes(max_batch: int) -> list[int]:
     return sorted({s for s in sizes if s <= max_batch} | {max_batch})
 
 
+def blocks_bucket(num_blocks: int) -> int:
+    """Padded block-table width of a graph: at least 16 blocks, then four steps per octave
+    (n in (2^k, 2^(k+1)] rounds up to a multiple of 2^(k-2)). The indexer scores and selects
+    over the whole padded width, so powers of two cost up to 2x at long context (1M positions
+    for a 512K one); this keeps it under 1.25x with four times the graphs."""
+    if num_blocks <= 16:
+        return 16
+    step = (1 << (num_blocks - 1).bit_length()) // 8
+    return -(-num_blocks // step) * step
+
+
 class DecodeGraphs:
     def __init__(self, runner, max_batch: int):
         self.runner = runner
@@ -41,9 +52,7 @@ class DecodeGraphs:
 
     @staticmethod
     def _blocks_bucket(num_blocks: int) -> int:
-        # Powers of two (at least 16 blocks): a few graphs cover every context, and the
-        # kernels' grids stay within 2x of the longest sequence in the batch.
-        return max(16, 1 << (num_blocks - 1).bit_length())
+        return blocks_bucket(num_blocks)
 
     def run(self, batch) -> torch.Tensor:
         r = self.runner

@@ -161,3 +161,11 @@ def test_warmup_leaves_nothing_behind(tiny_v4_ckpt):
     assert stats["steps"] == 0 and stats["prefix_hit_tokens"] == 0 and not fresh.requests
     assert all(int(m.slot_load.sum()) == 0 for m in fresh.runner.model.moe_layers())
     assert [o.output_token_ids for o in fresh.generate(prompts, GREEDY)] == before
+
+
+def test_graph_block_buckets_waste_at_most_a_quarter():
+    from engine.cuda_graphs import blocks_bucket
+    assert [blocks_bucket(n) for n in (1, 16, 17, 129, 8193)] == [16, 16, 20, 160, 10240]
+    widths = [blocks_bucket(n) for n in range(1, 1 << 14)]
+    assert all(w >= n and (n <= 16 or w <= 1.25 * n) for n, w in zip(range(1, 1 << 14), widths))
+    assert len(set(widths)) <= 4 * 10 + 1  # four per octave from 16 to 16K blocks
