@@ -84,14 +84,15 @@ def build_token_batch(positions: torch.Tensor, starts: torch.Tensor, seq_of: tor
 def decode_attention(attn, q_full: torch.Tensor, idx_q: torch.Tensor | None, idx_w: torch.Tensor | None,
                      latent: torch.Tensor | None, ctx) -> torch.Tensor:
     """MLA over kernel rows. q_full [T, H, D] absorbed queries, idx_q [T, Hi, Di] / idx_w [T, Hi]
-    the indexer's (scaled) -> latent output [T, H, kv_lora]."""
+    the indexer's queries and unscaled head weights -> latent output [T, H, kv_lora]."""
     cfg, dec = attn.cfg, ctx.decode
     kv, kv_scale = ctx.global_slab(attn.source)
     topk_pos = None
     if attn.indexer is not None and dec.sparse:
         scale = ctx.index_scale[attn.source] if ctx.index_scale is not None else None
         topk_pos = indexer_topk(idx_q, idx_w, ctx.index_keys[attn.source], dec.block_tables, dec.g_lens,
-                                dec.block_size, cfg.index_topk, key_scale=scale)
+                                dec.block_size, cfg.index_topk, key_scale=scale,
+                                w_scale=attn.indexer.n_heads ** -0.5)
     win_kv = None
     if cfg.sliding_window is not None:
         ring = ctx.window_kv[ctx.window_slots, attn.layer]  # a copy, read before this step's write

@@ -97,10 +97,12 @@ class MLAttention(nn.Module):
         idx_q = idx_w = None
         if self.indexer is not None:
             idx_q = xp["idx_q"].view(t, self.indexer.n_heads, self.indexer.head_dim)
-            idx_w = xp["idx_w"].float() * self.indexer.n_heads ** -0.5
+            idx_w = xp["idx_w"]  # head weights, scaled by 1/sqrt(heads) in fp32 where they are used
         if ctx.decode is not None:
             out = decode_attention(self, q_full, idx_q, idx_w, latent, ctx)  # [T, H, kv_lora]
         else:
+            if idx_w is not None:
+                idx_w = idx_w.float() * self.indexer.n_heads ** -0.5
             out = self._attend_padded(q_full[ctx.q_index], idx_q, idx_w, latent, ctx)
         out = torch.einsum("thc,hvc->thv", out.to(q_full.dtype), w_uv).reshape(t, -1)
         return self.o_proj(out)

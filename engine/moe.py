@@ -142,7 +142,8 @@ class MoE(nn.Module):
         """Routed experts for tokens x [T, H] routed to local slots [T, k] with weights [T, k]
         (already counted in slot_load by the router)."""
         t, k = slots.shape
-        token_of = torch.arange(t, device=x.device).repeat_interleave(k)
+        # arange // k, not repeat_interleave: the same pairs in two small kernels, no scan
+        token_of = torch.div(torch.arange(t * k, device=x.device), k, rounding_mode="floor")
         return self.expert_pairs(x, token_of, slots.flatten(), weights.flatten(), count=False)
 
     def expert_pairs(self, x: torch.Tensor, token_of: torch.Tensor, slot_of: torch.Tensor,
@@ -150,12 +151,14 @@ class MoE(nn.Module):
         """Sum over (token, local slot, weight) pairs of weight * expert(x[token]), as [T, H].
         Pairs are sorted by slot: one grouped GEMM per projection where torch has it (no host
         sync, no per-expert launches), else one matmul pair per slot."""
-        # scatter_add, not bincount: bincount on CUDA reads the max back to the host (a sync per layer)
-        counts = torch.zeros(self.w13.shape[0], dtype=torch.long, device=x.device).scatter_add_(
-            0, slot_of, torch.ones_like(slot_of))
-        if count:
-            self.slot_load += counts
-        if self.gemm != "grouped_mm" and x.is_cuda:
+        fused = self.gemm != "grouped_mm" and x.is_cuda
+        if count or not fused:
+            # scatter_add, not bincount: bincount on CUDA reads the max back to the host (a sync per layer)
+            counts = torch.zeros(self.w13.shape[0], dtype=torch.long, device=x.device).scatter_add_(
+                0, slot_of, torch.ones_like(slot_of))
+            if count:
+                self.slot_load += counts
+        if fused:
             return fused_experts(x, self.w13, self.w2, token_of, slot_of, weight_of)
         order = slot_of.argsort(stable=True)
         token_of = token_of[order]

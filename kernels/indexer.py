@@ -26,9 +26,12 @@ except Exception:  # a CPU-only install without triton still gets the reference
 
 def indexer_scores_reference(q: torch.Tensor, w: torch.Tensor, index_keys: torch.Tensor,
                              block_tables: torch.Tensor, g_lens: torch.Tensor,
-                             block_size: int, key_scale: torch.Tensor | None = None) -> torch.Tensor:
+                             block_size: int, key_scale: torch.Tensor | None = None,
+                             w_scale: float = 1.0) -> torch.Tensor:
     """fp32 scores [B, M*block_size]; -inf at positions j >= g_lens[b]. With key_scale [S]
-    (FP8 index keys), key = index_keys[slot] * key_scale[slot]."""
+    (FP8 index keys), key = index_keys[slot] * key_scale[slot]. The head weights are
+    w.float() * w_scale (the model's 1/sqrt(heads), applied in the kernel instead of by two
+    more launches)."""
     num_seqs, max_blocks = block_tables.shape
     width = max_blocks * block_size
     pos = torch.arange(width, device=q.device)
@@ -40,7 +43,7 @@ def indexer_scores_reference(q: torch.Tensor, w: torch.Tensor, index_keys: torch
     if key_scale is not None:
         keys = keys * key_scale[slots].float()[..., None]
     s = torch.einsum("bhd,bld->bhl", q.float(), keys).relu()
-    s = (s * w.float()[:, :, None]).sum(1)
+    s = (s * (w.float() * w_scale)[:, :, None]).sum(1)
     return s.masked_fill(~live, float("-inf"))
 
 
@@ -65,9 +68,10 @@ def select_topk_reference(scores: torch.Tensor, g_lens: torch.Tensor, topk: int)
 
 def indexer_topk_reference(q: torch.Tensor, w: torch.Tensor, index_keys: torch.Tensor,
                            block_tables: torch.Tensor, g_lens: torch.Tensor,
-                           block_size: int, topk: int, key_scale: torch.Tensor | None = None) -> torch.Tensor:
+                           block_size: int, topk: int, key_scale: torch.Tensor | None = None,
+                           w_scale: float = 1.0) -> torch.Tensor:
     """Positions [B, topk] int32 of the top-k scores, best first; -1 fills rows with fewer."""
-    scores = indexer_scores_reference(q, w, index_keys, block_tables, g_lens, block_size, key_scale)
+    scores = indexer_scores_reference(q, w, index_keys, block_tables, g_lens, block_size, key_scale, w_scale)
     return select_topk_reference(scores, g_lens, topk)
 
 
@@ -77,7 +81,7 @@ if triton is not None:
     def _score_tile_kernel(q_ptr, w_ptr, keys_ptr, scale_ptr, table_ptr, lens_ptr, out_ptr,
                            stride_qb, stride_qh, stride_qd, stride_wb, stride_wh,
                            stride_ks, stride_kd, stride_tb, stride_tm, stride_ob,
-                           num_heads, head_dim, width, block_size,
+                           num_heads, head_dim, width, block_size, w_scale,
                            HEADS: tl.constexpr, DIM: tl.constexpr, TILE: tl.constexpr,
                            PRECISION: tl.constexpr, UPCAST: tl.constexpr, SCALED: tl.constexpr):
         seq = tl.program_id(0)
@@ -103,7 +107,7 @@ if triton is not None:
         elif SCALED:  # E4M3 values are exact in q's 16-bit type
             keys = keys.to(q.dtype)
         dots = tl.dot(keys, q, input_precision=PRECISION)  # [TILE, HEADS] fp32
-        wt = tl.load(w_ptr + seq * stride_wb + h * stride_wh, mask=h_ok, other=0.0).to(tl.float32)
+        wt = tl.load(w_ptr + seq * stride_wb + h * stride_wh, mask=h_ok, other=0.0).to(tl.float32) * w_scale
         score = tl.sum(tl.maximum(dots, 0.0) * wt[None, :], axis=1)
         if SCALED:  # relu(q . (s k)) = s relu(q . k) for the positive per-key scale s
             score = score * tl.load(scale_ptr + slot, mask=live, other=1.0)
@@ -273,7 +277,7 @@ def score_tune_key(num_heads: int, head_dim: int, width: int, fp8: bool) -> str:
 
 def _score_launch(q, w, index_keys, block_tables, g_lens, block_size,
                   tile: int | None = None, num_warps: int | None = None,
-                  key_scale: torch.Tensor | None = None) -> torch.Tensor:
+                  key_scale: torch.Tensor | None = None, w_scale: float = 1.0) -> torch.Tensor:
     num_seqs, num_heads, head_dim = q.shape
     width = block_tables.shape[1] * block_size
     out = torch.empty(num_seqs, width, device=q.device, dtype=torch.float32)
@@ -304,7 +308,7 @@ def _score_launch(q, w, index_keys, block_tables, g_lens, block_size,
         q.stride(0), q.stride(1), q.stride(2), w.stride(0), w.stride(1),
         index_keys.stride(0), index_keys.stride(1), block_tables.stride(0), block_tables.stride(1),
         out.stride(0),
-        num_heads, head_dim, width, block_size,
+        num_heads, head_dim, width, block_size, float(w_scale),
         HEADS=heads, DIM=dim, TILE=tile, PRECISION="ieee" if fp32 else "tf32", UPCAST=upcast, SCALED=scaled,
         num_warps=num_warps,
     )
@@ -313,9 +317,10 @@ def _score_launch(q, w, index_keys, block_tables, g_lens, block_size,
 
 def indexer_scores_triton(q: torch.Tensor, w: torch.Tensor, index_keys: torch.Tensor,
                           block_tables: torch.Tensor, g_lens: torch.Tensor,
-                          block_size: int, key_scale: torch.Tensor | None = None) -> torch.Tensor:
+                          block_size: int, key_scale: torch.Tensor | None = None,
+                          w_scale: float = 1.0) -> torch.Tensor:
     """Triton form of indexer_scores_reference (same shape and -inf padding)."""
-    return _score_launch(q, w, index_keys, block_tables, g_lens, block_size, key_scale=key_scale)
+    return _score_launch(q, w, index_keys, block_tables, g_lens, block_size, key_scale=key_scale, w_scale=w_scale)
 
 
 # Widest row selected by one program (the row in registers); wider rows run the multi-program
@@ -384,15 +389,17 @@ def select_topk_triton(scores: torch.Tensor, g_lens: torch.Tensor, topk: int,
 
 def indexer_topk_triton(q: torch.Tensor, w: torch.Tensor, index_keys: torch.Tensor,
                         block_tables: torch.Tensor, g_lens: torch.Tensor,
-                        block_size: int, topk: int, key_scale: torch.Tensor | None = None) -> torch.Tensor:
+                        block_size: int, topk: int, key_scale: torch.Tensor | None = None,
+                        w_scale: float = 1.0) -> torch.Tensor:
     """Same position set as indexer_topk_reference, in no particular order."""
-    scores = _score_launch(q, w, index_keys, block_tables, g_lens, block_size, key_scale=key_scale)
+    scores = _score_launch(q, w, index_keys, block_tables, g_lens, block_size, key_scale=key_scale, w_scale=w_scale)
     return select_topk_triton(scores, g_lens, topk)
 
 
 def indexer_topk(q: torch.Tensor, w: torch.Tensor, index_keys: torch.Tensor,
                  block_tables: torch.Tensor, g_lens: torch.Tensor,
-                 block_size: int, topk: int, key_scale: torch.Tensor | None = None) -> torch.Tensor:
+                 block_size: int, topk: int, key_scale: torch.Tensor | None = None,
+                 w_scale: float = 1.0) -> torch.Tensor:
     """Top-k cached positions per decoding sequence by indexer score.
 
     q [B, Hi, Di], w [B, Hi], index_keys [S, Di] (slot = block * block_size + offset),
@@ -400,7 +407,8 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, index_keys: torch.Tensor,
     Returns [B, topk] int32 positions (not slots); -1 fills the row past min(g_len, topk).
     Row order is unspecified (best-first on the reference path). FP8 index keys
     (float8_e4m3fn) come with key_scale [S] fp32: key = index_keys[slot] * key_scale[slot].
+    The head weights are w.float() * w_scale.
     """
     if triton is not None and triton_ok(q):
-        return indexer_topk_triton(q, w, index_keys, block_tables, g_lens, block_size, topk, key_scale)
-    return indexer_topk_reference(q, w, index_keys, block_tables, g_lens, block_size, topk, key_scale)
+        return indexer_topk_triton(q, w, index_keys, block_tables, g_lens, block_size, topk, key_scale, w_scale)
+    return indexer_topk_reference(q, w, index_keys, block_tables, g_lens, block_size, topk, key_scale, w_scale)

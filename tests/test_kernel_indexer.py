@@ -219,3 +219,18 @@ def test_radix_select_over_several_pass_chunks(device):
         want = scores[row].sort(descending=True).values[k - 1]
         for method in ("radix", "topk"):
             assert kth_scores(scores[row:row + 1], k, method).item() == want.item()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_head_weight_scale_in_kernel(device):
+    """w_scale multiplies the fp32 head weights inside the kernel: the same scores as scaling
+    them beforehand, bit for bit."""
+    args = make_case(device, [70, 33], 16, dtype=torch.bfloat16)
+    q, w, keys, tables, lens = args
+    scale = 8 ** -0.5
+    got = indexer_scores_triton(q, w, keys, tables, lens, 16, w_scale=scale)
+    want = indexer_scores_triton(q, w.float() * scale, keys, tables, lens, 16)
+    assert torch.equal(got, want)
+    ref = indexer_scores_reference(q, w, keys, tables, lens, 16, w_scale=scale)
+    torch.testing.assert_close(got, ref, atol=1e-2, rtol=1e-2)
+    assert not torch.allclose(got, indexer_scores_triton(q, w, keys, tables, lens, 16), atol=1e-3)
