@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.rmsnorm import rms_norm
+from kernels.rmsnorm import add_rms_norm, rms_norm
 from kernels.rope import apply_rope
 
 
@@ -15,10 +15,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # one fused kernel on GPU (kernels/rmsnorm.py); its reference is the expression
-        # weight * rms_norm(x in fp32).to(x.dtype)
-        return rms_norm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x); with a residual, (norm(x + residual), x + residual), the add in the same
+        launch. One fused kernel on GPU (kernels/rmsnorm.py); its reference is the expression
+        weight * rms_norm(x in fp32).to(x.dtype)."""
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class DerivedWeight:

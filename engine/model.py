@@ -133,9 +133,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
+                ctx: AttentionContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous sublayer's output (the embeddings, with residual None, for the first
+        layer). Returns this layer's MLP output and the residual stream before it: the stream is
+        x + residual, and each add is folded into the norm that follows it."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, ctx), residual)
+        return self.mlp(h), residual
 
 
 class DeepseekModel(nn.Module):
@@ -163,10 +171,10 @@ class DeepseekForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def forward(self, input_ids: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
+        x, residual = self.model.embed_tokens(input_ids), None
         for layer in self.model.layers:
-            x = layer(x, ctx)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, ctx)
+        return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -6,6 +6,8 @@ four norms per layer: at decode batch sizes those launches, not the bytes, set t
 
 `rms_norm_reference` defines the semantics; `rms_norm_triton` matches it to float32 rounding
 (bf16/fp16 outputs within one unit in the last place; usually equal); `rms_norm` picks one.
+`add_rms_norm` folds the residual add before a norm into the same launch (h = x + residual,
+then the norm of h; both returned), as the decoder layers do twice per layer.
 """
 from __future__ import annotations
 
@@ -30,6 +32,13 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
+def add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(h), h) for h = x + residual in x's dtype."""
+    h = x + residual
+    return rms_norm_reference(h, weight, eps), h
+
+
 if triton is not None:
     @triton.jit
     def cast_rne(v, DTYPE: tl.constexpr):
@@ -50,8 +59,8 @@ if triton is not None:
         return tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(sum_sq, D * 1.0) + eps))
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, stride_x, eps,
-                         BLOCK_D: tl.constexpr, NUM_CHUNKS: tl.constexpr):
+    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, res_ptr, h_ptr, D, stride_x, stride_r, eps,
+                         BLOCK_D: tl.constexpr, NUM_CHUNKS: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         x_row = x_ptr + row * stride_x
         out_row = out_ptr + row * D
@@ -61,6 +70,12 @@ if triton is not None:
         if NUM_CHUNKS == 1:
             ok = cols < D
             x = tl.load(x_row + cols, mask=ok, other=0.0).to(tl.float32)
+            if HAS_RESIDUAL:
+                # h = x + residual rounded to x's dtype, as torch's add; the norm reads h.
+                r = tl.load(res_ptr + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32)
+                h = cast_rne(x + r, X_DTYPE)
+                tl.store(h_ptr + row * D + cols, h, mask=ok)
+                x = h.to(tl.float32)
             rstd = _rstd(tl.sum(x * x, axis=0), D, eps)
             # The normalised row is rounded to x's dtype before the weight multiply, as the
             # reference's `.to(x.dtype)` does; the multiply then runs in fp32 and rounds once.
@@ -113,11 +128,39 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
         rows = rows.contiguous()
     block = block_d or min(_pow2(d), MAX_BLOCK_D)
     _rms_norm_kernel[(rows.shape[0],)](
-        rows, weight.contiguous(), out, d, rows.stride(0), float(eps),
-        BLOCK_D=block, NUM_CHUNKS=triton.cdiv(d, block), num_warps=_num_warps(block),
+        rows, weight.contiguous(), out, rows, rows, d, rows.stride(0), 0, float(eps),
+        BLOCK_D=block, NUM_CHUNKS=triton.cdiv(d, block), HAS_RESIDUAL=False, num_warps=_num_warps(block),
         enable_fp_fusion=False,  # the rounding the interpreter (and so the CPU tests) sees
     )
     return out
+
+
+def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused kernel for rows of at most MAX_BLOCK_D; see `add_rms_norm`."""
+    if triton is None:
+        raise RuntimeError("triton is not available")
+    d = x.shape[-1]
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(f"residual must match x: {tuple(residual.shape)} {residual.dtype} vs {tuple(x.shape)} {x.dtype}")
+    if weight.shape != (d,) or d > MAX_BLOCK_D:
+        raise ValueError(f"weight must be [{d}] and rows at most {MAX_BLOCK_D} wide")
+    if x.dtype not in _KERNEL_DTYPES or weight.dtype not in _KERNEL_DTYPES:
+        raise ValueError(f"the kernel takes float32/bfloat16/float16, got x {x.dtype}, weight {weight.dtype}")
+    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    h = torch.empty_like(x)
+    if out.numel() == 0:
+        return out, h
+    rows, res = x.reshape(-1, d), residual.reshape(-1, d)
+    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+    res = res if res.stride(-1) == 1 else res.contiguous()
+    block = _pow2(d)
+    _rms_norm_kernel[(rows.shape[0],)](
+        rows, weight.contiguous(), out, res, h, d, rows.stride(0), res.stride(0), float(eps),
+        BLOCK_D=block, NUM_CHUNKS=1, HAS_RESIDUAL=True, num_warps=_num_warps(block),
+        enable_fp_fusion=False,
+    )
+    return out, h
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -134,3 +177,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if not use_kernel:
         return rms_norm_reference(x, weight, eps)
     return kernel_or_reference("rms_norm", rms_norm_triton, rms_norm_reference, x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(h, weight, eps), h) for h = x + residual (same shape and dtype, added in that
+    dtype as torch does): the residual stream's add and the next norm in one launch. Same
+    dispatch as `rms_norm`; rows wider than MAX_BLOCK_D take the reference."""
+    use_kernel = (triton is not None and triton_ok(x) and x.dtype in _KERNEL_DTYPES
+                  and weight.dtype in _KERNEL_DTYPES and residual.dtype == x.dtype
+                  and residual.shape == x.shape and x.shape[-1] <= MAX_BLOCK_D
+                  and not (torch.is_grad_enabled() and (x.requires_grad or residual.requires_grad
+                                                        or weight.requires_grad)))
+    if not use_kernel:
+        return add_rms_norm_reference(x, residual, weight, eps)
+    return kernel_or_reference("add_rms_norm", add_rms_norm_triton, add_rms_norm_reference,
+                               x, residual, weight, eps)

@@ -18,7 +18,8 @@ tl = triton.language
 from engine.layers import RMSNorm, Rotary  # noqa: E402
 from kernels import rmsnorm as norm_module  # noqa: E402
 from kernels import rope as rope_module  # noqa: E402
-from kernels.rmsnorm import rms_norm, rms_norm_reference, rms_norm_triton  # noqa: E402
+from kernels.rmsnorm import (  # noqa: E402
+    add_rms_norm, add_rms_norm_reference, add_rms_norm_triton, rms_norm, rms_norm_reference, rms_norm_triton)
 from kernels.rope import apply_rope, apply_rope_reference, apply_rope_triton  # noqa: E402
 
 DEVICES = [
@@ -107,6 +108,32 @@ def test_cast_rounds_to_nearest_even(device):
 def test_rms_norm_matches_reference(device, dtype, shape):
     x, w = norm_inputs(shape, dtype, device, seed=shape[-1])
     check(rms_norm_triton(x, w, 1e-6), rms_norm_reference(x, w, 1e-6))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 7), (3, 33), (2, 3, 64), (5, 768)])
+def test_add_rms_norm_matches_reference(device, dtype, shape):
+    """The residual add folded into the norm: h exactly torch's x + residual (same rounding),
+    the norm of h as the unfused norm computes it."""
+    x, w = norm_inputs(shape, dtype, device, seed=shape[-1])
+    r, _ = norm_inputs(shape, dtype, device, seed=shape[-1] + 1)
+    out, h = add_rms_norm_triton(x, r, w, 1e-6)
+    ref_out, ref_h = add_rms_norm_reference(x, r, w, 1e-6)
+    check(h, ref_h, exact=True)
+    check(out, ref_out)
+    check(out, rms_norm_triton(ref_h, w, 1e-6), exact=True)  # the same kernel arithmetic on h
+
+
+def test_add_rms_norm_dispatch_and_module():
+    """The module's two forms and the dispatcher's reference path (CPU tensors, kernels off)."""
+    norm = RMSNorm(16)
+    x, r = torch.randn(3, 16), torch.randn(3, 16)
+    out, h = norm(x, r)
+    assert torch.equal(h, x + r) and torch.equal(out, norm(x + r))
+    assert torch.equal(add_rms_norm(x, r, norm.weight.detach(), norm.eps)[0], out.detach())
+    with pytest.raises(ValueError, match="residual must match"):
+        add_rms_norm_triton(x, r[:2], norm.weight.detach(), 1e-6)
 
 
 @pytest.mark.parametrize("device", DEVICES)
