@@ -32,20 +32,39 @@ class DerivedWeight:
     def __init__(self):
         self._key, self._value = None, None
 
+    @staticmethod
+    def _identity(sources: list[torch.Tensor]) -> tuple:
+        return tuple((t.data_ptr(), t._version, t.dtype) for t in sources)
+
     def get(self, sources: list[torch.Tensor], build):
-        key = tuple((t.data_ptr(), t._version, t.dtype) for t in sources)
-        if self._key != key:
-            self._key, self._value = key, build()
+        if self._key != self._identity(sources):
+            self._value = build()
+            self._key = self._identity(sources)  # build may rebind the sources (fused_linear does)
         return self._value
 
 
 def fused_linear(x: torch.Tensor, mods: list[nn.Linear], cache: DerivedWeight) -> list[torch.Tensor]:
-    """[m(x) for m in mods] from one GEMM over the mods' concatenated weights (and biases)."""
+    """[m(x) for m in mods] from one GEMM over the mods' concatenated weights (and biases).
+    The modules' parameters then become views of the concatenation, so it costs no memory
+    (a copy of every such weight would be gigabytes per GPU for DeepSeek-V3); a later write
+    into one of them lands in the concatenation, and a replaced one makes a new one."""
     def build():
-        bias = None
-        if any(m.bias is not None for m in mods):
-            bias = torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in mods])
-        return torch.cat([m.weight for m in mods]), bias
+        # Plain tensors even when the first call runs under inference mode: the parameters
+        # must stay writable (weight loading, .to()) outside it.
+        with torch.inference_mode(False), torch.no_grad():
+            weight = torch.cat([m.weight for m in mods])
+            bias = None
+            if any(m.bias is not None for m in mods):
+                bias = torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features)
+                                  for m in mods])
+            start = 0
+            for m in mods:
+                rows = slice(start, start + m.out_features)
+                m.weight.data = weight[rows]
+                if m.bias is not None:
+                    m.bias.data = bias[rows]
+                start += m.out_features
+        return weight, bias
     weight, bias = cache.get([m.weight for m in mods], build)
     return list(F.linear(x, weight, bias).split([m.out_features for m in mods], dim=-1))
 

@@ -149,3 +149,30 @@ def test_grouped_expert_gemm_equals_the_per_expert_loop():
         moe_mod._GROUPED_MM_DISABLED = False
     torch.testing.assert_close(fused, looped, atol=1e-5, rtol=1e-5)
     assert int(layer.take_load().sum()) == 2 * 37 * cfg.num_experts_per_tok
+
+
+def test_fused_projections_share_the_parameters_storage():
+    """The fused GEMM's concatenated weight is the parameters' own storage (no second copy of
+    the weights), and a later write or load into a parameter is what the next forward uses."""
+    import torch.nn.functional as F
+
+    from engine.layers import MLP
+    torch.manual_seed(0)
+    mlp, x = MLP(8, 16), torch.randn(3, 8)
+
+    def unfused():
+        return mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+    want = unfused()
+    with torch.inference_mode():
+        got = mlp(x)
+    torch.testing.assert_close(got, want)
+    gate, up = mlp.gate_proj.weight, mlp.up_proj.weight
+    assert gate.untyped_storage().data_ptr() == up.untyped_storage().data_ptr()
+    assert up.data_ptr() == gate.data_ptr() + gate.numel() * gate.element_size()
+    with torch.no_grad():
+        up.mul_(2)  # a write outside inference mode still works, and is seen
+    with torch.inference_mode():
+        torch.testing.assert_close(mlp(x), unfused())
+    mlp.load_state_dict({k: torch.full_like(v, 0.1) for k, v in mlp.state_dict().items()})
+    with torch.inference_mode():
+        torch.testing.assert_close(mlp(x), unfused())
