@@ -26,19 +26,28 @@ class RMSNorm(nn.Module):
 
 class DerivedWeight:
     """A weight computed from parameters (concatenated, cast) and cached until one of them is
-    replaced or written (load, .to(), EPLB). At decode batch sizes every GEMM is a small,
-    launch-bound kernel, so one GEMM over concatenated weights beats several."""
+    replaced (load, .to()) or, with `track_writes`, written in place. At decode batch sizes
+    every GEMM is a small, launch-bound kernel, so one GEMM over concatenated weights beats
+    several. A rebuilt value of the same shape is copied into the old one: CUDA graphs
+    captured earlier keep reading the right memory."""
 
-    def __init__(self):
+    def __init__(self, track_writes: bool = True):
+        self.track_writes = track_writes
         self._key, self._value = None, None
 
-    @staticmethod
-    def _identity(sources: list[torch.Tensor]) -> tuple:
-        return tuple((t.data_ptr(), t._version, t.dtype) for t in sources)
+    def _identity(self, sources: list[torch.Tensor]) -> tuple:
+        return tuple((t.data_ptr(), t.dtype) + ((t._version,) if self.track_writes else ()) for t in sources)
 
     def get(self, sources: list[torch.Tensor], build):
         if self._key != self._identity(sources):
-            self._value = build()
+            value = build()
+            if isinstance(self._value, torch.Tensor) and isinstance(value, torch.Tensor) \
+                    and (value.shape, value.dtype, value.device) == (self._value.shape, self._value.dtype,
+                                                                    self._value.device):
+                with torch.inference_mode(False), torch.no_grad():
+                    self._value.copy_(value)
+            else:
+                self._value = value
             self._key = self._identity(sources)  # build may rebind the sources (fused_linear does)
         return self._value
 
@@ -46,8 +55,9 @@ class DerivedWeight:
 def fused_linear(x: torch.Tensor, mods: list[nn.Linear], cache: DerivedWeight) -> list[torch.Tensor]:
     """[m(x) for m in mods] from one GEMM over the mods' concatenated weights (and biases).
     The modules' parameters then become views of the concatenation, so it costs no memory
-    (a copy of every such weight would be gigabytes per GPU for DeepSeek-V3); a later write
-    into one of them lands in the concatenation, and a replaced one makes a new one."""
+    (a copy of every such weight would be gigabytes per GPU for DeepSeek-V3) and a later write
+    into one of them lands in it; a replaced one makes a new one. `cache` is a
+    DerivedWeight(track_writes=False)."""
     def build():
         # Plain tensors even when the first call runs under inference mode: the parameters
         # must stay writable (weight loading, .to()) outside it.
@@ -77,7 +87,7 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, inter, bias=False)
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
-        self._gate_up = DerivedWeight()
+        self._gate_up = DerivedWeight(track_writes=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = fused_linear(x, [self.gate_proj, self.up_proj], self._gate_up)

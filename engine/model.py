@@ -55,7 +55,7 @@ class MLAttention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * cfg.v_head_dim, h, bias=cfg.attention_bias)
         self.indexer = Indexer(cfg, self.is_source) if cfg.index_topk else None
         self.scale = cfg.qk_head_dim ** -0.5
-        self._fused = DerivedWeight()  # the x projections' concatenated weight, see project()
+        self._fused = DerivedWeight(track_writes=False)  # the x projections' concatenated weight, see project()
 
     def _x_projections(self) -> list[tuple[str, nn.Linear]]:
         """The projections that read the layer input x (all fused into one GEMM)."""

@@ -176,3 +176,15 @@ def test_fused_projections_share_the_parameters_storage():
     mlp.load_state_dict({k: torch.full_like(v, 0.1) for k, v in mlp.state_dict().items()})
     with torch.inference_mode():
         torch.testing.assert_close(mlp(x), unfused())
+
+
+def test_derived_weight_refreshes_in_place():
+    """A cast weight rebuilt after a write keeps its memory (captured CUDA graphs read it)."""
+    from engine.layers import DerivedWeight
+    w = torch.nn.Parameter(torch.randn(4, 3, dtype=torch.bfloat16))
+    cache = DerivedWeight()
+    first = cache.get([w], w.float)
+    with torch.no_grad():
+        w.mul_(2)
+    second = cache.get([w], w.float)
+    assert second is first and torch.equal(second, w.float())
