@@ -93,14 +93,19 @@ def decode_attention(attn, q_full: torch.Tensor, idx_q: torch.Tensor | None, idx
         topk_pos = indexer_topk(idx_q, idx_w, ctx.index_keys[attn.source], dec.block_tables, dec.g_lens,
                                 dec.block_size, cfg.index_topk, key_scale=scale,
                                 w_scale=attn.indexer.n_heads ** -0.5)
-    win_kv = None
+    win_kv = ring = None
     if cfg.sliding_window is not None:
-        ring = ctx.window_kv[ctx.window_slots, attn.layer]  # a copy, read before this step's write
-        if dec.fresh_index is None:
-            win_kv = torch.cat([ring.to(latent.dtype), latent[:, None]], dim=1)
+        if dec.fresh_index is None and ctx.window_kv.dtype == latent.dtype:
+            # Decode: the kernel reads each sequence's ring in place and writes the new latent
+            # into it (the entry it replaces, position p - W, is outside this step's windows).
+            ring = (ctx.window_kv[:, attn.layer], ctx.window_slots, latent, ctx.win_write_idx)
         else:
-            win_kv = torch.cat([ring[dec.ring_rows].to(latent.dtype), latent[dec.fresh_index]], dim=1)
-        ctx.write_window(attn.layer, latent)
+            ring_rows = ctx.window_kv[ctx.window_slots, attn.layer]  # a copy, read before this step's write
+            if dec.fresh_index is None:
+                win_kv = torch.cat([ring_rows.to(latent.dtype), latent[:, None]], dim=1)
+            else:
+                win_kv = torch.cat([ring_rows[dec.ring_rows].to(latent.dtype), latent[dec.fresh_index]], dim=1)
+            ctx.write_window(attn.layer, latent)
     return mla_decode(q_full, kv, kv_scale, dec.block_tables, dec.g_lens, dec.block_size, attn.scale,
                       cfg.kv_lora_rank, topk_pos=topk_pos, win_kv=win_kv,
-                      win_valid=dec.win_valid)
+                      win_valid=dec.win_valid, ring=ring)

@@ -6,7 +6,10 @@ width D = kv_lora + rope. Values are the first kv_lora columns of those latents.
 Keys of sequence b are the union of
 - global keys: positions 0..g_lens[b]-1 of the paged latent slab (slot = table[b, j // bs] * bs
   + j % bs), or, when topk_pos is given, only the positions it lists (-1 = no entry);
-- window keys: win_kv[b, i] where win_valid[b, i].
+- window keys: win_kv[b, i] where win_valid[b, i]; or, given `ring`, the sequence's window ring
+  rows ring_kv[ring_slots[b], i] (i < W) followed by its fresh latent fresh[b], which the kernel
+  then writes into ring_kv[ring_slots[b], write_idx[b]] (the decode step's ring update, so the
+  gather, concatenation and write around the kernel are not separate launches).
 
 The Triton path is flash-decoding: the keys of a sequence are cut into splits, each program
 loads a KV tile once for all heads (tl.dot of [H, D] x [D, BLOCK_N]) and keeps an online
@@ -30,8 +33,15 @@ _LOG2E = 1.4426950408889634
 
 
 def mla_decode_reference(q, kv, kv_scale, block_tables, g_lens, block_size: int, sm_scale: float,
-                         kv_lora: int, topk_pos=None, win_kv=None, win_valid=None) -> torch.Tensor:
+                         kv_lora: int, topk_pos=None, win_kv=None, win_valid=None, ring=None) -> torch.Tensor:
     """Plain-torch definition of mla_decode (fp32 math throughout). Returns [B, H, kv_lora] in q's dtype."""
+    if ring is not None:
+        ring_kv, ring_slots, fresh, write_idx = ring
+        win_kv = torch.cat([ring_kv[ring_slots].to(fresh.dtype), fresh[:, None]], dim=1)
+        out = mla_decode_reference(q, kv, kv_scale, block_tables, g_lens, block_size, sm_scale, kv_lora,
+                                   topk_pos, win_kv, win_valid)
+        ring_kv[ring_slots, write_idx] = fresh.to(ring_kv.dtype)
+        return out
     b, h, d = q.shape
     dev = q.device
     # Positions past the block table's capacity are ignored, as in the kernel.
@@ -101,10 +111,12 @@ if triton is not None:
             table_ptr, stride_tb, table_keys, glen_ptr,
             topk_ptr, stride_topk, num_topk,
             win_ptr, stride_wb, stride_wi, wvalid_ptr, stride_vb, num_win,
+            ring_slot_ptr, fresh_ptr, stride_fb, write_idx_ptr,
             part_acc_ptr, part_m_ptr, part_l_ptr,
             num_heads, kv_lora, rope, block_size, keys_per_split, num_global_splits, qk_scale,
             BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-            IS_FP8: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_WINDOW: tl.constexpr, PREC: tl.constexpr,
+            IS_FP8: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_WINDOW: tl.constexpr, RING: tl.constexpr,
+            PREC: tl.constexpr,
             UPCAST: tl.constexpr):
         split = tl.program_id(0)
         head_group = tl.program_id(1)
@@ -159,16 +171,38 @@ if triton is not None:
 
         if HAS_WINDOW:
             w_end = tl.where(split == num_global_splits, num_win, 0)
+            if RING:
+                ring_row0 = win_ptr + tl.load(ring_slot_ptr + b).to(tl.int64) * stride_wb
             for start in range(0, w_end, BLOCK_N):
                 idx = start + tl.arange(0, BLOCK_N)
                 valid = idx < num_win
                 flag = tl.load(wvalid_ptr + b * stride_vb + idx, mask=valid, other=0)
                 valid = valid & (flag != 0)
-                row = win_ptr + b * stride_wb + idx[:, None].to(tl.int64) * stride_wi
-                k_c = tl.load(row + cols[None, :], mask=valid[:, None] & c_ok[None, :], other=0.0)
-                k_r = tl.load(row + kv_lora + rcols[None, :], mask=valid[:, None] & r_ok[None, :], other=0.0)
+                if RING:
+                    # ring rows, then the fresh latent as the last entry: two masked loads
+                    in_ring = valid & (idx < num_win - 1)
+                    fresh = valid & (idx == num_win - 1)
+                    row = ring_row0 + idx[:, None].to(tl.int64) * stride_wi
+                    frow = fresh_ptr + b * stride_fb + idx[:, None] * 0
+                    k_c = tl.load(row + cols[None, :], mask=in_ring[:, None] & c_ok[None, :], other=0.0) + \
+                        tl.load(frow + cols[None, :], mask=fresh[:, None] & c_ok[None, :], other=0.0)
+                    k_r = tl.load(row + kv_lora + rcols[None, :], mask=in_ring[:, None] & r_ok[None, :], other=0.0) + \
+                        tl.load(frow + kv_lora + rcols[None, :], mask=fresh[:, None] & r_ok[None, :], other=0.0)
+                else:
+                    row = win_ptr + b * stride_wb + idx[:, None].to(tl.int64) * stride_wi
+                    k_c = tl.load(row + cols[None, :], mask=valid[:, None] & c_ok[None, :], other=0.0)
+                    k_r = tl.load(row + kv_lora + rcols[None, :], mask=valid[:, None] & r_ok[None, :], other=0.0)
                 no_scale = tl.zeros([BLOCK_N], dtype=tl.float32)
                 m, l, acc = _tile_update(q_c, q_r, k_c, k_r, valid, no_scale, m, l, acc, qk_scale, False, PREC)
+            if RING:
+                if (split == num_global_splits) & (head_group == 0):
+                    # The step's ring update. It overwrites the entry of position p - W, which no
+                    # query of this step reads (outside every window), so the programs of other
+                    # head groups may read that entry before or after: either way it is masked.
+                    dst = ring_row0 + tl.load(write_idx_ptr + b).to(tl.int64) * stride_wi
+                    src = fresh_ptr + b * stride_fb
+                    tl.store(dst + cols, tl.load(src + cols, mask=c_ok), mask=c_ok)
+                    tl.store(dst + kv_lora + rcols, tl.load(src + kv_lora + rcols, mask=r_ok), mask=r_ok)
 
         part = (b * num_splits + split) * num_heads + heads
         tl.store(part_m_ptr + part, m, mask=h_ok)
@@ -238,7 +272,7 @@ def tune_key(batch: int, heads: int, width: int, is_fp8: bool, has_topk: bool) -
 
 def mla_decode_triton(q, kv, kv_scale, block_tables, g_lens, block_size: int, sm_scale: float, kv_lora: int,
                       topk_pos=None, win_kv=None, win_valid=None, num_splits: int | None = None,
-                      config: dict | None = None) -> torch.Tensor:
+                      config: dict | None = None, ring=None) -> torch.Tensor:
     """Triton flash-decoding path of mla_decode; num_splits overrides the per-sequence split count,
     config the launch configuration (block_n, num_warps, num_stages, waves, min_tiles; the tuned
     one for this GPU and shape when None, see kernels/tuning.py)."""
@@ -266,8 +300,21 @@ def mla_decode_triton(q, kv, kv_scale, block_tables, g_lens, block_size: int, sm
     else:
         topk_pos = block_tables
         n_cap = block_tables.shape[1] * block_size
-    has_window = win_kv is not None and win_kv.shape[1] > 0
-    if has_window:
+    ring_slots = fresh = write_idx = None
+    if ring is not None:
+        if win_kv is not None:
+            raise ValueError("pass the window as win_kv or as ring, not both")
+        win_kv, ring_slots, fresh, write_idx = ring
+        if win_kv.dtype != fresh.dtype or win_kv.stride(-1) != 1 or fresh.stride(-1) != 1:
+            raise ValueError("ring rows and fresh latents must share a dtype, with unit last stride")
+        ring_slots, write_idx = ring_slots.contiguous(), write_idx.contiguous()
+    has_window = win_kv is not None and win_kv.shape[1] + (ring is not None) > 0
+    if has_window and ring is not None:
+        num_win = win_kv.shape[1] + 1
+        if win_valid is None:
+            win_valid = torch.ones(b, num_win, dtype=torch.bool, device=q.device)
+        win_flags = win_valid.to(torch.uint8).contiguous()
+    elif has_window:
         if win_kv.dtype == FP8_DTYPE:
             raise ValueError("window keys carry no scale: pass them in bf16/fp16/fp32")
         if win_kv.stride(-1) != 1:
@@ -312,11 +359,12 @@ def mla_decode_triton(q, kv, kv_scale, block_tables, g_lens, block_size: int, sm
         topk_pos, topk_pos.stride(0), n_cap,
         win_kv, win_kv.stride(0) if has_window else 0, win_kv.stride(1) if has_window else 0,
         win_flags, win_flags.stride(0) if has_window else 0, num_win,
+        *((ring_slots, fresh, fresh.stride(0), write_idx) if ring is not None else (q, q, 0, q)),
         part_acc, part_m, part_l,
         h, kv_lora, rope, block_size, keys_per_split, num_global, sm_scale * _LOG2E,
         BLOCK_H=block_h, BLOCK_C=block_c, BLOCK_R=block_r, BLOCK_N=block_n,
-        IS_FP8=is_fp8, HAS_TOPK=has_topk, HAS_WINDOW=has_window, PREC=prec, UPCAST=upcast,
-        num_warps=num_warps, num_stages=num_stages)
+        IS_FP8=is_fp8, HAS_TOPK=has_topk, HAS_WINDOW=has_window, RING=ring is not None, PREC=prec,
+        UPCAST=upcast, num_warps=num_warps, num_stages=num_stages)
     block_cc = min(block_c, 128)
     _merge_kernel[(triton.cdiv(kv_lora, block_cc), h, b)](
         part_acc, part_m, part_l, out, out.stride(0), out.stride(1),
@@ -326,12 +374,15 @@ def mla_decode_triton(q, kv, kv_scale, block_tables, g_lens, block_size: int, sm
 
 
 def mla_decode(q, kv, kv_scale, block_tables, g_lens, block_size: int, sm_scale: float, kv_lora: int,
-               topk_pos=None, win_kv=None, win_valid=None) -> torch.Tensor:
+               topk_pos=None, win_kv=None, win_valid=None, ring=None) -> torch.Tensor:
     """Decode attention of one query per sequence over paged latents (+ window keys).
 
     q [B,H,D] bf16/fp16/fp32; kv [S,D] bf16/fp32, or float8_e4m3fn with kv_scale [S] fp32 (key = kv * scale);
     block_tables [B,M] int32; g_lens [B] int32; topk_pos [B,K] int32 or None (-1 = no entry);
     win_kv [B,Wk,D] or None, win_valid [B,Wk] bool or None (all valid).
+    ring = (ring_kv [R,W,D], ring_slots [B] int64, fresh [B,D], write_idx [B] int64) instead of
+    win_kv: the window is ring_kv[ring_slots[b]] then fresh[b] (win_valid [B,W+1]), and fresh[b]
+    is written to ring_kv[ring_slots[b], write_idx[b]] (its entry must be masked in win_valid).
     Softmax in fp32 of (q . key) * sm_scale over the union of global and window keys;
     returns sum p * key[:kv_lora] as [B,H,kv_lora] in q's dtype, zeros for a row with no key.
     The Triton path multiplies in q's precision (keys and probabilities rounded to q's dtype,
@@ -339,8 +390,8 @@ def mla_decode(q, kv, kv_scale, block_tables, g_lens, block_size: int, sm_scale:
     """
     args = (q, kv, kv_scale, block_tables, g_lens, block_size, sm_scale, kv_lora, topk_pos, win_kv, win_valid)
     if triton is not None and triton_ok(q):
-        return mla_decode_triton(*args)
-    return mla_decode_reference(*args)
+        return mla_decode_triton(*args, ring=ring)
+    return mla_decode_reference(*args, ring=ring)
 
 
 __all__ = ["mla_decode", "mla_decode_reference", "mla_decode_triton"]

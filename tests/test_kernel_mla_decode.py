@@ -233,3 +233,39 @@ def test_tuned_table_lookup(tmp_path, monkeypatch):
     finally:
         tuning.reload()
     assert [tuning.batch_bucket(b) for b in (1, 2, 16, 17, 300)] == [1, 4, 16, 64, 256]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("heads", [4, 40])
+def test_ring_window_read_and_written_in_the_kernel(device, heads):
+    """`ring`: the window read straight from the ring slab plus the fresh latent, and the fresh
+    latent written into the ring, against the reference (which gathers, concatenates and writes
+    with torch). 40 heads make two head-group programs share a sequence's window."""
+    torch.manual_seed(11)
+    g_lens, w = [9, 30, 3], 4
+    q, kv, table, lens = make_case(g_lens, heads, torch.bfloat16, device, seed=7)
+    ring_kv = torch.randn(5, w, D).to(torch.bfloat16).to(device)
+    slots = torch.tensor([3, 0, 4]).to(device)
+    fresh = torch.randn(3, D).to(torch.bfloat16).to(device)
+    write_idx = torch.tensor([1, 3, 0]).to(device)
+    # the entry being overwritten is outside the window (masked), the fresh latent always valid
+    valid = torch.tensor([[1, 0, 1, 1, 1], [1, 1, 0, 0, 1], [0, 1, 1, 1, 1]], dtype=torch.bool).to(device)
+    ring_ref, before = ring_kv.clone(), ring_kv.clone()
+    out = mla_decode_triton(q, kv, None, table, lens, BS, SCALE, KV_LORA, win_valid=valid,
+                            ring=(ring_kv, slots, fresh, write_idx), num_splits=2)
+    ref = mla_decode_reference(q, kv, None, table, lens, BS, SCALE, KV_LORA, win_valid=valid,
+                               ring=(ring_ref, slots, fresh, write_idx))
+    check(out, ref, torch.bfloat16)
+    assert torch.equal(ring_kv, ring_ref)
+    assert torch.equal(ring_kv[slots, write_idx], fresh)
+    untouched = torch.ones(5, w, dtype=torch.bool)
+    untouched[slots.cpu(), write_idx.cpu()] = False
+    assert torch.equal(ring_kv[untouched.to(device)], before[untouched.to(device)])
+    # the same window passed as win_kv gives the same output
+    win = torch.cat([ring_ref[slots].clone(), fresh[:, None]], dim=1)
+    win[torch.arange(3), write_idx] = torch.randn(3, D).to(torch.bfloat16).to(device)  # masked: any value
+    check(mla_decode_triton(q, kv, None, table, lens, BS, SCALE, KV_LORA, win_kv=win, win_valid=valid,
+                            num_splits=2), ref, torch.bfloat16)
+    with pytest.raises(ValueError, match="not both"):
+        mla_decode_triton(q, kv, None, table, lens, BS, SCALE, KV_LORA, win_kv=win,
+                          ring=(ring_kv, slots, fresh, write_idx))
