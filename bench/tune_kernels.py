@@ -54,6 +54,16 @@ def best_of(run, space: dict, reference: torch.Tensor, tol: float) -> tuple[dict
     return best, best_us, base_us
 
 
+def record(kernel: str, key: str, best: dict | None, us: float, base: float, entries: dict, rows: list) -> None:
+    """Keep a config that beat the built-in one; print and keep the row either way."""
+    if best is not None and us < base:
+        entries[key] = dict(best, us=round(us, 2), builtin_us=round(base, 2))
+    tuned = round(us, 2) if best is not None else None
+    rows.append(dict(kernel=kernel, key=key, builtin_us=round(base, 2), tuned_us=tuned,
+                     speedup=round(base / us, 2) if tuned else None, config=best))
+    print(json.dumps(rows[-1]), flush=True)
+
+
 def tune_mla(batches, device) -> tuple[dict, list[dict]]:
     entries, rows = {}, []
     for fp8, topk, b in itertools.product((False, True), (True, False), batches):
@@ -72,11 +82,7 @@ def tune_mla(batches, device) -> tuple[dict, list[dict]]:
         ref = run(None)
         best, us, base = best_of(run, MLA_SPACE, ref, tol=3e-2 * ref.float().abs().max().item())
         key = tune_key(b, HEADS, KV_LORA + ROPE, fp8, topk)
-        if best is not None and us < base:
-            entries[key] = dict(best, us=round(us, 2), builtin_us=round(base, 2))
-        rows.append(dict(kernel="mla_decode", key=key, builtin_us=round(base, 2), tuned_us=round(us, 2),
-                         speedup=round(base / us, 2), config=best))
-        print(json.dumps(rows[-1]), flush=True)
+        record("mla_decode", key, best, us, base, entries, rows)
     return entries, rows
 
 
@@ -102,11 +108,7 @@ def tune_score(device) -> tuple[dict, list[dict]]:
         ref = run(None)
         best, us, base = best_of(run, SCORE_SPACE, ref, tol=1e-3 * ref.abs().max().item())
         key = score_tune_key(heads, dim, tables.shape[1] * BLOCK, fp8)
-        if best is not None and us < base:
-            entries[key] = dict(best, us=round(us, 2), builtin_us=round(base, 2))
-        rows.append(dict(kernel="indexer_score", key=key, builtin_us=round(base, 2), tuned_us=round(us, 2),
-                         speedup=round(base / us, 2), config=best))
-        print(json.dumps(rows[-1]), flush=True)
+        record("indexer_score", key, best, us, base, entries, rows)
     return entries, rows
 
 
