@@ -2,13 +2,18 @@
 # GPU run 2: the engine on the `bench` model: decode step vs context and vs the roofline
 # (bf16 and FP8 KV), MoE share, CUDA graphs vs eager, Triton vs torch MoE GEMM, transformers
 # generate, next-turn TTFT with bounded replay, and (2 GPUs) the same-host KV transport.
-# STEPS picks a subset, e.g. STEPS="fp8 b64 replay ipc".
+# STEPS picks a subset, e.g. STEPS="fp8 b64 replay ipc"; "tune" first measures this GPU's launch
+# configs (kernels/tuned/<gpu>.json, about 4-5 minutes), which the later steps then use.
 source bench/device/setup.sh
-STEPS=${STEPS:-"bf16 fp8 b64 hf replay ipc"}
+STEPS=${STEPS:-"tune b64 bf16 fp8 hf"}
 t() { local s=$1; shift; local t0=$SECONDS; timeout "$s" "$@"; echo "rc=$? $((SECONDS - t0))s $*" >> "$OUT/steps.txt"; }
 on() { [[ " $STEPS " == *" $1 "* ]]; }
 # PROFILE=1: also write each eager step's kernel table (count, device time) to $OUT/profile.txt
 PROF=${PROFILE:+--profile $OUT/profile.txt}
+if on tune; then
+  t 330 python3 -m bench.tune_kernels --json "$OUT/tune.json" > "$OUT/tune.log" 2>&1
+  cp kernels/tuned/*.json "$OUT/" 2>/dev/null
+fi
 on b64 && t 100 python3 -m bench.forward --batch 64 --contexts 8192 --moe-share --graphs-vs-eager --moe-gemm triton grouped_mm \
   --iters 10 $PROF --json "$OUT/forward.jsonl" > "$OUT/forward_b64.log" 2>&1
 for kv in bf16 fp8; do
