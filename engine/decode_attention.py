@@ -81,9 +81,10 @@ def build_token_batch(positions: torch.Tensor, starts: torch.Tensor, seq_of: tor
                        ring_rows=seq_of, fresh_index=fresh_index)
 
 
-def decode_attention(attn, q_full: torch.Tensor, idx_q: torch.Tensor | None, idx_w: torch.Tensor | None,
-                     latent: torch.Tensor | None, ctx) -> torch.Tensor:
-    """MLA over kernel rows. q_full [T, H, D] absorbed queries, idx_q [T, Hi, Di] / idx_w [T, Hi]
+def decode_attention(attn, q: tuple[torch.Tensor, torch.Tensor], idx_q: torch.Tensor | None,
+                     idx_w: torch.Tensor | None, latent: torch.Tensor | None, ctx) -> torch.Tensor:
+    """MLA over kernel rows. q = (q_lat [T, H, kv_lora], q_rope [T, H, rope]) the absorbed
+    queries, idx_q [T, Hi, Di] / idx_w [T, Hi]
     the indexer's queries and unscaled head weights -> latent output [T, H, kv_lora]."""
     cfg, dec = attn.cfg, ctx.decode
     kv, kv_scale = ctx.global_slab(attn.source)
@@ -106,6 +107,6 @@ def decode_attention(attn, q_full: torch.Tensor, idx_q: torch.Tensor | None, idx
             else:
                 win_kv = torch.cat([ring_rows[dec.ring_rows].to(latent.dtype), latent[dec.fresh_index]], dim=1)
             ctx.write_window(attn.layer, latent)
-    return mla_decode(q_full, kv, kv_scale, dec.block_tables, dec.g_lens, dec.block_size, attn.scale,
+    return mla_decode(q, kv, kv_scale, dec.block_tables, dec.g_lens, dec.block_size, attn.scale,
                       cfg.kv_lora_rank, topk_pos=topk_pos, win_kv=win_kv,
                       win_valid=dec.win_valid, ring=ring)

@@ -84,7 +84,6 @@ class MLAttention(nn.Module):
         w_kv = self.kv_b_proj.weight.view(self.n_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
         w_uk, w_uv = w_kv[:, :cfg.qk_nope_head_dim], w_kv[:, cfg.qk_nope_head_dim:]
         q_lat = torch.einsum("thd,hdc->thc", q_nope, w_uk)
-        q_full = torch.cat([q_lat, q_rope], dim=-1)  # [T, H, D]
 
         latent = None
         if self.has_latent:
@@ -98,13 +97,14 @@ class MLAttention(nn.Module):
         if self.indexer is not None:
             idx_q = xp["idx_q"].view(t, self.indexer.n_heads, self.indexer.head_dim)
             idx_w = xp["idx_w"]  # head weights, scaled by 1/sqrt(heads) in fp32 where they are used
-        if ctx.decode is not None:
-            out = decode_attention(self, q_full, idx_q, idx_w, latent, ctx)  # [T, H, kv_lora]
+        if ctx.decode is not None:  # the kernel takes the two query parts as they are
+            out = decode_attention(self, (q_lat, q_rope), idx_q, idx_w, latent, ctx)  # [T, H, kv_lora]
         else:
             if idx_w is not None:
                 idx_w = idx_w.float() * self.indexer.n_heads ** -0.5
+            q_full = torch.cat([q_lat, q_rope], dim=-1)  # [T, H, D]
             out = self._attend_padded(q_full[ctx.q_index], idx_q, idx_w, latent, ctx)
-        out = torch.einsum("thc,hvc->thv", out.to(q_full.dtype), w_uv).reshape(t, -1)
+        out = torch.einsum("thc,hvc->thv", out.to(q_lat.dtype), w_uv).reshape(t, -1)
         return self.o_proj(out)
 
     def _attend_padded(self, q_full: torch.Tensor, idx_q: torch.Tensor | None, idx_w: torch.Tensor | None,

@@ -35,6 +35,8 @@ _LOG2E = 1.4426950408889634
 def mla_decode_reference(q, kv, kv_scale, block_tables, g_lens, block_size: int, sm_scale: float,
                          kv_lora: int, topk_pos=None, win_kv=None, win_valid=None, ring=None) -> torch.Tensor:
     """Plain-torch definition of mla_decode (fp32 math throughout). Returns [B, H, kv_lora] in q's dtype."""
+    if isinstance(q, tuple):
+        q = torch.cat(q, dim=-1)
     if ring is not None:
         ring_kv, ring_slots, fresh, write_idx = ring
         win_kv = torch.cat([ring_kv[ring_slots].to(fresh.dtype), fresh[:, None]], dim=1)
@@ -106,7 +108,7 @@ if triton is not None:
 
     @triton.jit
     def _split_kernel(
-            q_ptr, stride_qb, stride_qh,
+            q_ptr, stride_qb, stride_qh, qr_ptr, stride_rb, stride_rh,
             kv_ptr, stride_kv, scale_ptr,
             table_ptr, stride_tb, table_keys, glen_ptr,
             topk_ptr, stride_topk, num_topk,
@@ -129,9 +131,10 @@ if triton is not None:
         c_ok = cols < kv_lora
         rcols = tl.arange(0, BLOCK_R)
         r_ok = rcols < rope
-        q_row = q_ptr + b * stride_qb + heads[:, None] * stride_qh
-        q_c = tl.load(q_row + cols[None, :], mask=h_ok[:, None] & c_ok[None, :], other=0.0)
-        q_r = tl.load(q_row + kv_lora + rcols[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0)
+        q_c = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + cols[None, :],
+                      mask=h_ok[:, None] & c_ok[None, :], other=0.0)
+        q_r = tl.load(qr_ptr + b * stride_rb + heads[:, None] * stride_rh + rcols[None, :],
+                      mask=h_ok[:, None] & r_ok[None, :], other=0.0)
         if UPCAST:  # every dot operand follows q's type
             q_c = q_c.to(tl.float32)
             q_r = q_r.to(tl.float32)
@@ -276,9 +279,10 @@ def mla_decode_triton(q, kv, kv_scale, block_tables, g_lens, block_size: int, sm
     """Triton flash-decoding path of mla_decode; num_splits overrides the per-sequence split count,
     config the launch configuration (block_n, num_warps, num_stages, waves, min_tiles; the tuned
     one for this GPU and shape when None, see kernels/tuning.py)."""
-    b, h, d = q.shape
-    rope = d - kv_lora
-    if kv.shape[-1] != d or rope < 0:
+    q, q_rope = q if isinstance(q, tuple) else (q[..., :kv_lora], q[..., kv_lora:])
+    b, h, d = q.shape[0], q.shape[1], q.shape[-1] + q_rope.shape[-1]
+    rope = q_rope.shape[-1]
+    if kv.shape[-1] != d or q.shape[-1] != kv_lora or q_rope.shape[:2] != q.shape[:2]:
         raise ValueError(f"kv width {kv.shape[-1]} and q width {d} must both be kv_lora + rope ({kv_lora} + ...)")
     is_fp8 = kv.dtype == FP8_DTYPE
     if is_fp8 and kv_scale is None:
@@ -286,7 +290,9 @@ def mla_decode_triton(q, kv, kv_scale, block_tables, g_lens, block_size: int, sm
     out = torch.empty(b, h, kv_lora, dtype=q.dtype, device=q.device)
     if b == 0 or h == 0 or kv_lora == 0:
         return out.zero_()
-    q = q.contiguous()
+    # any strides but a unit last one: the latent part may be a permuted view from its bmm
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    q_rope = q_rope if q_rope.stride(-1) == 1 or rope == 0 else q_rope.contiguous()
     if kv.stride(-1) != 1:
         kv = kv.contiguous()
     block_tables = block_tables.to(torch.int32).contiguous()
@@ -353,7 +359,7 @@ def mla_decode_triton(q, kv, kv_scale, block_tables, g_lens, block_size: int, sm
     upcast = q.device.type == "cpu" and q.dtype == torch.bfloat16
     prec = "ieee" if q.dtype == torch.float32 or upcast else "tf32"
     _split_kernel[(total_splits, head_groups, b)](
-        q, q.stride(0), q.stride(1),
+        q, q.stride(0), q.stride(1), q_rope, q_rope.stride(0), q_rope.stride(1),
         kv, kv.stride(0), scale,
         block_tables, block_tables.stride(0), block_tables.shape[1] * block_size, g_lens,
         topk_pos, topk_pos.stride(0), n_cap,
@@ -377,7 +383,8 @@ def mla_decode(q, kv, kv_scale, block_tables, g_lens, block_size: int, sm_scale:
                topk_pos=None, win_kv=None, win_valid=None, ring=None) -> torch.Tensor:
     """Decode attention of one query per sequence over paged latents (+ window keys).
 
-    q [B,H,D] bf16/fp16/fp32; kv [S,D] bf16/fp32, or float8_e4m3fn with kv_scale [S] fp32 (key = kv * scale);
+    q [B,H,D] bf16/fp16/fp32, or the pair (q_lat [B,H,kv_lora], q_rope [B,H,D-kv_lora]) so that
+    the caller need not concatenate them; kv [S,D] bf16/fp32, or float8_e4m3fn with kv_scale [S] fp32 (key = kv * scale);
     block_tables [B,M] int32; g_lens [B] int32; topk_pos [B,K] int32 or None (-1 = no entry);
     win_kv [B,Wk,D] or None, win_valid [B,Wk] bool or None (all valid).
     ring = (ring_kv [R,W,D], ring_slots [B] int64, fresh [B,D], write_idx [B] int64) instead of
@@ -389,7 +396,7 @@ def mla_decode(q, kv, kv_scale, block_tables, g_lens, block_size: int, sm_scale:
     fp32 accumulation); the reference does all of it in fp32.
     """
     args = (q, kv, kv_scale, block_tables, g_lens, block_size, sm_scale, kv_lora, topk_pos, win_kv, win_valid)
-    if triton is not None and triton_ok(q):
+    if triton is not None and triton_ok(q[0] if isinstance(q, tuple) else q):
         return mla_decode_triton(*args, ring=ring)
     return mla_decode_reference(*args, ring=ring)
 

@@ -269,3 +269,19 @@ def test_ring_window_read_and_written_in_the_kernel(device, heads):
     with pytest.raises(ValueError, match="not both"):
         mla_decode_triton(q, kv, None, table, lens, BS, SCALE, KV_LORA, win_kv=win,
                           ring=(ring_kv, slots, fresh, write_idx))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_query_given_as_two_parts(device):
+    """(q_lat, q_rope) as the model makes them (the latent part a permuted view of its bmm)
+    gives what the concatenated query gives."""
+    q, kv, table, lens = make_case([9, 30], 4, torch.bfloat16, device, seed=8)
+    q_lat = q[..., :KV_LORA].transpose(0, 1).contiguous().transpose(0, 1)  # [B, H, C], strides of [H, B, C]
+    q_rope = q[..., KV_LORA:]
+    assert not q_lat.is_contiguous()
+    out = mla_decode_triton((q_lat, q_rope), kv, None, table, lens, BS, SCALE, KV_LORA, num_splits=2)
+    assert torch.equal(out, mla_decode_triton(q, kv, None, table, lens, BS, SCALE, KV_LORA, num_splits=2))
+    check(out, mla_decode_reference((q_lat, q_rope), kv, None, table, lens, BS, SCALE, KV_LORA), torch.bfloat16)
+    # the dispatcher takes the pair too, whichever path it picks
+    assert torch.equal(mla_decode((q_lat, q_rope), kv, None, table, lens, BS, SCALE, KV_LORA),
+                       mla_decode(q, kv, None, table, lens, BS, SCALE, KV_LORA))
