@@ -6,6 +6,8 @@ from pathlib import Path
 
 import torch
 
+from kernels.mla_decode import warm_up as mla_warm_up
+
 from .checkpoint import ensure_checkpoint, load_model
 from .config import EngineConfig
 from .model import DeepseekForCausalLM
@@ -92,6 +94,11 @@ class LLMEngine:
         vocab = self.model_cfg.vocab_size
         prompts = [[4 + (i * 7919) % (vocab - 4) for i in range(n)] for n in sorted(lengths) if n <= limit]
         self.generate(prompts, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+        if self.cfg.decode_kernels:  # the attention kernel's launch configuration of every batch bucket
+            mc, kv = self.model_cfg, self.runner.kv
+            mla_warm_up(mc.num_attention_heads, mc.kv_lora_rank, mc.qk_rope_head_dim, self.runner.dtype,
+                        kv.global_kv.dtype, self.runner.device, self.cfg.max_num_seqs, mc.index_topk,
+                        mc.sliding_window, self.cfg.block_size)
         s = self.scheduler
         s.prefix_hit_tokens = s.replayed_tokens = s.num_preemptions = 0
         self.num_steps = 0

@@ -21,7 +21,7 @@ import torch
 
 from kernels import triton_ok
 from kernels.fp8_kv import FP8_DTYPE
-from kernels.tuning import batch_bucket, tuned_config
+from kernels.tuning import BATCH_BUCKETS, batch_bucket, tuned_config
 
 try:
     import triton
@@ -401,4 +401,31 @@ def mla_decode(q, kv, kv_scale, block_tables, g_lens, block_size: int, sm_scale:
     return mla_decode_reference(*args, ring=ring)
 
 
-__all__ = ["mla_decode", "mla_decode_reference", "mla_decode_triton"]
+
+
+def warm_up(heads: int, kv_lora: int, rope: int, dtype: torch.dtype, kv_dtype: torch.dtype, device,
+            max_batch: int, topk: int | None, window: int | None, block_size: int = 64) -> None:
+    """Run the kernel once per batch bucket, in the variants a decode step uses (top-k and dense
+    rows, the window ring, this KV type), on dummy inputs: each bucket may have its own tuned
+    launch configuration (kernels/tuning.py), and a Triton build met mid-serving would stall
+    every running request for a second or so."""
+    d = kv_lora + rope
+    buckets = sorted({batch_bucket(b) for b in BATCH_BUCKETS if b <= max_batch} | {batch_bucket(max_batch)})
+    for b in buckets:
+        q = torch.zeros(b, heads, d, dtype=dtype, device=device)
+        kv = torch.zeros(b * block_size, d, dtype=dtype, device=device).to(kv_dtype)
+        scale = torch.ones(b * block_size, dtype=torch.float32, device=device) if kv_dtype == FP8_DTYPE else None
+        tables = torch.arange(b, dtype=torch.int32, device=device)[:, None]
+        lens = torch.full((b,), block_size, dtype=torch.int32, device=device)
+        ring = valid = None
+        if window:
+            ring = (torch.zeros(b, window, d, dtype=dtype, device=device), torch.arange(b, device=device),
+                    torch.zeros(b, d, dtype=dtype, device=device), torch.zeros(b, dtype=torch.long, device=device))
+            valid = torch.ones(b, window + 1, dtype=torch.bool, device=device)
+        modes = [None] + ([torch.full((b, topk), -1, dtype=torch.int32, device=device)] if topk else [])
+        for topk_pos in modes:
+            mla_decode(q, kv, scale, tables, lens, block_size, 1.0, kv_lora, topk_pos=topk_pos,
+                       win_valid=valid, ring=ring)
+
+
+__all__ = ["mla_decode", "mla_decode_reference", "mla_decode_triton", "warm_up"]

@@ -285,3 +285,20 @@ def test_query_given_as_two_parts(device):
     # the dispatcher takes the pair too, whichever path it picks
     assert torch.equal(mla_decode((q_lat, q_rope), kv, None, table, lens, BS, SCALE, KV_LORA),
                        mla_decode(q, kv, None, table, lens, BS, SCALE, KV_LORA))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kv_fp8", [False, True])
+def test_warm_up_runs_every_bucket_and_variant(device, kv_fp8, monkeypatch):
+    """warm_up launches the kernel (interpreted here) once per batch bucket up to max_batch, in
+    the top-k and dense variants with the window ring, and leaves nothing behind."""
+    from kernels import mla_decode as mod
+    monkeypatch.setenv("WIDEEP_CPU_KERNELS", "1")
+    seen = []
+    real = mod.mla_decode_triton
+    monkeypatch.setattr(mod, "mla_decode_triton", lambda q, *a, **k: seen.append(
+        (q.shape[0], a[7] is not None, k["ring"] is not None, a[0].dtype)) or real(q, *a, **k))
+    kv_dtype = mod.FP8_DTYPE if kv_fp8 else torch.bfloat16
+    mod.warm_up(4, KV_LORA, ROPE, torch.bfloat16, kv_dtype, device, max_batch=20, topk=16, window=8, block_size=BS)
+    assert [(b, topk) for b, topk, _, _ in seen] == [(b, t) for b in (1, 4, 16, 64) for t in (False, True)]
+    assert all(ring and dt == kv_dtype for _, _, ring, dt in seen)
