@@ -7,7 +7,8 @@ slots scattered over one slab); topk=2048. Both paths run on the same inputs in 
 process; the kernel's choice is checked against the reference's on those inputs:
 `agree` is the fraction of the reference's positions the kernel also chose, and `worst_gap`
 how far (in score) the kernel's weakest pick falls below the reference's k-th score, which
-stays ~0 when the only disagreements are near-ties rounded differently.
+stays ~0 when the only disagreements are near-ties rounded differently. select_<method>_ms
+time the selection alone by each method ('row' only up to its widest row), graph-replayed on GPU.
 
     python -m bench.kernel_indexer --device cuda --json bench/results/kernel_indexer.json
     python -m bench.kernel_indexer --device cpu --quick     # interpreter smoke test
@@ -70,7 +71,7 @@ def run(device: str = "cuda", quick: bool = False) -> list[dict]:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     from kernels.indexer import (
         indexer_scores_reference, indexer_scores_triton, indexer_topk_reference, indexer_topk_triton,
-        select_topk_triton)
+        select_topk_triton, ROW_MAX_WIDTH)
 
     if quick:
         topk, cases, iters, warmup = 64, [(256, 1), (256, 4), (1024, 1), (1024, 4)], 3, 1
@@ -99,8 +100,15 @@ def run(device: str = "cuda", quick: bool = False) -> list[dict]:
         score_ms = time_ms(lambda: indexer_scores_triton(*args), device, warmup, iters)
         scores = indexer_scores_triton(*args)
         select_ms = time_ms(lambda: select_topk_triton(scores, lens, topk), device, warmup, iters)
-        del scores
         cuda = device.startswith("cuda")
+        # Each selection method side by side, as the decode step runs it (in a CUDA graph on GPU).
+        by_method = {}
+        for method in ("row", "radix", "topk"):
+            if method == "row" and context > ROW_MAX_WIDTH:
+                continue
+            fn = lambda m=method: select_topk_triton(scores, lens, topk, method=m)  # noqa: E731
+            by_method[f"select_{method}_ms"] = round(graph_ms(fn, 3, iters) if cuda else time_ms(fn, device, warmup, iters), 4)
+        del scores
         ref_graph_ms = graph_ms(lambda: indexer_topk_reference(*ref_args, topk), 3, iters) if cuda else None
         tri_graph_ms = graph_ms(lambda: indexer_topk_triton(*args, topk), 3, iters) if cuda else None
         # A reference run on fewer sequences is scaled up per sequence for the speedup.
@@ -117,7 +125,7 @@ def run(device: str = "cuda", quick: bool = False) -> list[dict]:
                               if ref_graph_ms and tri_graph_ms else None),
             "score_GBps": round(key_bytes / score_ms / 1e6, 3),
             "agree": round(agree, 5), "worst_gap": gap, "score_max_err": score_err,
-            "score_max_abs": score_mag,
+            "score_max_abs": score_mag, **by_method,
         })
         del q, w, keys, tables, lens, args, ref_args, got
         if device.startswith("cuda"):
@@ -126,7 +134,7 @@ def run(device: str = "cuda", quick: bool = False) -> list[dict]:
 
 
 COLUMNS = ["context", "batch", "topk", "ref_ms", "ref_batch", "triton_ms", "score_ms", "select_ms",
-           "speedup", "ref_graph_ms", "triton_graph_ms", "graph_speedup", "score_GBps", "agree",
+           "select_row_ms", "select_radix_ms", "select_topk_ms", "speedup", "ref_graph_ms", "triton_graph_ms", "graph_speedup", "score_GBps", "agree",
            "worst_gap", "score_max_err"]
 
 

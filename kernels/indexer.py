@@ -323,12 +323,15 @@ def indexer_scores_triton(q: torch.Tensor, w: torch.Tensor, index_keys: torch.Te
     return _score_launch(q, w, index_keys, block_tables, g_lens, block_size, key_scale=key_scale, w_scale=w_scale)
 
 
-# Widest row selected by one program (the row in registers); wider rows run the multi-program
-# radix passes, and rows wider than RADIX_MAX_WIDTH torch.topk for the k-th score: on the H200
-# (bench/RESULTS.md, forward profiles of 2026-11-30) the radix passes beat torch.topk up to 128K
-# positions and lost at 512K (2.99 against 2.22 ms a step at batch 16).
+# Rows up to RADIX_MAX_WIDTH get the k-th score from the multi-program radix passes, wider rows
+# from torch.topk: on the H200 (bench/RESULTS.md, forward profiles of 2026-11-30) the radix
+# passes beat torch.topk up to 128K positions and lost at 512K (2.99 against 2.22 ms a step at
+# batch 16). The one-program-per-row select ('row', rows up to ROW_MAX_WIDTH) is only used when
+# asked for: it took 85-93 us a layer at 8K for every batch size, several times the radix path.
 ROW_MAX_WIDTH = 16384
 RADIX_MAX_WIDTH = 131072
+# The radix passes want enough programs to fill the GPU: small batches split rows finer.
+_RADIX_PROGRAMS = 128
 
 
 def kth_scores(scores: torch.Tensor, k: int, method: str | None = None) -> torch.Tensor:
@@ -343,6 +346,8 @@ def kth_scores(scores: torch.Tensor, k: int, method: str | None = None) -> torch
     rank = torch.empty_like(prefix)
     kth = torch.empty(num_seqs, device=scores.device, dtype=torch.float32)
     chunk = min(4096, _next_pow2(width, 16))
+    while chunk > 1024 and num_seqs * triton.cdiv(width, chunk) < _RADIX_PROGRAMS:
+        chunk //= 2
     for p in range(4):
         _radix_pass_kernel[(num_seqs, triton.cdiv(width, chunk))](
             scores, hist, prefix, scores.stride(0), width, num_seqs, PASS=p, CHUNK=chunk, num_warps=8)
@@ -355,7 +360,7 @@ def select_topk_triton(scores: torch.Tensor, g_lens: torch.Tensor, topk: int,
     """Positions [B, topk] int32 of the top-k scores of each row (the reference's tie rule),
     -1 past min(g_len, topk); in no particular order.
 
-    `method` 'row' does all of it in one program per row (the default up to ROW_MAX_WIDTH).
+    `method` 'row' does all of it in one program per row (rows up to ROW_MAX_WIDTH).
     Otherwise the k-th largest score of each row comes from kth_scores (`method` 'radix' or
     'topk'), and two passes over chunks of the row keep every position scoring above it and fill
     the remaining places with the latest positions scoring exactly it. Dead positions (past
@@ -368,7 +373,9 @@ def select_topk_triton(scores: torch.Tensor, g_lens: torch.Tensor, topk: int,
         return out.fill_(-1)
     g_lens = g_lens.to(device=scores.device, dtype=torch.int32).contiguous()
     fill = min(1024, _next_pow2(topk, 16))
-    if method == "row" or (method is None and width <= ROW_MAX_WIDTH):
+    if method == "row":
+        if width > ROW_MAX_WIDTH:
+            raise ValueError(f"method 'row' takes rows up to {ROW_MAX_WIDTH} positions, got {width}")
         row = _next_pow2(width, 16)
         _select_row_kernel[(num_seqs,)](scores, g_lens, out, scores.stride(0), out.stride(0), width, k, topk,
                                         WIDTH=row, FILL=fill, num_warps=16 if row >= 8192 else 8 if row >= 2048 else 4)

@@ -236,7 +236,7 @@ def test_serve_replay_ttft_smoke(tiny_v4_ckpt, tmp_path, capsys):
         "eplb": {"enabled": False}}))
     out = tmp_path / "rows.jsonl"
     assert serve_replay_ttft.main(["--config", str(cfg), "--contexts", "96", "200", "--modes", "bounded", "exact",
-                                   "--new-tokens", "8", "--num-cpus", "2", "--json", str(out)]) == 0
+                                   "--new-tokens", "8", "--warmup", "1", "--num-cpus", "2", "--json", str(out)]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["mode"], r["context"]) for r in rows] == [("bounded", 96), ("bounded", 200), ("exact", 96), ("exact", 200)]
     for r in rows:

@@ -201,9 +201,13 @@ def test_fp8_keys_with_scales(device, q_dtype):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_radix_select_over_several_pass_chunks(device):
-    """Rows longer than one histogram chunk (4096), scores sharing their top bytes (one binade,
-    many repeats), negative and -inf ones: every radix pass has to narrow the k-th score."""
+@pytest.mark.parametrize("programs", [1, 128])
+def test_radix_select_over_several_pass_chunks(device, programs, monkeypatch):
+    """Rows longer than one histogram chunk (4096, or 1024 when few rows leave the GPU idle),
+    scores sharing their top bytes (one binade, many repeats), negative and -inf ones: every
+    radix pass has to narrow the k-th score."""
+    import kernels.indexer as mod
+    monkeypatch.setattr(mod, "_RADIX_PROGRAMS", programs)
     g = torch.Generator().manual_seed(7)
     width, topk = 9000, 300
     scores = 1.0 + torch.randint(0, 2000, (3, width), generator=g).float() / 4096  # [1, 1.5), repeats
@@ -219,6 +223,14 @@ def test_radix_select_over_several_pass_chunks(device):
         want = scores[row].sort(descending=True).values[k - 1]
         for method in ("radix", "topk"):
             assert kth_scores(scores[row:row + 1], k, method).item() == want.item()
+
+
+def test_row_method_rejects_rows_wider_than_it_holds():
+    import kernels.indexer as mod
+    scores = torch.zeros(1, mod.ROW_MAX_WIDTH + 1, device=TRITON_DEVICE)
+    g_lens = torch.tensor([mod.ROW_MAX_WIDTH + 1], dtype=torch.int32)
+    with pytest.raises(ValueError, match="row"):
+        select_topk_triton(scores, g_lens, 8, method="row")
 
 
 @pytest.mark.parametrize("device", DEVICES)
