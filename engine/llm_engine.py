@@ -83,22 +83,48 @@ class LLMEngine:
             self.warmup()
 
     def warmup(self) -> None:
-        """Run a few short requests before the first real one: the Triton kernels compile a
-        variant per shape class on first use (up to a second each) and the batch-1 decode graph
-        is captured, so that cost is paid at start, not by the first users. Leaves no request,
-        used block or statistic behind."""
+        """Run short requests before the first real one: the Triton kernels build a variant per
+        shape class on first use (up to a second each) and decode graphs are captured, so that
+        cost is paid at start, not by the first users (a build met mid-serving stalls every running
+        request). The shape classes are what the kernels specialise on: integer arguments equal to 1,
+        multiples of 16 or neither (token and row counts, batch sizes), the MoE GEMM's tile by
+        rows per expert, the tuned attention configuration by batch bucket, and the prefill rows
+        past index_topk and their prefix-hit replay. Widths that grow with context were made
+        shape-neutral in the kernels instead. Leaves no request, used block or statistic behind."""
+        cfg, mc = self.cfg, self.model_cfg
         limit = self.max_model_len - 4
-        lengths = {1, 17, 64}
-        if self.model_cfg.index_topk:  # prefill rows on the kernel path
-            lengths.add(self.model_cfg.index_topk + 65)
-        vocab = self.model_cfg.vocab_size
-        prompts = [[4 + (i * 7919) % (vocab - 4) for i in range(n)] for n in sorted(lengths) if n <= limit]
-        self.generate(prompts, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
-        if self.cfg.decode_kernels:  # the attention kernel's launch configuration of every batch bucket
-            mc, kv = self.model_cfg, self.runner.kv
+        vocab = mc.vocab_size
+
+        def prompt(n: int, salt: int = 0) -> list[int]:
+            return [4 + (i * 7919 + salt * 104729) % (vocab - 4) for i in range(n)]
+
+        def run(prompts: list[list[int]]) -> None:
+            if prompts:
+                self.generate(prompts, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+
+        chunk = cfg.max_num_batched_tokens
+        # One prompt per step (no two share a prefix): token counts 1, 17 and 64, and fractions
+        # of a full prefill chunk.
+        for n in sorted({1, 17, 64, max(1, chunk // 4), max(1, chunk // 2), chunk}):
+            if n <= limit:
+                run([prompt(n, salt=n)])
+        # Decode batches of 3 and of 16 sequences (graph buckets 4 and 16).
+        run([prompt(5, salt=-1 - s) for s in range(3)])
+        run([prompt(5, salt=-10 - s) for s in range(min(16, cfg.max_num_seqs))])
+        if mc.index_topk:
+            # Prefill rows past index_topk, in a full and a partial chunk, then a next turn on the
+            # same prefix: a prefix hit whose window is replayed.
+            n = mc.index_topk + chunk + 17
+            if n + 8 <= limit:
+                run([prompt(n, salt=-100)])
+                run([prompt(n, salt=-100) + prompt(8, salt=-101)])
+        if cfg.decode_kernels:
+            # The attention kernel's tuned configuration of every batch bucket: decode batches and
+            # the row counts of prefill chunks.
+            kv = self.runner.kv
             mla_warm_up(mc.num_attention_heads, mc.kv_lora_rank, mc.qk_rope_head_dim, self.runner.dtype,
-                        kv.global_kv.dtype, self.runner.device, self.cfg.max_num_seqs, mc.index_topk,
-                        mc.sliding_window, self.cfg.block_size)
+                        kv.global_kv.dtype, self.runner.device, max(cfg.max_num_seqs, chunk), mc.index_topk,
+                        mc.sliding_window, cfg.block_size)
         s = self.scheduler
         s.prefix_hit_tokens = s.replayed_tokens = s.num_preemptions = 0
         self.num_steps = 0

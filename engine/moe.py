@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import triton_ok
 from kernels.moe_gemm import fused_experts
 from kernels.routing import fused_route
 
@@ -151,7 +152,7 @@ class MoE(nn.Module):
         """Sum over (token, local slot, weight) pairs of weight * expert(x[token]), as [T, H].
         Pairs are sorted by slot: one grouped GEMM per projection where torch has it (no host
         sync, no per-expert launches), else one matmul pair per slot."""
-        fused = self.gemm != "grouped_mm" and x.is_cuda
+        fused = self.gemm != "grouped_mm" and triton_ok(x)
         if count or not fused:
             # scatter_add, not bincount: bincount on CUDA reads the max back to the host (a sync per layer)
             counts = torch.zeros(self.w13.shape[0], dtype=torch.long, device=x.device).scatter_add_(

@@ -77,7 +77,11 @@ def indexer_topk_reference(q: torch.Tensor, w: torch.Tensor, index_keys: torch.T
 
 if triton is not None:
 
-    @triton.jit
+    # Integer arguments that are 1 or a multiple of 16 get their own build unless listed in
+    # do_not_specialize; block-table widths and chunk counts change as contexts grow, so they
+    # are listed (they only index scalars) and a longer context never stalls decode on a build.
+    # Widths and row strides keep the specialisation: it lets the score loads and stores vectorise.
+    @triton.jit(do_not_specialize=["stride_tb"])
     def _score_tile_kernel(q_ptr, w_ptr, keys_ptr, scale_ptr, table_ptr, lens_ptr, out_ptr,
                            stride_qb, stride_qh, stride_qd, stride_wb, stride_wh,
                            stride_ks, stride_kd, stride_tb, stride_tm, stride_ob,
@@ -138,9 +142,9 @@ if triton is not None:
     def _select_row_kernel(scores_ptr, lens_ptr, out_ptr, stride_sb, stride_ob, width, k, topk,
                            WIDTH: tl.constexpr, FILL: tl.constexpr):
         """The whole selection of one row in one program, for rows that fit in registers: the
-        radix select of the k-th score (four 8-bit histograms, no atomics) and the emit. Ten
-        launches fewer per layer than the multi-program path, which decode at short contexts
-        (a few microseconds of work a launch) cannot afford."""
+        radix select of the k-th score (four 8-bit histograms, no atomics) and the emit, in one
+        launch instead of about ten. Only on request (method 'row'): one program walks the whole
+        row, and in the engine it measured slower than the multi-program passes (RESULTS)."""
         seq = tl.program_id(0)
         pos = tl.arange(0, WIDTH)
         in_row = pos < width
@@ -175,7 +179,7 @@ if triton is not None:
             i = start + tl.arange(0, FILL)
             tl.store(row_out + i, tl.full([FILL], -1, tl.int32), mask=(i >= filled) & (i < topk))
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_seqs", "k"])
     def _radix_state_kernel(hist_ptr, prefix_ptr, rank_ptr, kth_ptr, num_seqs, k, PASS: tl.constexpr):
         """After the PASS-th histogram: the top 8 * (PASS + 1) bits of each row's k-th largest
         key (`prefix`) and its rank among the keys sharing them (1 = the largest); after the
@@ -196,28 +200,34 @@ if triton is not None:
         if PASS == 3:
             tl.store(kth_ptr + seq, _key_to_score(prefix.to(tl.uint32, bitcast=True)))
 
-    @triton.jit
-    def _radix_pass_kernel(scores_ptr, hist_ptr, prefix_ptr, stride_sb, width, num_seqs,
-                           PASS: tl.constexpr, CHUNK: tl.constexpr):
+    @triton.jit(do_not_specialize=["num_seqs", "span"])
+    def _radix_pass_kernel(scores_ptr, hist_ptr, prefix_ptr, stride_sb, width, num_seqs, span,
+                           PASS: tl.constexpr, BLOCK: tl.constexpr):
         """Histogram of the PASS-th byte (from the top) of the keys that match the k-th
-        largest key in the bytes before it; counts are added into hist[PASS, seq]."""
+        largest key in the bytes before it, over `span` positions of the row; counts are added
+        into hist[PASS, seq]. The span is a runtime loop, not a block size, so one build serves
+        every batch size and context."""
         seq = tl.program_id(0)
-        pos = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
-        s = tl.load(scores_ptr + seq * stride_sb + pos, mask=pos < width, other=float("-inf"))
-        key = _order_key(s)
-        digit = (key >> (24 - 8 * PASS)) & 0xFF
-        match = pos < width
+        start = tl.program_id(1) * span
         if PASS > 0:
             prefix = tl.load(prefix_ptr + seq).to(tl.uint32, bitcast=True)
-            match = match & ((key >> (32 - 8 * PASS)) == prefix)
-        # Non-matching keys land in bin 0, which the state kernel never needs exactly: it reads
-        # only the counts of digits above the one it picks, and bin 0 is picked only when every
-        # higher bin together holds fewer than `rank` keys. So no masked histogram is needed.
+        counts = tl.zeros([256], dtype=tl.int32)
+        for off in range(0, span, BLOCK):
+            pos = start + off + tl.arange(0, BLOCK)
+            s = tl.load(scores_ptr + seq * stride_sb + pos, mask=pos < width, other=float("-inf"))
+            key = _order_key(s)
+            digit = (key >> (24 - 8 * PASS)) & 0xFF
+            match = pos < width
+            if PASS > 0:
+                match = match & ((key >> (32 - 8 * PASS)) == prefix)
+            # Non-matching keys land in bin 0, which the state kernel never needs exactly: it
+            # reads only the counts of digits above the one it picks, and bin 0 is picked only
+            # when every higher bin together holds fewer than `rank` keys.
+            counts += tl.histogram(tl.where(match, digit, 0).to(tl.int32), 256)
         bins = tl.arange(0, 256)
-        counts = tl.histogram(tl.where(match, digit, 0).to(tl.int32), 256)
         tl.atomic_add(hist_ptr + (PASS * num_seqs + seq) * 256 + bins, counts, mask=counts > 0, sem="relaxed")
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["stride_cb"])
     def _count_chunk_kernel(scores_ptr, kth_ptr, lens_ptr, above_ptr, equal_ptr,
                             stride_sb, stride_cb, width, CHUNK: tl.constexpr):
         seq = tl.program_id(0)
@@ -229,22 +239,29 @@ if triton is not None:
         tl.store(above_ptr + seq * stride_cb + chunk, tl.sum((live & (s > kth)).to(tl.int32), axis=0))
         tl.store(equal_ptr + seq * stride_cb + chunk, tl.sum((live & (s == kth)).to(tl.int32), axis=0))
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["stride_cb", "num_chunks", "k"])
     def _emit_chunk_kernel(scores_ptr, kth_ptr, lens_ptr, above_ptr, equal_ptr, out_ptr,
                            stride_sb, stride_cb, stride_ob, width, num_chunks, k, topk,
-                           CHUNK: tl.constexpr, CHUNKS: tl.constexpr, FILL: tl.constexpr):
+                           CHUNK: tl.constexpr, SUMS: tl.constexpr, FILL: tl.constexpr):
         seq = tl.program_id(0)
         chunk = tl.program_id(1)
-        c = tl.arange(0, CHUNKS)
-        c_ok = c < num_chunks
-        above = tl.load(above_ptr + seq * stride_cb + c, mask=c_ok, other=0)
-        equal = tl.load(equal_ptr + seq * stride_cb + c, mask=c_ok, other=0)
-        total_above = tl.sum(above, axis=0)
+        # The per-chunk counts are summed SUMS at a time in a loop, so one build serves every width.
+        total_above = tl.zeros([], dtype=tl.int32)
+        total_equal = tl.zeros([], dtype=tl.int32)
+        above_before = tl.zeros([], dtype=tl.int32)
+        ties_after = tl.zeros([], dtype=tl.int32)
+        for c0 in range(0, num_chunks, SUMS):
+            c = c0 + tl.arange(0, SUMS)
+            c_ok = c < num_chunks
+            above = tl.load(above_ptr + seq * stride_cb + c, mask=c_ok, other=0)
+            equal = tl.load(equal_ptr + seq * stride_cb + c, mask=c_ok, other=0)
+            total_above += tl.sum(above, axis=0)
+            total_equal += tl.sum(equal, axis=0)
+            above_before += tl.sum(tl.where(c < chunk, above, 0), axis=0)
+            ties_after += tl.sum(tl.where(c > chunk, equal, 0), axis=0)
         # Everything above the k-th score is kept; the remaining places go to the scores equal
         # to it, latest position first.
         ties_wanted = k - total_above
-        above_before = tl.sum(tl.where(c < chunk, above, 0), axis=0)
-        ties_after = tl.sum(tl.where(c > chunk, equal, 0), axis=0)
 
         pos = chunk * CHUNK + tl.arange(0, CHUNK)
         live = (pos < tl.load(lens_ptr + seq)) & (pos < width)
@@ -260,7 +277,7 @@ if triton is not None:
         tl.store(row_out + total_above + later_ties, pos, mask=take)
 
         if chunk == 0:
-            filled = total_above + tl.minimum(ties_wanted, tl.sum(equal, axis=0))
+            filled = total_above + tl.minimum(ties_wanted, total_equal)
             for start in range(0, topk, FILL):
                 i = start + tl.arange(0, FILL)
                 tl.store(row_out + i, tl.full([FILL], -1, tl.int32), mask=(i >= filled) & (i < topk))
@@ -270,9 +287,10 @@ def _next_pow2(n: int, floor: int) -> int:
     return max(floor, 1 << max(0, (n - 1).bit_length()))
 
 
-def score_tune_key(num_heads: int, head_dim: int, width: int, fp8: bool) -> str:
-    """Shape key of the scoring kernel in kernels/tuned/<gpu>.json."""
-    return f"{'fp8' if fp8 else 'bf16'}|h{num_heads}|d{head_dim}|{'long' if width >= 65536 else 'short'}"
+def score_tune_key(num_heads: int, head_dim: int, fp8: bool) -> str:
+    """Shape key of the scoring kernel in kernels/tuned/<gpu>.json. The launch configuration
+    does not follow the row width, so a context that grows never meets a new build."""
+    return f"{'fp8' if fp8 else 'bf16'}|h{num_heads}|d{head_dim}"
 
 
 def _score_launch(q, w, index_keys, block_tables, g_lens, block_size,
@@ -289,8 +307,8 @@ def _score_launch(q, w, index_keys, block_tables, g_lens, block_size,
     dim = _next_pow2(head_dim, 16)
     tuned = None
     if tile is None and num_warps is None and q.dtype != torch.float32:
-        tuned = tuned_config(q.device, "indexer_score", score_tune_key(num_heads, head_dim, width, key_scale is not None))
-    tile = tile or (tuned["tile"] if tuned else 128 if width >= 8192 else 64)
+        tuned = tuned_config(q.device, "indexer_score", score_tune_key(num_heads, head_dim, key_scale is not None))
+    tile = tile or (tuned["tile"] if tuned else 128)
     num_warps = num_warps or (tuned["num_warps"] if tuned else 4)
     # Mixed dtypes meet in fp32. So do bf16 ones under the CPU interpreter, whose tl.dot
     # multiplies bf16 bit patterns as integers (seen with triton 3.9); bf16 products are
@@ -332,6 +350,7 @@ ROW_MAX_WIDTH = 16384
 RADIX_MAX_WIDTH = 131072
 # The radix passes want enough programs to fill the GPU: small batches split rows finer.
 _RADIX_PROGRAMS = 128
+_SELECT_BLOCK = 1024
 
 
 def kth_scores(scores: torch.Tensor, k: int, method: str | None = None) -> torch.Tensor:
@@ -345,12 +364,14 @@ def kth_scores(scores: torch.Tensor, k: int, method: str | None = None) -> torch
     prefix = torch.empty(num_seqs, device=scores.device, dtype=torch.int32)
     rank = torch.empty_like(prefix)
     kth = torch.empty(num_seqs, device=scores.device, dtype=torch.float32)
-    chunk = min(4096, _next_pow2(width, 16))
-    while chunk > 1024 and num_seqs * triton.cdiv(width, chunk) < _RADIX_PROGRAMS:
-        chunk //= 2
+    # Fixed block sizes (short rows are masked): one build per pass for every width.
+    block = _SELECT_BLOCK
+    span = max(block, min(4096, _next_pow2(width, 16)))
+    while span > block and num_seqs * triton.cdiv(width, span) < _RADIX_PROGRAMS:
+        span //= 2
     for p in range(4):
-        _radix_pass_kernel[(num_seqs, triton.cdiv(width, chunk))](
-            scores, hist, prefix, scores.stride(0), width, num_seqs, PASS=p, CHUNK=chunk, num_warps=8)
+        _radix_pass_kernel[(num_seqs, triton.cdiv(width, span))](
+            scores, hist, prefix, scores.stride(0), width, num_seqs, span, PASS=p, BLOCK=block, num_warps=8)
         _radix_state_kernel[(num_seqs,)](hist, prefix, rank, kth, num_seqs, k, PASS=p, num_warps=1)
     return kth
 
@@ -381,7 +402,7 @@ def select_topk_triton(scores: torch.Tensor, g_lens: torch.Tensor, topk: int,
                                         WIDTH=row, FILL=fill, num_warps=16 if row >= 8192 else 8 if row >= 2048 else 4)
         return out
     kth = kth_scores(scores, k, method)
-    chunk = chunk or min(1024, _next_pow2(width, 16))
+    chunk = chunk or _SELECT_BLOCK
     num_chunks = triton.cdiv(width, chunk)
     above = torch.empty(num_seqs, num_chunks, device=scores.device, dtype=torch.int32)
     equal = torch.empty_like(above)
@@ -390,7 +411,7 @@ def select_topk_triton(scores: torch.Tensor, g_lens: torch.Tensor, topk: int,
                               CHUNK=chunk, num_warps=4)
     _emit_chunk_kernel[grid](scores, kth, g_lens, above, equal, out,
                              scores.stride(0), above.stride(0), out.stride(0), width, num_chunks, k, topk,
-                             CHUNK=chunk, CHUNKS=_next_pow2(num_chunks, 16), FILL=fill, num_warps=4)
+                             CHUNK=chunk, SUMS=64, FILL=fill, num_warps=4)
     return out
 
 

@@ -106,7 +106,9 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.dot(p.to(k_c.dtype), k_c, input_precision=PREC)
         return m_new, l, acc
 
-    @triton.jit
+    # Block-table widths and split counts change with context and batch; as plain (unspecialised)
+    # integers they do not each get a build of their own (see kernels/indexer.py).
+    @triton.jit(do_not_specialize=["stride_tb", "table_keys", "num_topk", "num_win", "num_global_splits"])
     def _split_kernel(
             q_ptr, stride_qb, stride_qh, qr_ptr, stride_rb, stride_rh,
             kv_ptr, stride_kv, scale_ptr,
@@ -213,21 +215,22 @@ if triton is not None:
         tl.store(part_acc_ptr + part[:, None].to(tl.int64) * kv_lora + cols[None, :], acc,
                  mask=h_ok[:, None] & c_ok[None, :])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_splits"])
     def _merge_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, stride_ob, stride_oh,
-                          num_splits, num_heads, kv_lora,
-                          BLOCK_S: tl.constexpr, BLOCK_SC: tl.constexpr, BLOCK_CC: tl.constexpr):
+                      num_splits, num_heads, kv_lora,
+                      BLOCK_SC: tl.constexpr, BLOCK_CC: tl.constexpr):
         col_block = tl.program_id(0)
         h = tl.program_id(1)
         b = tl.program_id(2)
-        splits = tl.arange(0, BLOCK_S)
-        s_ok = splits < num_splits
         base = b * num_splits * num_heads + h
-        m = tl.load(part_m_ptr + base + splits * num_heads, mask=s_ok, other=-1.0e30)
-        l = tl.load(part_l_ptr + base + splits * num_heads, mask=s_ok, other=0.0)
-        m_all = tl.max(m, 0)
-        denom = tl.sum(tl.exp2(m - m_all) * l, 0)
-
+        # The splits' maxima, then their weights, BLOCK_SC at a time: no block size follows the
+        # number of splits, so one build serves every batch and context.
+        m_all = tl.full([], -1.0e30, dtype=tl.float32)
+        for s0 in range(0, num_splits, BLOCK_SC):
+            sc = s0 + tl.arange(0, BLOCK_SC)
+            m_all = tl.maximum(m_all, tl.max(tl.load(part_m_ptr + base + sc * num_heads, mask=sc < num_splits,
+                                                     other=-1.0e30), 0))
+        denom = tl.zeros([], dtype=tl.float32)
         cols = col_block * BLOCK_CC + tl.arange(0, BLOCK_CC)
         c_ok = cols < kv_lora
         total = tl.zeros([BLOCK_CC], dtype=tl.float32)
@@ -236,6 +239,7 @@ if triton is not None:
             sc_ok = sc < num_splits
             ms = tl.load(part_m_ptr + base + sc * num_heads, mask=sc_ok, other=-1.0e30)
             w = tl.where(sc_ok, tl.exp2(ms - m_all), 0.0)
+            denom += tl.sum(w * tl.load(part_l_ptr + base + sc * num_heads, mask=sc_ok, other=0.0), 0)
             rows = (base + sc * num_heads).to(tl.int64) * kv_lora
             part = tl.load(part_acc_ptr + rows[:, None] + cols[None, :], mask=sc_ok[:, None] & c_ok[None, :],
                            other=0.0)
@@ -375,7 +379,7 @@ def mla_decode_triton(q, kv, kv_scale, block_tables, g_lens, block_size: int, sm
     _merge_kernel[(triton.cdiv(kv_lora, block_cc), h, b)](
         part_acc, part_m, part_l, out, out.stride(0), out.stride(1),
         total_splits, h, kv_lora,
-        BLOCK_S=_pow2(total_splits, 2), BLOCK_SC=16, BLOCK_CC=block_cc, num_warps=4)
+        BLOCK_SC=16, BLOCK_CC=block_cc, num_warps=4)
     return out
 
 
@@ -405,10 +409,11 @@ def mla_decode(q, kv, kv_scale, block_tables, g_lens, block_size: int, sm_scale:
 
 def warm_up(heads: int, kv_lora: int, rope: int, dtype: torch.dtype, kv_dtype: torch.dtype, device,
             max_batch: int, topk: int | None, window: int | None, block_size: int = 64) -> None:
-    """Run the kernel once per batch bucket, in the variants a decode step uses (top-k and dense
-    rows, the window ring, this KV type), on dummy inputs: each bucket may have its own tuned
-    launch configuration (kernels/tuning.py), and a Triton build met mid-serving would stall
-    every running request for a second or so."""
+    """Run the kernel once per batch bucket, in the variants the engine uses (top-k and dense
+    rows; the window read in place from the ring, as decode does, or passed as rows, as prefill
+    chunks do; this KV type), on dummy inputs: each bucket may have its own tuned launch
+    configuration (kernels/tuning.py), and a Triton build met mid-serving would stall every
+    running request for a second or so."""
     d = kv_lora + rope
     buckets = sorted({batch_bucket(b) for b in BATCH_BUCKETS if b <= max_batch} | {batch_bucket(max_batch)})
     for b in buckets:
@@ -426,6 +431,9 @@ def warm_up(heads: int, kv_lora: int, rope: int, dtype: torch.dtype, kv_dtype: t
         for topk_pos in modes:
             mla_decode(q, kv, scale, tables, lens, block_size, 1.0, kv_lora, topk_pos=topk_pos,
                        win_valid=valid, ring=ring)
+            if window:
+                mla_decode(q, kv, scale, tables, lens, block_size, 1.0, kv_lora, topk_pos=topk_pos,
+                           win_kv=torch.zeros(b, window + 1, d, dtype=dtype, device=device), win_valid=valid)
 
 
 __all__ = ["mla_decode", "mla_decode_reference", "mla_decode_triton", "warm_up"]

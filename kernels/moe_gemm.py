@@ -243,10 +243,11 @@ def _down_kernel(act_ptr, w2_ptr, out_ptr, token_ptr, weight_ptr, row_pair_ptr, 
 
 
 @functools.cache
-def _jit(fn):
+def _jit(fn, *plain: str):
     # Decorated at first launch rather than at import, so that this module (and its reference
-    # path) imports without Triton.
-    return triton.jit(fn)
+    # path) imports without Triton. `plain`: integer arguments (pair and tile counts, which follow
+    # the batch) that get no build of their own when they are 1 or a multiple of 16.
+    return triton.jit(fn, do_not_specialize=plain)
 
 
 def align_pairs_triton(slot_of: torch.Tensor, num_slots: int, block_m: int) -> AlignedPairs:
@@ -264,10 +265,10 @@ def align_pairs_triton(slot_of: torch.Tensor, num_slots: int, block_m: int) -> A
         return AlignedPairs(row_pair, tile_slot, counts)
     slot_of = slot_of.contiguous()
     block_p, block_t, block_s = 1024, 64, 128
-    _jit(_count_kernel)[(triton.cdiv(num_pairs, block_p),)](slot_of, counts, rank, num_pairs, BLOCK=block_p)
+    _jit(_count_kernel, "num_pairs")[(triton.cdiv(num_pairs, block_p),)](slot_of, counts, rank, num_pairs, BLOCK=block_p)
     _jit(_offsets_kernel)[(1,)](counts, padded_start, num_slots, BLOCK_M=block_m, BLOCK_S=block_s)
     grid = (max(triton.cdiv(num_pairs, block_p), triton.cdiv(num_tiles, block_t)),)
-    _jit(_place_kernel)[grid](slot_of, rank, counts, padded_start, row_pair, tile_slot,
+    _jit(_place_kernel, "num_pairs", "num_tiles")[grid](slot_of, rank, counts, padded_start, row_pair, tile_slot,
                               num_pairs, num_slots, num_tiles,
                               BLOCK_M=block_m, BLOCK_P=block_p, BLOCK_T=block_t, BLOCK_S=block_s)
     return AlignedPairs(row_pair, tile_slot, counts)

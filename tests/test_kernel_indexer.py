@@ -151,7 +151,8 @@ def test_negative_weights_order_negative_scores(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("method", ["row", "radix", "topk"])
-@pytest.mark.parametrize("width,topk,chunk", [(100, 10, 16), (100, 60, 16), (64, 64, 16), (37, 50, 16), (300, 7, 32)])
+@pytest.mark.parametrize("width,topk,chunk", [(100, 10, 16), (100, 60, 16), (64, 64, 16), (37, 50, 16), (300, 7, 32),
+                                                (300, 90, 4)])  # more chunks than the emit sums at once
 def test_selection_with_many_ties_across_chunks(device, width, topk, chunk, method):
     """Scores from a handful of values, so the k-th score is shared by positions in several
     chunks: exactly the latest of them must fill the places left."""

@@ -70,6 +70,7 @@ def check(out, ref, dtype):
     ([5, 18, 37], 4, None),      # lengths off the block and tile sizes
     ([5, 18, 37], 3, 3),         # several splits per sequence, some of them empty
     ([0, 13], 2, 2),             # a sequence with no key at all
+    ([700, 40], 2, 40),          # more splits than the merge sums at once
 ])
 def test_dense_matches_reference(device, dtype, g_lens, heads, num_splits):
     q, kv, table, lens = make_case(g_lens, heads, dtype, device)
@@ -291,7 +292,7 @@ def test_query_given_as_two_parts(device):
 @pytest.mark.parametrize("kv_fp8", [False, True])
 def test_warm_up_runs_every_bucket_and_variant(device, kv_fp8, monkeypatch):
     """warm_up launches the kernel (interpreted here) once per batch bucket up to max_batch, in
-    the top-k and dense variants with the window ring, and leaves nothing behind."""
+    the top-k and dense variants, with the window as the ring (decode) and as rows (prefill)."""
     from kernels import mla_decode as mod
     monkeypatch.setenv("WIDEEP_CPU_KERNELS", "1")
     seen = []
@@ -300,5 +301,6 @@ def test_warm_up_runs_every_bucket_and_variant(device, kv_fp8, monkeypatch):
         (q.shape[0], a[7] is not None, k["ring"] is not None, a[0].dtype)) or real(q, *a, **k))
     kv_dtype = mod.FP8_DTYPE if kv_fp8 else torch.bfloat16
     mod.warm_up(4, KV_LORA, ROPE, torch.bfloat16, kv_dtype, device, max_batch=20, topk=16, window=8, block_size=BS)
-    assert [(b, topk) for b, topk, _, _ in seen] == [(b, t) for b in (1, 4, 16, 64) for t in (False, True)]
-    assert all(ring and dt == kv_dtype for _, _, ring, dt in seen)
+    assert [(b, topk, ring) for b, topk, ring, _ in seen] == [
+        (b, t, r) for b in (1, 4, 16, 64) for t in (False, True) for r in (True, False)]
+    assert all(dt == kv_dtype for _, _, _, dt in seen)
