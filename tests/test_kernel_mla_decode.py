@@ -1,4 +1,5 @@
 """Paged MLA decode kernel (Triton) against its plain-torch reference, and FP8 KV round trips."""
+import itertools
 import os
 
 import pytest
@@ -109,14 +110,17 @@ def test_window_keys(device, dtype):
 def test_topk_positions(device, dtype):
     g_lens = [9, 30, 3]
     q, kv, table, lens = make_case(g_lens, 4, dtype, device, seed=2)
-    topk = torch.tensor([[8, -1, 0, 3, -1, 5, -1, 1, 2, -1, 4, 6, 7, -1, -1, -1, -1, 4],
+    topk = torch.tensor([[8, -1, 0, 3, -1, 5, -1, 1, 2, 12, 4, 6, 7, -1, -1, -1, -1, 4],
                          [29, 17, -1, 0, 12, 13, 14, 15, 16, 1, 2, 28, -1, 3, 4, 5, 6, 7],
                          [-1] * 18], dtype=torch.int32).to(device)
     win = torch.randn(3, 4, D, generator=torch.Generator().manual_seed(3)).to(dtype).to(device)
     valid = torch.tensor([[1, 1, 0, 0], [0, 0, 0, 0], [0, 1, 0, 1]], dtype=torch.bool).to(device)
-    for kwargs in (dict(), dict(win_kv=win, win_valid=valid)):
+    # slots: the entries resolved to KV slots by a kernel of their own first; row 0 lists
+    # positions past its length (9), which must count as no entry either way
+    resolve = dict(block_n=16, num_warps=4, num_stages=2, waves=1, min_tiles=1, slots=True, q_reload=True)
+    for kwargs, config in itertools.product((dict(), dict(win_kv=win, win_valid=valid)), (None, resolve)):
         out = mla_decode_triton(q, kv, None, table, lens, BS, SCALE, KV_LORA, topk_pos=topk, num_splits=2,
-                                **kwargs)
+                                config=config, **kwargs)
         ref = mla_decode_reference(q, kv, None, table, lens, BS, SCALE, KV_LORA, topk_pos=topk, **kwargs)
         check(out, ref, dtype)
     assert (mla_decode_triton(q, kv, None, table, lens, BS, SCALE, KV_LORA, topk_pos=topk)[2] == 0).all()
@@ -209,6 +213,7 @@ def test_dispatcher_and_empty_batch(device, monkeypatch):
 @pytest.mark.parametrize("config", [
     dict(block_n=16, num_warps=4, num_stages=2, waves=1, min_tiles=1),
     dict(block_n=32, num_warps=8, num_stages=3, waves=4, min_tiles=2),
+    dict(block_n=16, num_warps=4, num_stages=2, waves=2, min_tiles=1, q_reload=True),
 ])
 def test_launch_configs_agree(device, config):
     """A tuned launch configuration (kernels/tuning.py) changes tiles and splits, not the result."""
