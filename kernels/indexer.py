@@ -351,6 +351,10 @@ RADIX_MAX_WIDTH = 131072
 # The radix passes want enough programs to fill the GPU: small batches split rows finer.
 _RADIX_PROGRAMS = 128
 _SELECT_BLOCK = 1024
+# Chunk counts the emit pass sums per step: a 1M-position row in one. At 512K, 64 a step made
+# eight dependent rounds of loads in each of a row's 512 programs: 74 us a layer on the H200,
+# 45 us with 1024 (bench/RESULTS.md, forward profiles).
+_EMIT_SUMS = 1024
 
 
 def kth_scores(scores: torch.Tensor, k: int, method: str | None = None) -> torch.Tensor:
@@ -411,7 +415,7 @@ def select_topk_triton(scores: torch.Tensor, g_lens: torch.Tensor, topk: int,
                               CHUNK=chunk, num_warps=4)
     _emit_chunk_kernel[grid](scores, kth, g_lens, above, equal, out,
                              scores.stride(0), above.stride(0), out.stride(0), width, num_chunks, k, topk,
-                             CHUNK=chunk, SUMS=64, FILL=fill, num_warps=4)
+                             CHUNK=chunk, SUMS=_EMIT_SUMS, FILL=fill, num_warps=4)
     return out
 
 
