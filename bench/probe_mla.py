@@ -133,7 +133,7 @@ def main() -> None:
         # the same rows read with nothing else done: the access pattern's own floor
         resolved = (tables.long().gather(1, topk_pos.long() // BLOCK) * BLOCK + topk_pos.long() % BLOCK).to(torch.int32)
         gbr = b * TOPK * KV_LORA * 2 / 1e9
-        for resolved_in, bn, warps, splits in itertools.product((False,), (64,), (4,), (8, 16)):
+        for resolved_in, bn, warps, splits in itertools.product((False, True), (32, 64), (4,), (8, 16)):
             kps = triton.cdiv(TOPK, splits)
             out = torch.empty(b * splits * 512, device=dev)
             src = resolved if resolved_in else topk_pos
