@@ -5,7 +5,7 @@
 # STEPS picks a subset, e.g. STEPS="fp8 b64 replay ipc"; "tune" first measures this GPU's launch
 # configs (kernels/tuned/<gpu>.json, about 4-5 minutes), which the later steps then use.
 source bench/device/setup.sh
-STEPS=${STEPS:-"tune b64 bf16 fp8 hf"}
+STEPS=${STEPS:-"tune b1 b64 bf16 fp8 hf"}
 t() { local s=$1; shift; local t0=$SECONDS; timeout "$s" "$@"; echo "rc=$? $((SECONDS - t0))s $*" >> "$OUT/steps.txt"; }
 on() { [[ " $STEPS " == *" $1 "* ]]; }
 # PROFILE=1: also write each eager step's kernel table (count, device time) to $OUT/profile.txt
@@ -14,6 +14,8 @@ if on tune; then
   t 330 python3 -m bench.tune_kernels --json "$OUT/tune.json" > "$OUT/tune.log" 2>&1
   cp kernels/tuned/*.json "$OUT/" 2>/dev/null
 fi
+on b1 && t 60 python3 -m bench.forward --batch 1 --contexts 8192 --iters 10 $PROF --json "$OUT/forward.jsonl" \
+  > "$OUT/forward_b1.log" 2>&1
 on b64 && t 100 python3 -m bench.forward --batch 64 --contexts 8192 --moe-share --graphs-vs-eager --moe-gemm triton grouped_mm \
   --iters 10 $PROF --json "$OUT/forward.jsonl" > "$OUT/forward_b64.log" 2>&1
 for kv in bf16 fp8; do
