@@ -70,15 +70,17 @@ def _gather_only_kernel(topk_ptr, table_ptr, stride_tb, kv_ptr, stride_kv, out_p
 
 def build_stats() -> list[dict]:
     out = []
-    for fn in (mla._split_kernel, mla._merge_kernel):
+    for fn in (mla._split_kernel, mla._rows_split_kernel, mla._merge_kernel):
         caches = getattr(fn, "device_caches", {})
         for entry in caches.values():
             cache = entry[0] if isinstance(entry, tuple) else entry
             for kernel in cache.values():
                 try:
+                    ptx = kernel.asm.get("ptx", "")
                     out.append(dict(kernel=fn.__name__, regs=kernel.n_regs, spills=kernel.n_spills,
                                     shared=kernel.metadata.shared, warps=kernel.metadata.num_warps,
-                                    stages=kernel.metadata.num_stages))
+                                    stages=kernel.metadata.num_stages, wgmma="wgmma" in ptx,
+                                    mma_sync="mma.sync" in ptx, cp_async="cp.async" in ptx))
                 except Exception as exc:  # metadata names differ across Triton versions
                     out.append(dict(kernel=fn.__name__, error=repr(exc)))
     return out
@@ -89,6 +91,8 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--json", default=None)
     ap.add_argument("--once", action="store_true", help="only run the engine's configuration a few times (for ncu)")
+    ap.add_argument("--config", type=json.loads, default=None,
+                    help='with --once: this launch configuration instead, e.g. \'{"keys_rows": true, ...}\'')
     args = ap.parse_args()
     dev = "cuda"
     rows = []
@@ -113,15 +117,19 @@ def main() -> None:
         ref = call(None).float()
         if args.once:
             for _ in range(4):
-                call(None)
+                call(args.config)
             torch.cuda.synchronize()
             continue
         ms = reps_ms(lambda: call(None))
         emit(dict(probe="tuned", batch=b, ms=round(ms, 4), tbs=round(gb / ms, 3)))
-        space = dict(block_n=(16, 32, 64), num_warps=(4, 8), num_stages=(2, 3), waves=(1, 2), slots=(False, True),
-                     q_reload=(False, True))
-        for values in itertools.product(*space.values()):
-            cfg = dict(zip(space, values), min_tiles=1)
+        # heads as rows (kernels/mla_decode.py) with and without slots, and keys as rows
+        # (kernels/mla_decode_rows.py), whose Hopper MMAs want 64-key tiles or more
+        space = [dict(block_n=n, num_warps=w, num_stages=st, waves=wv, slots=sl, keys_rows=kr)
+                 for kr, n, w, st, wv, sl in itertools.product((False, True), (16, 32, 64, 128), (4, 8), (1, 2, 3),
+                                                               (1, 2), (False, True))
+                 if (n >= 64 if kr else n <= 64 and st > 1) and (sl or not kr)]
+        for cfg in space:
+            cfg = dict(cfg, min_tiles=1)
             try:
                 err = (call(cfg).float() - ref).abs().max().item()
                 ms = reps_ms(lambda: call(cfg))

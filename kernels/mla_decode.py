@@ -21,6 +21,7 @@ import torch
 
 from kernels import triton_ok
 from kernels.fp8_kv import FP8_DTYPE
+from kernels.mla_decode_rows import _rows_split_kernel
 from kernels.tuning import BATCH_BUCKETS, batch_bucket, tuned_config
 
 try:
@@ -386,6 +387,8 @@ def mla_decode_triton(q, kv, kv_scale, block_tables, g_lens, block_size: int, sm
     # batch 16 (bench.probe_mla). Reloading q per tile: within 1-4%, so off unless a config asks.
     slots = has_topk and bool((config or {}).get("slots", True))
     q_reload = bool((config or {}).get("q_reload", False))
+    # Keys as the rows of both products (kernels/mla_decode_rows.py); q_reload has no meaning there.
+    split_kernel = _rows_split_kernel if (config or {}).get("keys_rows", False) else _split_kernel
     if slots:
         resolved = torch.empty(b, n_cap, dtype=torch.int32, device=q.device)
         _resolve_slots_kernel[(triton.cdiv(n_cap, 1024), b)](
@@ -408,7 +411,7 @@ def mla_decode_triton(q, kv, kv_scale, block_tables, g_lens, block_size: int, sm
     # The interpreter (Triton 3.9) computes bf16 dots wrongly: it gets fp32 operands instead.
     upcast = q.device.type == "cpu" and q.dtype == torch.bfloat16
     prec = "ieee" if q.dtype == torch.float32 or upcast else "tf32"
-    _split_kernel[(total_splits, head_groups, b)](
+    split_kernel[(total_splits, head_groups, b)](
         q, q.stride(0), q.stride(1), q_rope, q_rope.stride(0), q_rope.stride(1),
         kv, kv.stride(0), scale,
         block_tables, block_tables.stride(0), block_tables.shape[1] * block_size, g_lens,

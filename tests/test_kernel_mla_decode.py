@@ -118,7 +118,10 @@ def test_topk_positions(device, dtype):
     # slots: the entries resolved to KV slots by a kernel of their own first; row 0 lists
     # positions past its length (9), which must count as no entry either way
     resolve = dict(block_n=16, num_warps=4, num_stages=2, waves=1, min_tiles=1, slots=True, q_reload=True)
-    for kwargs, config in itertools.product((dict(), dict(win_kv=win, win_valid=valid)), (None, resolve)):
+    rows = dict(resolve, keys_rows=True)
+    positions = dict(rows, slots=False)
+    for kwargs, config in itertools.product((dict(), dict(win_kv=win, win_valid=valid)),
+                                            (None, resolve, rows, positions)):
         out = mla_decode_triton(q, kv, None, table, lens, BS, SCALE, KV_LORA, topk_pos=topk, num_splits=2,
                                 config=config, **kwargs)
         ref = mla_decode_reference(q, kv, None, table, lens, BS, SCALE, KV_LORA, topk_pos=topk, **kwargs)
@@ -132,14 +135,17 @@ def test_topk_positions(device, dtype):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("heads", [16, 40])
-def test_real_widths_and_head_groups(device, fp8, heads):
-    """D = 512 + 64 (the GPU tile configs), several tiles and splits; 40 heads need two programs."""
+@pytest.mark.parametrize("keys_rows", [False, True])
+def test_real_widths_and_head_groups(device, fp8, heads, keys_rows):
+    """D = 512 + 64 (the GPU tile configs), several tiles and splits; 40 heads need two programs;
+    keys_rows: the keys-as-rows kernel at the 64-key tile it runs with on the GPU."""
     q, kv, table, lens = make_case([70, 2], heads, torch.bfloat16, device, seed=4, kv_lora=512, rope=64)
     scale = 576 ** -0.5
     kv_scale = None
     if fp8:
         kv, kv_scale = quantize_kv(kv)
-    out = mla_decode_triton(q, kv, kv_scale, table, lens, BS, scale, 512, num_splits=2)
+    config = dict(block_n=64, num_warps=4, num_stages=2, waves=1, min_tiles=1, keys_rows=True) if keys_rows else None
+    out = mla_decode_triton(q, kv, kv_scale, table, lens, BS, scale, 512, num_splits=2, config=config)
     ref = mla_decode_reference(q, kv, kv_scale, table, lens, BS, scale, 512)
     check(out, ref, torch.bfloat16)
 
@@ -214,6 +220,8 @@ def test_dispatcher_and_empty_batch(device, monkeypatch):
     dict(block_n=16, num_warps=4, num_stages=2, waves=1, min_tiles=1),
     dict(block_n=32, num_warps=8, num_stages=3, waves=4, min_tiles=2),
     dict(block_n=16, num_warps=4, num_stages=2, waves=2, min_tiles=1, q_reload=True),
+    dict(block_n=16, num_warps=4, num_stages=2, waves=1, min_tiles=1, keys_rows=True),
+    dict(block_n=32, num_warps=4, num_stages=3, waves=4, min_tiles=2, keys_rows=True),
 ])
 def test_launch_configs_agree(device, config):
     """A tuned launch configuration (kernels/tuning.py) changes tiles and splits, not the result."""
@@ -243,7 +251,9 @@ def test_tuned_table_lookup(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("heads", [4, 40])
-def test_ring_window_read_and_written_in_the_kernel(device, heads):
+@pytest.mark.parametrize("config", [None, dict(block_n=16, num_warps=4, num_stages=2, waves=1, min_tiles=1,
+                                               keys_rows=True)])
+def test_ring_window_read_and_written_in_the_kernel(device, heads, config):
     """`ring`: the window read straight from the ring slab plus the fresh latent, and the fresh
     latent written into the ring, against the reference (which gathers, concatenates and writes
     with torch). 40 heads make two head-group programs share a sequence's window."""
@@ -258,7 +268,7 @@ def test_ring_window_read_and_written_in_the_kernel(device, heads):
     valid = torch.tensor([[1, 0, 1, 1, 1], [1, 1, 0, 0, 1], [0, 1, 1, 1, 1]], dtype=torch.bool).to(device)
     ring_ref, before = ring_kv.clone(), ring_kv.clone()
     out = mla_decode_triton(q, kv, None, table, lens, BS, SCALE, KV_LORA, win_valid=valid,
-                            ring=(ring_kv, slots, fresh, write_idx), num_splits=2)
+                            ring=(ring_kv, slots, fresh, write_idx), num_splits=2, config=config)
     ref = mla_decode_reference(q, kv, None, table, lens, BS, SCALE, KV_LORA, win_valid=valid,
                                ring=(ring_ref, slots, fresh, write_idx))
     check(out, ref, torch.bfloat16)
