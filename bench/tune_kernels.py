@@ -5,10 +5,11 @@ this GPU and write the fastest per shape to kernels/tuned/<gpu name>.json (kerne
     python -m bench.tune_kernels --quick --dry-run    # fewer shapes, nothing written
 
 Shapes are the `bench` model's: 16 query heads over 512 + 64 latents (top-2048 and dense rows,
-a 129-entry window), 8 x 64 indexer heads. Each candidate runs in a CUDA graph (so small
-batches time the GPU, not the host launching) and must agree with the built-in configuration's
-output; one that fails to build or disagrees is skipped. Every entry keeps its time and the
-built-in configuration's, so the file shows what tuning bought.
+a 129-entry window read from the ring as decode reads it), 8 x 64 indexer heads. Each
+candidate runs in a CUDA graph (so small batches time the GPU, not the host launching) and
+must agree with the built-in configuration's output; one that fails to build or disagrees is
+skipped. Every entry keeps its time and the built-in configuration's, so the file shows what
+tuning bought.
 """
 from __future__ import annotations
 
@@ -29,6 +30,10 @@ from kernels.mla_decode import mla_decode_triton, tune_key
 
 HEADS, KV_LORA, ROPE, BLOCK, TOPK, WINDOW = 16, 512, 64, 64, 2048, 129
 MLA_SPACE = dict(block_n=(32, 64), num_warps=(4, 8), num_stages=(2, 3), waves=(1, 2, 4), min_tiles=(1, 2, 4))
+# Keys as rows (kernels/mla_decode_rows.py): 64-key tiles (Hopper MMAs want 64 rows; two stages
+# of them fill shared memory), bf16 KV only (its FP8 builds spill about 0.9 KB a thread).
+MLA_ROWS_SPACE = dict(block_n=(64,), num_warps=(4, 8), num_stages=(2,), waves=(1, 2), min_tiles=(1, 4),
+                      keys_rows=(True,))
 SCORE_SPACE = dict(tile=(64, 128, 256, 512), num_warps=(2, 4, 8))
 
 
@@ -36,11 +41,11 @@ def candidates(space: dict) -> list[dict]:
     return [dict(zip(space, values)) for values in itertools.product(*space.values())]
 
 
-def best_of(run, space: dict, reference: torch.Tensor, tol: float) -> tuple[dict | None, float, float]:
-    """(fastest agreeing config, its us, the built-in config's us)."""
+def best_of(run, space: dict | list[dict], reference: torch.Tensor, tol: float) -> tuple[dict | None, float, float]:
+    """(fastest agreeing config, its us, the built-in config's us); space: a dict of choices or a list of them."""
     base_us = graph_ms(lambda: run(None), 3, 20) * 1e3
     best, best_us = None, float("inf")
-    for cfg in candidates(space):
+    for cfg in [c for sp in (space if isinstance(space, list) else [space]) for c in candidates(sp)]:
         try:
             out = run(cfg)
             torch.cuda.synchronize()
@@ -73,14 +78,19 @@ def tune_mla(batches, device) -> tuple[dict, list[dict]]:
         scale = None
         if fp8:
             kv, scale = quantize_in_chunks(kv)
-        win = torch.randn(b, WINDOW, KV_LORA + ROPE, device=device, dtype=torch.bfloat16)
+        # the window as decode reads it: ring rows plus the fresh latent, the entry it overwrites masked
+        d = KV_LORA + ROPE
+        ring = (torch.randn(b, WINDOW - 1, d, device=device, dtype=torch.bfloat16), torch.arange(b, device=device),
+                torch.randn(b, d, device=device, dtype=torch.bfloat16), torch.zeros(b, dtype=torch.long, device=device))
         win_valid = torch.ones(b, WINDOW, dtype=torch.bool, device=device)
+        win_valid[:, 0] = False
 
         def run(cfg):
             return mla_decode_triton(q, kv, scale, tables, lens, BLOCK, 192 ** -0.5, KV_LORA, topk_pos=topk_pos,
-                                     win_kv=win, win_valid=win_valid, config=cfg)
+                                     win_valid=win_valid, ring=ring, config=cfg)
         ref = run(None)
-        best, us, base = best_of(run, MLA_SPACE, ref, tol=3e-2 * ref.float().abs().max().item())
+        space = [MLA_SPACE] + ([MLA_ROWS_SPACE] if not fp8 else [])
+        best, us, base = best_of(run, space, ref, tol=3e-2 * ref.float().abs().max().item())
         key = tune_key(b, HEADS, KV_LORA + ROPE, fp8, topk)
         record("mla_decode", key, best, us, base, entries, rows)
     return entries, rows

@@ -395,15 +395,28 @@ def mla_decode_triton(q, kv, kv_scale, block_tables, g_lens, block_size: int, sm
             topk_pos, topk_pos.stride(0), block_tables, block_tables.stride(0), block_tables.shape[1] * block_size,
             g_lens, resolved, n_cap, block_size, BLOCK=1024, num_warps=4)
         topk_pos = resolved
-    tiles = triton.cdiv(max(n_cap, 1), block_n)
-    if num_splits is None:
-        # Enough programs to fill the GPU, but at least min_tiles each so the merge stays cheap.
-        num_splits = triton.cdiv(_target_programs(q.device, waves), b * head_groups)
-        num_splits = max(1, min(num_splits, triton.cdiv(tiles, min_tiles)))
-    num_splits = max(1, min(num_splits, tiles))
-    keys_per_split = triton.cdiv(tiles, num_splits) * block_n
-    num_global = triton.cdiv(max(n_cap, 1), keys_per_split)
-    total_splits = num_global + (1 if has_window else 0)
+    if split_kernel is _rows_split_kernel:
+        # Global keys (padded to whole tiles), then window keys, as one range cut into even splits,
+        # and at most `waves` programs an SM: this kernel's 64-key tiles leave one program an SM
+        # (shared memory), so a second partial wave would double its time.
+        span = triton.cdiv(n_cap, block_n) * block_n
+        tiles = max(1, triton.cdiv(span + num_win, block_n))
+        if num_splits is None:
+            num_splits = min(_target_programs(q.device, waves) // (b * head_groups), tiles // min_tiles)
+        num_splits = max(1, min(num_splits, tiles))
+        keys_per_split = triton.cdiv(tiles, num_splits) * block_n
+        total_splits = triton.cdiv(tiles * block_n, keys_per_split)
+        num_global = span  # the kernel's global_span
+    else:
+        tiles = triton.cdiv(max(n_cap, 1), block_n)
+        if num_splits is None:
+            # Enough programs to fill the GPU, but at least min_tiles each so the merge stays cheap.
+            num_splits = triton.cdiv(_target_programs(q.device, waves), b * head_groups)
+            num_splits = max(1, min(num_splits, triton.cdiv(tiles, min_tiles)))
+        num_splits = max(1, min(num_splits, tiles))
+        keys_per_split = triton.cdiv(tiles, num_splits) * block_n
+        num_global = triton.cdiv(max(n_cap, 1), keys_per_split)
+        total_splits = num_global + (1 if has_window else 0)
 
     part_acc = torch.empty(b, total_splits, h, kv_lora, dtype=torch.float32, device=q.device)
     part_m = torch.empty(b, total_splits, h, dtype=torch.float32, device=q.device)

@@ -1,15 +1,18 @@
-"""The MLA decode split kernel with keys as rows: the same inputs, splits and partial outputs as
+"""The MLA decode split kernel with keys as rows: the inputs and partial outputs of
 kernels/mla_decode.py's `_split_kernel`, computed as scores^T = keys x q^T and out^T = keys^T x p^T.
 
 Why a second form: with 16 heads the query is a single 16-row block, so in the heads-as-rows
 form every warp keeps the whole [16, 512] query operand in registers (128 a thread) beside the
-fp32 accumulator, and the kernel runs at 255 registers with spills and two programs an SM. With
-keys as rows, a 64-key tile is the row block of both products, which on Hopper are warpgroup
-MMAs whose second operand (the transposed query, then the probabilities) is read from shared
-memory; the accumulator is [512, 16], 64 registers a thread at 4 warps.
+fp32 accumulator, and the kernel runs at 255 registers with spills. With keys as rows, a 64-key
+tile is the row block of both products, which on Hopper are warpgroup MMAs reading the key
+tile, the transposed query and the probabilities from shared memory (ptxas for sm_90: 8 warps,
+36 bytes of spills against the other form's 428 at 4 warps).
 
-The window keys (ring rows, then the fresh latent) are read through one select of row
-pointers, so every tile is a single gather load that can be staged in shared memory.
+Two 64-key stages of 576-wide bf16 rows take 165 KB of shared memory: one program an SM. So the
+splits differ: global keys (padded to whole tiles) and then the window keys form one range, cut
+into at most `waves` programs an SM, and a split may hold both kinds of tile. The window keys
+(ring rows, then the fresh latent) are read through one select of row pointers, so every tile
+is a single gather that is staged in shared memory.
 """
 from __future__ import annotations
 
@@ -46,7 +49,7 @@ if triton is not None:
             acc = acc * alpha[None, :] + tl.dot(tl.trans(k_c), p.to(k_c.dtype), input_precision=PREC)
         return m_new, l, acc
 
-    @triton.jit(do_not_specialize=["stride_tb", "table_keys", "num_topk", "num_win", "num_global_splits"])
+    @triton.jit(do_not_specialize=["stride_tb", "table_keys", "num_topk", "num_win", "global_span"])
     def _rows_split_kernel(
             q_ptr, stride_qb, stride_qh, qr_ptr, stride_rb, stride_rh,
             kv_ptr, stride_kv, scale_ptr,
@@ -55,7 +58,7 @@ if triton is not None:
             win_ptr, stride_wb, stride_wi, wvalid_ptr, stride_vb, num_win,
             ring_slot_ptr, fresh_ptr, stride_fb, write_idx_ptr,
             part_acc_ptr, part_m_ptr, part_l_ptr,
-            num_heads, kv_lora, rope, block_size, keys_per_split, num_global_splits, qk_scale,
+            num_heads, kv_lora, rope, block_size, keys_per_split, global_span, qk_scale,
             BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
             IS_FP8: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_WINDOW: tl.constexpr, RING: tl.constexpr,
             PREC: tl.constexpr, SLOTS: tl.constexpr, Q_RELOAD: tl.constexpr,
@@ -89,9 +92,11 @@ if triton is not None:
             n_global = num_topk
         else:
             n_global = g_len
-        g_start = split * keys_per_split
-        g_end = tl.minimum(g_start + keys_per_split, n_global)
-        for start in range(g_start, g_end, BLOCK_N):
+        # This split's share of the range [global keys padded to global_span, window keys].
+        v_start = split * keys_per_split
+        v_end = v_start + keys_per_split
+        g_end = tl.minimum(v_end, n_global)
+        for start in range(v_start, g_end, BLOCK_N):
             idx = start + tl.arange(0, BLOCK_N)
             valid = idx < g_end
             if SLOTS:
@@ -117,13 +122,14 @@ if triton is not None:
             m, l, acc = _rows_tile_update(qt_c, qt_r, k_c, k_r, valid, k_scale, m, l, acc, qk_scale, IS_FP8, PREC)
 
         if HAS_WINDOW:
-            w_end = tl.where(split == num_global_splits, num_win, 0)
+            w_start = tl.maximum(v_start - global_span, 0)
+            w_end = tl.minimum(v_end - global_span, num_win)
             if RING:
                 ring_row0 = win_ptr + tl.load(ring_slot_ptr + b).to(tl.int64) * stride_wb
                 fresh_row = fresh_ptr + b * stride_fb
-            for start in range(0, w_end, BLOCK_N):
+            for start in range(w_start, w_end, BLOCK_N):
                 idx = start + tl.arange(0, BLOCK_N)
-                valid = idx < num_win
+                valid = idx < w_end
                 flag = tl.load(wvalid_ptr + b * stride_vb + idx, mask=valid, other=0)
                 valid = valid & (flag != 0)
                 if RING:
@@ -139,8 +145,9 @@ if triton is not None:
                 m, l, acc = _rows_tile_update(qt_c, qt_r, k_c, k_r, valid, no_scale, m, l, acc, qk_scale, False,
                                               PREC)
             if RING:
-                if (split == num_global_splits) & (head_group == 0):
-                    # the step's ring update (see `_split_kernel`)
+                if (split == num_splits - 1) & (head_group == 0):
+                    # the step's ring update (see `_split_kernel`; other splits may read the
+                    # overwritten entry before or after, it is masked either way)
                     dst = ring_row0 + tl.load(write_idx_ptr + b).to(tl.int64) * stride_wi
                     tl.store(dst + cols, tl.load(fresh_row + cols, mask=c_ok), mask=c_ok)
                     tl.store(dst + kv_lora + rcols, tl.load(fresh_row + kv_lora + rcols, mask=r_ok), mask=r_ok)

@@ -135,16 +135,16 @@ def test_topk_positions(device, dtype):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("heads", [16, 40])
-@pytest.mark.parametrize("keys_rows", [False, True])
+@pytest.mark.parametrize("keys_rows", [0, 1, 2])
 def test_real_widths_and_head_groups(device, fp8, heads, keys_rows):
     """D = 512 + 64 (the GPU tile configs), several tiles and splits; 40 heads need two programs;
-    keys_rows: the keys-as-rows kernel at the 64-key tile it runs with on the GPU."""
+    keys_rows 1 and 2: the keys-as-rows kernel at the 64-key tile it runs with on the GPU, 4 and 8 warps."""
     q, kv, table, lens = make_case([70, 2], heads, torch.bfloat16, device, seed=4, kv_lora=512, rope=64)
     scale = 576 ** -0.5
     kv_scale = None
     if fp8:
         kv, kv_scale = quantize_kv(kv)
-    config = dict(block_n=64, num_warps=4, num_stages=2, waves=1, min_tiles=1, keys_rows=True) if keys_rows else None
+    config = dict(block_n=64, num_warps=4 * keys_rows, num_stages=2, waves=1, min_tiles=1, keys_rows=True) if keys_rows else None
     out = mla_decode_triton(q, kv, kv_scale, table, lens, BS, scale, 512, num_splits=2, config=config)
     ref = mla_decode_reference(q, kv, kv_scale, table, lens, BS, scale, 512)
     check(out, ref, torch.bfloat16)
@@ -222,6 +222,7 @@ def test_dispatcher_and_empty_batch(device, monkeypatch):
     dict(block_n=16, num_warps=4, num_stages=2, waves=2, min_tiles=1, q_reload=True),
     dict(block_n=16, num_warps=4, num_stages=2, waves=1, min_tiles=1, keys_rows=True),
     dict(block_n=32, num_warps=4, num_stages=3, waves=4, min_tiles=2, keys_rows=True),
+    dict(block_n=64, num_warps=8, num_stages=2, waves=2, min_tiles=4, keys_rows=True),
 ])
 def test_launch_configs_agree(device, config):
     """A tuned launch configuration (kernels/tuning.py) changes tiles and splits, not the result."""
@@ -285,6 +286,32 @@ def test_ring_window_read_and_written_in_the_kernel(device, heads, config):
     with pytest.raises(ValueError, match="not both"):
         mla_decode_triton(q, kv, None, table, lens, BS, SCALE, KV_LORA, win_kv=win,
                           ring=(ring_kv, slots, fresh, write_idx))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("num_splits", [1, 3, 7, None])
+def test_keys_rows_splits_cover_global_then_window_keys(device, num_splits):
+    """The keys-as-rows kernel cuts [global keys, window keys] into even splits, so a split may
+    hold global and window tiles, or window tiles only; the ring entry is written once."""
+    torch.manual_seed(12)
+    g_lens, w = [70, 9, 33], 37
+    q, kv, table, lens = make_case(g_lens, 16, torch.bfloat16, device, seed=9)
+    topk = torch.randint(-1, 70, (3, 40), dtype=torch.int32).to(device)
+    ring_kv = torch.randn(3, w, D).to(torch.bfloat16).to(device)
+    slots, write_idx = torch.tensor([2, 0, 1]).to(device), torch.tensor([5, 36, 0]).to(device)
+    fresh = torch.randn(3, D).to(torch.bfloat16).to(device)
+    valid = torch.rand(3, w + 1, generator=torch.Generator().manual_seed(1)) > 0.3
+    valid[torch.arange(3), write_idx.cpu()] = False
+    valid = valid.to(device)
+    config = dict(block_n=16, num_warps=4, num_stages=2, waves=1, min_tiles=1, keys_rows=True)
+    for pos in (None, topk):
+        ring_ref, ring_out = ring_kv.clone(), ring_kv.clone()
+        out = mla_decode_triton(q, kv, None, table, lens, BS, SCALE, KV_LORA, topk_pos=pos, win_valid=valid,
+                                ring=(ring_out, slots, fresh, write_idx), num_splits=num_splits, config=config)
+        ref = mla_decode_reference(q, kv, None, table, lens, BS, SCALE, KV_LORA, topk_pos=pos, win_valid=valid,
+                                   ring=(ring_ref, slots, fresh, write_idx))
+        check(out, ref, torch.bfloat16)
+        assert torch.equal(ring_out, ring_ref)
 
 
 @pytest.mark.parametrize("device", DEVICES)
