@@ -90,7 +90,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--batches", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--json", default=None)
-    ap.add_argument("--configs-only", action="store_true", help="skip the gather floor and the merge")
+    ap.add_argument("--sections", nargs="+", default=["configs", "gather", "merge"],
+                    choices=["configs", "gather", "merge"], help="what to time (default: all)")
     ap.add_argument("--once", action="store_true", help="only run the engine's configuration a few times (for ncu)")
     ap.add_argument("--config", type=json.loads, default=None,
                     help='with --once: this launch configuration instead, e.g. \'{"keys_rows": true, ...}\'')
@@ -129,7 +130,7 @@ def main() -> None:
                  for kr, n, w, st, wv, sl in itertools.product((False, True), (16, 32, 64), (4, 8), (2, 3),
                                                                (1, 2), (False, True))
                  if (n == 64 and st == 2 and sl if kr else True)]
-        for cfg in space:
+        for cfg in space if "configs" in args.sections else ():
             cfg = dict(cfg, min_tiles=1)
             try:
                 err = (call(cfg).float() - ref).abs().max().item()
@@ -139,12 +140,11 @@ def main() -> None:
                 continue
             emit(dict(probe="config", batch=b, **cfg, ms=round(ms, 4), tbs=round(gb / ms, 3), err=round(err, 4)))
 
-        if args.configs_only:
-            continue
         # the same rows read with nothing else done: the access pattern's own floor
         resolved = (tables.long().gather(1, topk_pos.long() // BLOCK) * BLOCK + topk_pos.long() % BLOCK).to(torch.int32)
         gbr = b * TOPK * KV_LORA * 2 / 1e9
-        for resolved_in, bn, warps, splits in itertools.product((False, True), (32, 64), (4,), (8, 16)):
+        for resolved_in, bn, warps, splits in itertools.product((False, True), (32, 64), (4,), (8, 16)) \
+                if "gather" in args.sections else ():
             kps = triton.cdiv(TOPK, splits)
             out = torch.empty(b * splits * 512, device=dev)
             src = resolved if resolved_in else topk_pos
@@ -156,7 +156,8 @@ def main() -> None:
             emit(dict(probe="gather", batch=b, resolved=resolved_in, block_n=bn, num_warps=warps, splits=splits,
                       ms=round(ms, 4), tbs=round(gbr / ms, 3)))
 
-        for splits, bcc, bsc, warps in itertools.product((4, 8), (256, 512), (4, 8), (4, 8)):
+        for splits, bcc, bsc, warps in itertools.product((4, 8, 35), (128, 256, 512), (4, 8), (4, 8)) \
+                if "merge" in args.sections else ():
             acc = torch.randn(b, splits, HEADS, KV_LORA, device=dev)
             m = torch.randn(b, splits, HEADS, device=dev)
             l = torch.rand(b, splits, HEADS, device=dev)

@@ -439,10 +439,13 @@ def mla_decode_triton(q, kv, kv_scale, block_tables, g_lens, block_size: int, sm
         SLOTS=slots, Q_RELOAD=q_reload, UPCAST=upcast, num_warps=num_warps, num_stages=num_stages)
     # One program per (sequence, head) over the whole latent, four splits a step: 3.3 us at batch
     # 64 on the H200 where 128-column programs and 16-split steps took 15 us (bench.probe_mla).
-    _merge_kernel[(1, h, b)](
+    # Below 256 (sequence, head) pairs that leaves most SMs idle (batch 1: 16 programs, 7.5 us
+    # for 35 splits), so a quarter of the latent each.
+    block_cc = block_c if b * h >= 256 else max(16, block_c // 4)
+    _merge_kernel[(triton.cdiv(kv_lora, block_cc), h, b)](
         part_acc, part_m, part_l, out, out.stride(0), out.stride(1),
         total_splits, h, kv_lora,
-        BLOCK_SC=4, BLOCK_CC=block_c, num_warps=4)
+        BLOCK_SC=4, BLOCK_CC=block_cc, num_warps=4)
     return out
 
 
