@@ -28,6 +28,7 @@ import torch
 from bench.engine_vs_hf import build_ours
 from engine.config import EngineConfig, preset
 from engine.llm_engine import LLMEngine
+from engine import moe as moe_module
 from engine.moe import MoE
 from engine.sampling import SamplingParams
 from engine.scheduler import ScheduledBatch
@@ -209,6 +210,8 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--moe-share", action="store_true", help="also time the step with MoE layers removed")
     ap.add_argument("--graphs-vs-eager", action="store_true", help="also time the eager forward (no CUDA graphs)")
+    ap.add_argument("--unfused-gate", action="store_true",
+                    help="also time the step with the router's fp32 GEMM in place of the partial-logits kernel")
     ap.add_argument("--json", default=None, help="append JSON lines here")
     ap.add_argument("--profile", default=None,
                     help="write the eager decode step's kernels (count, device time) per context here")
@@ -248,6 +251,14 @@ def main(argv=None):
             no_moe = time_forward(engine, batch, args.iters)[0]
             undo()
             row.update(no_moe_forward_ms=round(no_moe, 3), moe_share=round(1 - no_moe / fwd, 3))
+        if args.unfused_gate:
+            fused_ok, moe_module.gate_fused_ok = moe_module.gate_fused_ok, lambda x: False
+            if engine.runner.graphs is not None:
+                engine.runner.graphs.clear()
+            row["unfused_gate_forward_ms"] = round(time_forward(engine, batch, args.iters)[0], 3)
+            moe_module.gate_fused_ok = fused_ok
+            if engine.runner.graphs is not None:
+                engine.runner.graphs.clear()
         if args.profile:
             row["kernels_per_step"] = profile_step(engine, batch, args.profile, f"batch {args.batch}, context {context}")
         print(json.dumps(row), flush=True)

@@ -13,7 +13,7 @@ from torch import nn
 
 from kernels import triton_ok
 from kernels.moe_gemm import fused_experts
-from kernels.routing import fused_route
+from kernels.routing import fused_route, gate_fused_ok, gate_parts_triton
 
 from .config import ModelConfig
 from .layers import MLP, DerivedWeight
@@ -21,7 +21,8 @@ from .layers import MLP, DerivedWeight
 
 def route(logits: torch.Tensor, bias: torch.Tensor, cfg: ModelConfig, expert_map: "ExpertMap",
           slot_load: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Router logits [T, E] -> (logical expert ids, weights, physical slots), each [T, k].
+    """Router logits [T, E] (or [P, T, E] parts of them) -> (logical expert ids, weights,
+    physical slots), each [T, k].
 
     Sigmoid scores; the correction bias steers the choice but not the weights; only the
     best `topk_group` groups (by the sum of their two best biased scores) are eligible.
@@ -121,7 +122,11 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.gate.weight
-        logits = F.linear(x.float(), self._gate_fp32.get([w], w.float))
+        if gate_fused_ok(x):
+            # decode batches: partial fp32 logits in one launch, summed by the route kernel
+            logits = gate_parts_triton(x, w)
+        else:
+            logits = F.linear(x.float(), self._gate_fp32.get([w], w.float))
         bias = self.gate.e_score_correction_bias
         if self.ep is not None:
             # Slots are the group's (ep.maps); each rank counts the pairs it computes.

@@ -49,6 +49,8 @@ def route_reference(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk
                     norm_topk_prob: bool, scaling: float, log2phys: torch.Tensor, num_replicas: torch.Tensor,
                     slot_load: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The unfused torch sequence; see `fused_route` for the contract."""
+    if logits.dim() == 3:  # parts of the logits (gate_parts_triton)
+        logits = logits.sum(0)
     _check(logits, bias, n_group, topk_group, top_k, log2phys, num_replicas, slot_load)
     scores = logits.float().sigmoid()
     choice = scores + bias.float()
@@ -74,12 +76,36 @@ def route_reference(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk
 
 
 if triton is not None:
-    @triton.jit
+    # token counts vary with the batch: as plain integers they share one build
+    @triton.jit(do_not_specialize=["T"])
+    def _gate_parts_kernel(x_ptr, stride_x, w_ptr, stride_w, out_ptr, T, E, H, k_per_part,
+                           BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Partial router logits: out[part, t, e] = sum over this part's hidden columns k of
+        float(x[t, k]) * float(w[e, k]), in fp32 FMAs (the products of the fp32 reference)."""
+        rows = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
+        experts = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+        part = tl.program_id(1)
+        row_ok = rows < T
+        e_ok = experts < E
+        k_end = tl.minimum((part + 1) * k_per_part, H)
+        acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+        for k0 in range(part * k_per_part, k_end, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < k_end
+            x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + ks[None, :],
+                        mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + experts[:, None].to(tl.int64) * stride_w + ks[None, :],
+                        mask=e_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+        tl.store(out_ptr + (part * T + rows[:, None]).to(tl.int64) * E + experts[None, :], acc,
+                 mask=row_ok[:, None] & e_ok[None, :])
+
+    @triton.jit(do_not_specialize=["stride_p"])
     def _route_kernel(logits_ptr, bias_ptr, log2phys_ptr, num_replicas_ptr, slot_load_ptr,
                       ids_ptr, weights_ptr, slots_ptr,
-                      T, E, stride_t, R, scaling,
+                      T, E, stride_t, stride_p, R, scaling,
                       N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                      TOP_K: tl.constexpr, NORM: tl.constexpr, COUNT: tl.constexpr,
+                      TOP_K: tl.constexpr, NORM: tl.constexpr, COUNT: tl.constexpr, NUM_PARTS: tl.constexpr,
                       BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
                       BLOCK_K: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -88,8 +114,12 @@ if triton is not None:
         col_ok = cols < E
         neg_inf = float("-inf")
 
-        x = tl.load(logits_ptr + rows[:, None].to(tl.int64) * stride_t + cols[None, :],
-                    mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+        # the logits, or the sum of their parts in a fixed order (no atomics: the same inputs
+        # always route the same way)
+        x = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+        for p in tl.static_range(NUM_PARTS):
+            x += tl.load(logits_ptr + p * stride_p + rows[:, None].to(tl.int64) * stride_t + cols[None, :],
+                         mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
         scores = 1.0 / (1.0 + tl.exp(-x))
         bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
         # Padding columns must never win a selection round.
@@ -158,9 +188,12 @@ def route_triton(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk_gr
                  norm_topk_prob: bool, scaling: float, log2phys: torch.Tensor, num_replicas: torch.Tensor,
                  slot_load: torch.Tensor | None = None,
                  block_t: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The Triton kernel; see `fused_route` for the contract. `block_t` overrides the tokens per program."""
+    """The Triton kernel; see `fused_route` for the contract. `block_t` overrides the tokens per
+    program. logits may also be [P, T, E]: parts of the logits, summed in order of P first."""
     if triton is None:
         raise RuntimeError("triton is not available")
+    parts = logits if logits.dim() == 3 else logits[None]
+    logits = parts[0]
     _check(logits, bias, n_group, topk_group, top_k, log2phys, num_replicas, slot_load)
     t, e = logits.shape
     dev = logits.device
@@ -169,17 +202,17 @@ def route_triton(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk_gr
     slots = torch.empty(t, top_k, dtype=torch.long, device=dev)
     if t == 0:
         return ids, weights, slots
-    if logits.stride(1) != 1:
-        logits = logits.contiguous()
+    if parts.stride(2) != 1:
+        parts = parts.contiguous()
     cfg_block_t, warps = _launch_config(t, e)
     block_t = block_t or cfg_block_t
     _route_kernel[(triton.cdiv(t, block_t),)](
-        logits, bias.contiguous(), log2phys.contiguous(), num_replicas.contiguous(),
+        parts, bias.contiguous(), log2phys.contiguous(), num_replicas.contiguous(),
         slot_load if slot_load is not None else slots,  # a dummy pointer when not counting
         ids, weights, slots,
-        t, e, logits.stride(0), log2phys.shape[1], float(scaling),
+        t, e, parts.stride(1), parts.stride(0), log2phys.shape[1], float(scaling),
         N_GROUP=n_group, GROUP_SIZE=e // n_group, TOPK_GROUP=topk_group if n_group > 1 else 1,
-        TOP_K=top_k, NORM=bool(norm_topk_prob), COUNT=slot_load is not None,
+        TOP_K=top_k, NORM=bool(norm_topk_prob), COUNT=slot_load is not None, NUM_PARTS=parts.shape[0],
         BLOCK_T=block_t, BLOCK_E=_pow2(e), BLOCK_G=max(2, _pow2(n_group)), BLOCK_K=max(2, _pow2(top_k)),
         num_warps=warps,
     )
@@ -189,7 +222,8 @@ def route_triton(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk_gr
 def fused_route(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk_group: int, top_k: int,
                 norm_topk_prob: bool, scaling: float, log2phys: torch.Tensor, num_replicas: torch.Tensor,
                 slot_load: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """DeepSeek-V3 routing of router logits [T, E] to (ids, weights, slots), each [T, top_k].
+    """DeepSeek-V3 routing of router logits [T, E] (or [P, T, E] parts of them, summed over P) to
+    (ids, weights, slots), each [T, top_k].
 
     scores = sigmoid(logits) in fp32; choice = scores + bias. With n_group > 1 only the best
     `topk_group` groups (group score: the sum of its two largest choice values) are eligible.
@@ -201,3 +235,38 @@ def fused_route(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk_gro
     """
     fn = route_triton if triton is not None and triton_ok(logits) else route_reference
     return fn(logits, bias, n_group, topk_group, top_k, norm_topk_prob, scaling, log2phys, num_replicas, slot_load)
+
+
+# Above this many tokens (prefill) one GEMM of the whole batch beats partial sums per program.
+GATE_FUSED_MAX_TOKENS = 256
+
+
+def gate_parts_triton(x: torch.Tensor, weight: torch.Tensor, parts: int | None = None) -> torch.Tensor:
+    """Router logits of x [T, H] against the gate weight [E, H] as [P, T, E] fp32 partial sums over
+    P slices of H (their sum in order is x.float() @ weight.float().T). One launch replaces the
+    input cast, the GEMM and its split-K reduction at decode batch sizes."""
+    if triton is None:
+        raise RuntimeError("triton is not available")
+    t, h = x.shape
+    e = weight.shape[0]
+    if weight.shape[1] != h:
+        raise ValueError(f"gate weight {tuple(weight.shape)} does not match hidden size {h}")
+    block_k = 64
+    parts = parts or max(1, min(8, h // 256))
+    k_per_part = triton.cdiv(triton.cdiv(h, parts), block_k) * block_k
+    parts = triton.cdiv(h, k_per_part)
+    out = torch.empty(parts, t, e, dtype=torch.float32, device=x.device)
+    if t == 0:
+        return out
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    block_e = 16
+    _gate_parts_kernel[(triton.cdiv(e, block_e), parts, triton.cdiv(t, 16))](
+        x, x.stride(0), weight, weight.stride(0), out, t, e, h, k_per_part,
+        BLOCK_T=16, BLOCK_E=block_e, BLOCK_K=block_k, num_warps=2)
+    return out
+
+
+def gate_fused_ok(x: torch.Tensor) -> bool:
+    """Whether `gate_parts_triton` + the route kernel should replace the fp32 router GEMM for x."""
+    return triton is not None and triton_ok(x) and x.dim() == 2 and x.shape[0] <= GATE_FUSED_MAX_TOKENS

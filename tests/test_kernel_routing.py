@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton")
 
-from kernels.routing import fused_route, route_reference, route_triton  # noqa: E402
+from kernels.routing import fused_route, gate_parts_triton, route_reference, route_triton  # noqa: E402
 
 # Triton runs on CPU tensors only under the interpreter, which this module turns on only without CUDA.
 DEVICES = [
@@ -201,3 +201,32 @@ def test_engine_route_wiring():
     assert torch.equal(ids, ids_e) and torch.equal(slots, slots_e) and torch.equal(load_r, load_e)
     torch.testing.assert_close(w_e, w, atol=1e-6, rtol=0)
     assert torch.equal(slots, emap.slots_for(ids))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("t,h,dtype", [(1, 64, torch.float32), (5, 300, torch.bfloat16), (40, 2048, torch.bfloat16)])
+def test_gate_parts_sum_to_the_fp32_logits(device, t, h, dtype):
+    """Partial router logits over slices of the hidden size (2048: 8 of them; 300: a slice cut
+    short) add up to x.float() @ w.float().T; the route kernel sums them and routes as the
+    reference does on the full logits."""
+    g = torch.Generator().manual_seed(t)
+    x = torch.randn(t, h, generator=g).to(dtype).to(device)
+    w = (torch.randn(16, h, generator=g) / h ** 0.5).to(dtype).to(device)
+    parts = gate_parts_triton(x, w)
+    assert parts.dtype == torch.float32 and parts.shape[1:] == (t, 16)
+    assert parts.shape[0] == (8 if h == 2048 else 1)
+    logits = torch.nn.functional.linear(x.float(), w.float())
+    torch.testing.assert_close(parts.sum(0), logits, atol=1e-5, rtol=1e-5)
+    bias = inputs(1, 16, 3, device)[1]
+    log2phys, num_replicas, num_slots = replicated_map(16, 4, 1)
+    args = (4, 2, 3, True, 2.5, log2phys.to(device), num_replicas.to(device))
+    load_p, load_r = (torch.zeros(num_slots, dtype=torch.long, device=device) for _ in range(2))
+    ids_p, w_p, s_p = route_triton(parts, bias, *args, load_p)
+    ids_r, w_r, s_r = route_reference(logits, bias, *args, load_r)
+    assert torch.equal(ids_p, ids_r) and torch.equal(s_p, s_r) and torch.equal(load_p, load_r)
+    torch.testing.assert_close(w_p, w_r, atol=1e-6, rtol=0)
+    # the reference takes parts too, and so does the dispatcher
+    assert torch.equal(route_reference(parts, bias, *args)[0], ids_r)
+    assert torch.equal(fused_route(parts, bias, *args)[0], ids_r)
+    with pytest.raises(ValueError, match="hidden size"):
+        gate_parts_triton(x, w[:, :-1])
