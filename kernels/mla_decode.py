@@ -436,7 +436,8 @@ def mla_decode_triton(q, kv, kv_scale, block_tables, g_lens, block_size: int, sm
         h, kv_lora, rope, block_size, keys_per_split, num_global, sm_scale * _LOG2E,
         BLOCK_H=block_h, BLOCK_C=block_c, BLOCK_R=block_r, BLOCK_N=block_n,
         IS_FP8=is_fp8, HAS_TOPK=has_topk, HAS_WINDOW=has_window, RING=ring is not None, PREC=prec,
-        SLOTS=slots, Q_RELOAD=q_reload, UPCAST=upcast, num_warps=num_warps, num_stages=num_stages)
+        SLOTS=slots, Q_RELOAD=q_reload, UPCAST=upcast, num_warps=num_warps, num_stages=num_stages,
+        **({"PREFETCH": bool(config.get("prefetch", False))} if split_kernel is _rows_split_kernel else {}))
     # One program per (sequence, head) over the whole latent, four splits a step: 3.3 us at batch
     # 64 on the H200 where 128-column programs and 16-split steps took 15 us (bench.probe_mla).
     # Below 256 (sequence, head) pairs that leaves most SMs idle (batch 1: 16 programs, 7.5 us

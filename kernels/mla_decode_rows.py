@@ -49,6 +49,36 @@ if triton is not None:
             acc = acc * alpha[None, :] + tl.dot(tl.trans(k_c), p.to(k_c.dtype), input_precision=PREC)
         return m_new, l, acc
 
+    @triton.jit
+    def _global_tile(start, g_end, b, g_len, topk_ptr, stride_topk, table_ptr, stride_tb, kv_ptr, stride_kv,
+                     scale_ptr, kv_lora, block_size, cols, c_ok, rcols, r_ok,
+                     BLOCK_N: tl.constexpr, IS_FP8: tl.constexpr, HAS_TOPK: tl.constexpr, SLOTS: tl.constexpr):
+        """The global keys start..start+BLOCK_N (none at or past g_end): latent part, rope part,
+        per-key scale (FP8) and which are keys."""
+        idx = start + tl.arange(0, BLOCK_N)
+        valid = idx < g_end
+        if SLOTS:  # top-k entries already resolved to slots (-1 = none)
+            slot = tl.load(topk_ptr + b * stride_topk + idx, mask=valid, other=-1)
+            valid = valid & (slot >= 0)
+            slot = tl.where(valid, slot, 0).to(tl.int64)
+        else:
+            if HAS_TOPK:
+                pos = tl.load(topk_ptr + b * stride_topk + idx, mask=valid, other=-1)
+                valid = valid & (pos >= 0) & (pos < g_len)
+                pos = tl.where(valid, pos, 0)
+            else:
+                pos = idx
+            block = tl.load(table_ptr + b * stride_tb + pos // block_size, mask=valid, other=0)
+            slot = block.to(tl.int64) * block_size + pos % block_size
+        row = kv_ptr + slot[:, None] * stride_kv
+        k_c = tl.load(row + cols[None, :], mask=valid[:, None] & c_ok[None, :], other=0.0)
+        k_r = tl.load(row + kv_lora + rcols[None, :], mask=valid[:, None] & r_ok[None, :], other=0.0)
+        if IS_FP8:
+            k_scale = tl.load(scale_ptr + slot, mask=valid, other=0.0)
+        else:
+            k_scale = tl.zeros([BLOCK_N], dtype=tl.float32)
+        return k_c, k_r, k_scale, valid
+
     @triton.jit(do_not_specialize=["stride_tb", "table_keys", "num_topk", "num_win", "global_span"])
     def _rows_split_kernel(
             q_ptr, stride_qb, stride_qh, qr_ptr, stride_rb, stride_rh,
@@ -62,7 +92,7 @@ if triton is not None:
             BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
             IS_FP8: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_WINDOW: tl.constexpr, RING: tl.constexpr,
             PREC: tl.constexpr, SLOTS: tl.constexpr, Q_RELOAD: tl.constexpr,
-            UPCAST: tl.constexpr):
+            UPCAST: tl.constexpr, PREFETCH: tl.constexpr = False):
         split = tl.program_id(0)
         head_group = tl.program_id(1)
         b = tl.program_id(2)
@@ -96,30 +126,27 @@ if triton is not None:
         v_start = split * keys_per_split
         v_end = v_start + keys_per_split
         g_end = tl.minimum(v_end, n_global)
-        for start in range(v_start, g_end, BLOCK_N):
-            idx = start + tl.arange(0, BLOCK_N)
-            valid = idx < g_end
-            if SLOTS:
-                slot = tl.load(topk_ptr + b * stride_topk + idx, mask=valid, other=-1)
-                valid = valid & (slot >= 0)
-                slot = tl.where(valid, slot, 0).to(tl.int64)
-            else:
-                if HAS_TOPK:
-                    pos = tl.load(topk_ptr + b * stride_topk + idx, mask=valid, other=-1)
-                    valid = valid & (pos >= 0) & (pos < g_len)
-                    pos = tl.where(valid, pos, 0)
-                else:
-                    pos = idx
-                block = tl.load(table_ptr + b * stride_tb + pos // block_size, mask=valid, other=0)
-                slot = block.to(tl.int64) * block_size + pos % block_size
-            row = kv_ptr + slot[:, None] * stride_kv
-            k_c = tl.load(row + cols[None, :], mask=valid[:, None] & c_ok[None, :], other=0.0)
-            k_r = tl.load(row + kv_lora + rcols[None, :], mask=valid[:, None] & r_ok[None, :], other=0.0)
-            if IS_FP8:
-                k_scale = tl.load(scale_ptr + slot, mask=valid, other=0.0)
-            else:
-                k_scale = tl.zeros([BLOCK_N], dtype=tl.float32)
-            m, l, acc = _rows_tile_update(qt_c, qt_r, k_c, k_r, valid, k_scale, m, l, acc, qk_scale, IS_FP8, PREC)
+        if PREFETCH:
+            # Pipelined by hand: tile i+1's slots and rows are requested before tile i's products,
+            # so their latency hides behind them (Triton's own pipelining of this loop issues the
+            # next gather after the products, as it needs the next slots first).
+            k_c, k_r, k_scale, valid = _global_tile(v_start, g_end, b, g_len, topk_ptr, stride_topk, table_ptr,
+                                                    stride_tb, kv_ptr, stride_kv, scale_ptr, kv_lora, block_size,
+                                                    cols, c_ok, rcols, r_ok, BLOCK_N, IS_FP8, HAS_TOPK, SLOTS)
+            for start in range(v_start, g_end, BLOCK_N):
+                n_c, n_r, n_scale, n_valid = _global_tile(
+                    start + BLOCK_N, g_end, b, g_len, topk_ptr, stride_topk, table_ptr, stride_tb, kv_ptr, stride_kv,
+                    scale_ptr, kv_lora, block_size, cols, c_ok, rcols, r_ok, BLOCK_N, IS_FP8, HAS_TOPK, SLOTS)
+                m, l, acc = _rows_tile_update(qt_c, qt_r, k_c, k_r, valid, k_scale, m, l, acc, qk_scale, IS_FP8,
+                                              PREC)
+                k_c, k_r, k_scale, valid = n_c, n_r, n_scale, n_valid
+        else:
+            for start in range(v_start, g_end, BLOCK_N):
+                k_c, k_r, k_scale, valid = _global_tile(
+                    start, g_end, b, g_len, topk_ptr, stride_topk, table_ptr, stride_tb, kv_ptr, stride_kv,
+                    scale_ptr, kv_lora, block_size, cols, c_ok, rcols, r_ok, BLOCK_N, IS_FP8, HAS_TOPK, SLOTS)
+                m, l, acc = _rows_tile_update(qt_c, qt_r, k_c, k_r, valid, k_scale, m, l, acc, qk_scale, IS_FP8,
+                                              PREC)
 
         if HAS_WINDOW:
             w_start = tl.maximum(v_start - global_span, 0)
