@@ -130,9 +130,6 @@ def main() -> None:
                  for kr, n, w, st, wv, sl in itertools.product((False, True), (16, 32, 64), (4, 8), (2, 3),
                                                                (1, 2), (False, True))
                  if (n == 64 and st == 2 and sl if kr else True)]
-        # keys as rows with the next tile's gather issued by hand before this tile's products
-        space += [dict(block_n=n, num_warps=w, num_stages=st, waves=wv, slots=True, keys_rows=True, prefetch=True)
-                  for n, w, st, wv in itertools.product((32, 64), (4, 8), (1, 2), (1, 2))]
         for cfg in space if "configs" in args.sections else ():
             cfg = dict(cfg, min_tiles=1)
             try:

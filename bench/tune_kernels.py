@@ -34,9 +34,6 @@ MLA_SPACE = dict(block_n=(32, 64), num_warps=(4, 8), num_stages=(2, 3), waves=(1
 # of them fill shared memory), bf16 KV only (its FP8 builds spill about 0.9 KB a thread).
 MLA_ROWS_SPACE = dict(block_n=(64,), num_warps=(4, 8), num_stages=(2,), waves=(1, 2), min_tiles=(1, 4),
                       keys_rows=(True,))
-# ... and with the next tile's gather issued by hand before this tile's products (--prefetch)
-MLA_PREFETCH_SPACE = dict(block_n=(32, 64), num_warps=(4, 8), num_stages=(1, 2), waves=(1, 2), min_tiles=(1, 4),
-                          keys_rows=(True,), prefetch=(True,))
 SCORE_SPACE = dict(tile=(64, 128, 256, 512), num_warps=(2, 4, 8))
 
 
@@ -87,7 +84,7 @@ def record(kernel: str, key: str, best: dict | None, us: float, base: float, ent
     print(json.dumps(rows[-1]), flush=True)
 
 
-def tune_mla(batches, device, prefetch: bool = False) -> tuple[dict, list[dict]]:
+def tune_mla(batches, device) -> tuple[dict, list[dict]]:
     entries, rows = {}, []
     for fp8, topk, b in itertools.product((False, True), (True, False), batches):
         context = 8192 if topk else TOPK
@@ -107,14 +104,13 @@ def tune_mla(batches, device, prefetch: bool = False) -> tuple[dict, list[dict]]
             return mla_decode_triton(q, kv, scale, tables, lens, BLOCK, 192 ** -0.5, KV_LORA, topk_pos=topk_pos,
                                      win_valid=win_valid, ring=ring, config=cfg)
         ref = run(None)
-        space = [MLA_SPACE] + ([MLA_ROWS_SPACE] if not fp8 else []) + ([MLA_PREFETCH_SPACE] if prefetch and not fp8 else [])
+        space = [MLA_SPACE] + ([MLA_ROWS_SPACE] if not fp8 else [])
         fastest = []
         best, us, base = best_of(run, space, ref, tol=3e-2 * ref.float().abs().max().item(), fastest=fastest)
         key = tune_key(b, HEADS, KV_LORA + ROPE, fp8, topk)
         # the best heads-as-rows and keys-as-rows times, side by side
         record("mla_decode", key, best, us, base, entries, rows, heads_rows_us=fastest[0],
-               keys_rows_us=fastest[1] if len(fastest) > 1 else None,
-               prefetch_us=fastest[2] if len(fastest) > 2 else None)
+               keys_rows_us=fastest[1] if len(fastest) > 1 else None)
     return entries, rows
 
 
@@ -155,7 +151,6 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="batches 1 and 64 only")
     ap.add_argument("--dry-run", action="store_true", help="print, do not write the table")
     ap.add_argument("--json", default=None, help="also write the rows here")
-    ap.add_argument("--prefetch", action="store_true", help="also try the keys-as-rows kernel's hand-pipelined loop")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("tune_kernels needs a CUDA GPU", file=sys.stderr)
@@ -168,7 +163,7 @@ def main(argv=None) -> int:
     batches = (1, 64) if args.quick else tuning.BATCH_BUCKETS
     table = {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__}
     rows = []
-    for name, tune in (("mla_decode", lambda: tune_mla(batches, device, args.prefetch)), ("indexer_score", lambda: tune_score(device))):
+    for name, tune in (("mla_decode", lambda: tune_mla(batches, device)), ("indexer_score", lambda: tune_score(device))):
         table[name], kernel_rows = tune()
         rows += kernel_rows
         if not args.dry_run:  # after each kernel, so a run cut short keeps what it measured

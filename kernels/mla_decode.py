@@ -396,6 +396,9 @@ def mla_decode_triton(q, kv, kv_scale, block_tables, g_lens, block_size: int, sm
             g_lens, resolved, n_cap, block_size, BLOCK=1024, num_warps=4)
         topk_pos = resolved
     if split_kernel is _rows_split_kernel:
+        # One stage at 64-key tiles hit an illegal address on the H200 (Triton 3.6), with and
+        # without a hand-pipelined loop; not understood, so never launched.
+        num_stages = max(num_stages, 2) if q.is_cuda and block_n >= 64 else num_stages
         # Global keys (padded to whole tiles), then window keys, as one range cut into even splits,
         # and at most `waves` programs an SM: this kernel's 64-key tiles leave one program an SM
         # (shared memory), so a second partial wave would double its time.
@@ -436,17 +439,15 @@ def mla_decode_triton(q, kv, kv_scale, block_tables, g_lens, block_size: int, sm
         h, kv_lora, rope, block_size, keys_per_split, num_global, sm_scale * _LOG2E,
         BLOCK_H=block_h, BLOCK_C=block_c, BLOCK_R=block_r, BLOCK_N=block_n,
         IS_FP8=is_fp8, HAS_TOPK=has_topk, HAS_WINDOW=has_window, RING=ring is not None, PREC=prec,
-        SLOTS=slots, Q_RELOAD=q_reload, UPCAST=upcast, num_warps=num_warps, num_stages=num_stages,
-        **({"PREFETCH": bool(config.get("prefetch", False))} if split_kernel is _rows_split_kernel else {}))
+        SLOTS=slots, Q_RELOAD=q_reload, UPCAST=upcast, num_warps=num_warps, num_stages=num_stages)
     # One program per (sequence, head) over the whole latent, four splits a step: 3.3 us at batch
     # 64 on the H200 where 128-column programs and 16-split steps took 15 us (bench.probe_mla).
-    # Below 256 (sequence, head) pairs that leaves most SMs idle (batch 1: 16 programs, 7.5 us
-    # for 35 splits), so a quarter of the latent each.
-    block_cc = block_c if b * h >= 256 else max(16, block_c // 4)
-    _merge_kernel[(triton.cdiv(kv_lora, block_cc), h, b)](
+    # At batch 1 (16 programs, 35 splits) quarter-latent programs measured no faster: 5.6 against
+    # 5.0 us.
+    _merge_kernel[(1, h, b)](
         part_acc, part_m, part_l, out, out.stride(0), out.stride(1),
         total_splits, h, kv_lora,
-        BLOCK_SC=4, BLOCK_CC=block_cc, num_warps=4)
+        BLOCK_SC=4, BLOCK_CC=block_c, num_warps=4)
     return out
 
 

@@ -92,7 +92,7 @@ if triton is not None:
             BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
             IS_FP8: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_WINDOW: tl.constexpr, RING: tl.constexpr,
             PREC: tl.constexpr, SLOTS: tl.constexpr, Q_RELOAD: tl.constexpr,
-            UPCAST: tl.constexpr, PREFETCH: tl.constexpr = False):
+            UPCAST: tl.constexpr):
         split = tl.program_id(0)
         head_group = tl.program_id(1)
         b = tl.program_id(2)
@@ -126,27 +126,11 @@ if triton is not None:
         v_start = split * keys_per_split
         v_end = v_start + keys_per_split
         g_end = tl.minimum(v_end, n_global)
-        if PREFETCH:
-            # Pipelined by hand: tile i+1's slots and rows are requested before tile i's products,
-            # so their latency hides behind them (Triton's own pipelining of this loop issues the
-            # next gather after the products, as it needs the next slots first).
-            k_c, k_r, k_scale, valid = _global_tile(v_start, g_end, b, g_len, topk_ptr, stride_topk, table_ptr,
-                                                    stride_tb, kv_ptr, stride_kv, scale_ptr, kv_lora, block_size,
-                                                    cols, c_ok, rcols, r_ok, BLOCK_N, IS_FP8, HAS_TOPK, SLOTS)
-            for start in range(v_start, g_end, BLOCK_N):
-                n_c, n_r, n_scale, n_valid = _global_tile(
-                    start + BLOCK_N, g_end, b, g_len, topk_ptr, stride_topk, table_ptr, stride_tb, kv_ptr, stride_kv,
-                    scale_ptr, kv_lora, block_size, cols, c_ok, rcols, r_ok, BLOCK_N, IS_FP8, HAS_TOPK, SLOTS)
-                m, l, acc = _rows_tile_update(qt_c, qt_r, k_c, k_r, valid, k_scale, m, l, acc, qk_scale, IS_FP8,
-                                              PREC)
-                k_c, k_r, k_scale, valid = n_c, n_r, n_scale, n_valid
-        else:
-            for start in range(v_start, g_end, BLOCK_N):
-                k_c, k_r, k_scale, valid = _global_tile(
-                    start, g_end, b, g_len, topk_ptr, stride_topk, table_ptr, stride_tb, kv_ptr, stride_kv,
-                    scale_ptr, kv_lora, block_size, cols, c_ok, rcols, r_ok, BLOCK_N, IS_FP8, HAS_TOPK, SLOTS)
-                m, l, acc = _rows_tile_update(qt_c, qt_r, k_c, k_r, valid, k_scale, m, l, acc, qk_scale, IS_FP8,
-                                              PREC)
+        for start in range(v_start, g_end, BLOCK_N):
+            k_c, k_r, k_scale, valid = _global_tile(
+                start, g_end, b, g_len, topk_ptr, stride_topk, table_ptr, stride_tb, kv_ptr, stride_kv,
+                scale_ptr, kv_lora, block_size, cols, c_ok, rcols, r_ok, BLOCK_N, IS_FP8, HAS_TOPK, SLOTS)
+            m, l, acc = _rows_tile_update(qt_c, qt_r, k_c, k_r, valid, k_scale, m, l, acc, qk_scale, IS_FP8, PREC)
 
         if HAS_WINDOW:
             w_start = tl.maximum(v_start - global_span, 0)

@@ -315,34 +315,6 @@ def test_keys_rows_splits_cover_global_then_window_keys(device, num_splits):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("real_widths", [False, True])
-def test_keys_rows_prefetch_matches_reference(device, real_widths):
-    """keys_rows with `prefetch` (the next tile's gather issued before this tile's products, one
-    stage): top-k slots, positions and dense rows, several splits, the window from the ring."""
-    kv_lora, rope = (512, 64) if real_widths else (KV_LORA, ROPE)
-    d = kv_lora + rope
-    q, kv, table, lens = make_case([70, 9, 33], 16, torch.bfloat16, device, seed=13, kv_lora=kv_lora, rope=rope)
-    topk = torch.randint(-1, 70, (3, 40), generator=torch.Generator().manual_seed(2), dtype=torch.int32).to(device)
-    w = 6
-    ring_kv = torch.randn(3, w, d).to(torch.bfloat16).to(device)
-    slots, write_idx = torch.tensor([2, 0, 1]).to(device), torch.tensor([5, 0, 3]).to(device)
-    fresh = torch.randn(3, d).to(torch.bfloat16).to(device)
-    valid = torch.ones(3, w + 1, dtype=torch.bool)
-    valid[torch.arange(3), write_idx.cpu()] = False
-    valid = valid.to(device)
-    base = dict(block_n=64 if real_widths else 16, num_warps=8 if real_widths else 4, num_stages=1, waves=1,
-                min_tiles=1, keys_rows=True, prefetch=True)
-    for pos, resolve in ((None, True), (topk, True), (topk, False)):
-        ring_ref, ring_out = ring_kv.clone(), ring_kv.clone()
-        out = mla_decode_triton(q, kv, None, table, lens, BS, d ** -0.5, kv_lora, topk_pos=pos, win_valid=valid,
-                                ring=(ring_out, slots, fresh, write_idx), num_splits=3, config=dict(base, slots=resolve))
-        ref = mla_decode_reference(q, kv, None, table, lens, BS, d ** -0.5, kv_lora, topk_pos=pos, win_valid=valid,
-                                   ring=(ring_ref, slots, fresh, write_idx))
-        check(out, ref, torch.bfloat16)
-        assert torch.equal(ring_out, ring_ref)
-
-
-@pytest.mark.parametrize("device", DEVICES)
 def test_query_given_as_two_parts(device):
     """(q_lat, q_rope) as the model makes them (the latent part a permuted view of its bmm)
     gives what the concatenated query gives."""
