@@ -1,0 +1,101 @@
+"""Registers, spills, shared memory and MMA instructions of the MLA decode kernels' sm_90 (H100 /
+H200) builds, on a machine without a GPU: Triton compiles for the target and its own ptxas
+reports the resources. Builds follow what the launcher specialises on the GPU (pointers and
+integer arguments divisible by 16, except those the kernel leaves unspecialised).
+
+    python -m bench.sm90_builds                     # the engine's shape, each kernel form
+    python -m bench.sm90_builds --json builds.jsonl
+
+The figures depend on the Triton release: compare builds under the one the GPU runs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from kernels.mla_decode import _split_kernel
+from kernels.mla_decode_rows import _rows_split_kernel
+
+HEADS, KV_LORA, ROPE = 16, 512, 64
+POINTER_TYPES = dict(q_ptr="*bf16", qr_ptr="*bf16", kv_ptr="*bf16", win_ptr="*bf16", fresh_ptr="*bf16",
+                     scale_ptr="*fp32", table_ptr="*i32", glen_ptr="*i32", topk_ptr="*i32", wvalid_ptr="*u8",
+                     ring_slot_ptr="*i64", write_idx_ptr="*i64", part_acc_ptr="*fp32", part_m_ptr="*fp32",
+                     part_l_ptr="*fp32")
+# (kernel, keys per tile, warps, stages): the tuned table's choices for the H200 and their neighbours
+BUILDS = [(_split_kernel, 32, 4, 2), (_split_kernel, 64, 8, 2), (_rows_split_kernel, 64, 4, 2),
+          (_rows_split_kernel, 64, 8, 2)]
+
+
+def _ptxas() -> str:
+    from triton.backends.nvidia import compiler
+    tool = compiler.get_ptxas(90)
+    return tool.path
+
+
+def build(fn, block_n: int, warps: int, stages: int, fp8: bool = False) -> dict:
+    consts = dict(BLOCK_H=HEADS, BLOCK_C=KV_LORA, BLOCK_R=ROPE, BLOCK_N=block_n, IS_FP8=fp8, HAS_TOPK=True,
+                  HAS_WINDOW=True, RING=True, PREC="tf32", SLOTS=True, Q_RELOAD=False, UPCAST=False)
+    consts = {k: v for k, v in consts.items() if k in fn.arg_names}
+    types = dict(POINTER_TYPES, kv_ptr="*fp8e4nv" if fp8 else "*bf16")
+    plain = set(fn.do_not_specialize) | {fn.arg_names.index(n) for n in fn.do_not_specialize if isinstance(n, str)}
+    signature, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in consts:
+            signature[name] = "constexpr"
+        elif name in types:
+            signature[name] = types[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name == "qk_scale":
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+            if i not in plain and name not in plain and name not in ("num_heads", "keys_per_split"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
+                    attrs=attrs)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+    ptx = kernel.asm["ptx"]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "k.ptx"
+        path.write_text(ptx)
+        info = subprocess.run([_ptxas(), "-v", "--gpu-name", "sm_90a", str(path), "-o", str(Path(tmp) / "k.o")],
+                              capture_output=True, text=True).stderr
+    regs = re.search(r"Used (\d+) registers", info)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info)
+    if regs is None:
+        raise RuntimeError(f"ptxas gave no register count:\n{info[-2000:]}")
+    return dict(kernel=fn.__name__, block_n=block_n, num_warps=warps, num_stages=stages, kv="fp8" if fp8 else "bf16",
+                registers=int(regs.group(1)), spill_store_bytes=int(spills.group(1)) if spills else 0,
+                shared_kb=round(kernel.metadata.shared / 1024, 1), wgmma=ptx.count("wgmma.mma_async"),
+                mma_sync=ptx.count("mma.sync"), cp_async=ptx.count("cp.async.cg") + ptx.count("cp.async.ca"),
+                triton=triton.__version__)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--fp8", action="store_true", help="FP8 KV instead of bf16")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    rows = [build(fn, n, w, s, args.fp8) for fn, n, w, s in BUILDS]
+    print("| kernel | KV | tile, warps, stages | registers | spill bytes | shared KB | wgmma | mma.sync |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['kernel']} | {r['kv']} | {r['block_n']}, {r['num_warps']}, {r['num_stages']} | {r['registers']} | "
+              f"{r['spill_store_bytes']} | {r['shared_kb']} | {r['wgmma']} | {r['mma_sync']} |")
+    version = subprocess.run([_ptxas(), "--version"], capture_output=True, text=True).stdout.strip().splitlines()
+    print(f"Triton {triton.__version__}, {version[-1] if version else 'ptxas'}")
+    if args.json:
+        with open(args.json, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+if __name__ == "__main__":
+    main()

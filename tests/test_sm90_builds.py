@@ -1,0 +1,28 @@
+"""bench.sm90_builds: the MLA decode kernels compiled for sm_90 on a machine without a GPU."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+
+def test_keys_as_rows_builds_use_warpgroup_mmas(tmp_path):
+    # a fresh process: the kernels must be compiled, not interpreted (TRITON_INTERPRET is read
+    # when they are defined)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = tmp_path / "builds.jsonl"
+    r = subprocess.run([sys.executable, "-m", "bench.sm90_builds", "--json", str(out)], env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 4 and all(0 < row["registers"] <= 255 for row in rows)
+    heads = [row for row in rows if row["kernel"] == "_split_kernel"]
+    keys = [row for row in rows if row["kernel"] == "_rows_split_kernel"]
+    assert all(row["mma_sync"] > 0 and row["wgmma"] == 0 for row in heads)
+    assert all(row["wgmma"] > 0 and row["mma_sync"] == 0 for row in keys)
+    # two stages of 64 x 576 bf16 key tiles are staged in shared memory
+    assert all(row["shared_kb"] > 2 * 64 * 576 * 2 / 1024 for row in keys)
+    assert "| _rows_split_kernel |" in r.stdout
