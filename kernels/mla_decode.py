@@ -13,7 +13,9 @@ Keys of sequence b are the union of
 
 The Triton path is flash-decoding: the keys of a sequence are cut into splits, each program
 loads a KV tile once for all heads (tl.dot of [H, D] x [D, BLOCK_N]) and keeps an online
-softmax; a second small kernel merges the per-split (max, sum, partial output).
+softmax; a second small kernel merges the per-split (max, sum, partial output). The launch
+configuration (kernels/tuning.py) may pick kernels/mla_decode_rows.py's split kernel instead,
+which computes the same with keys as the rows of its products.
 """
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """Fused MoE routing: sigmoid scores, group-limited top-k, weights, physical slots and the
-per-slot token count, in one kernel launch.
+per-slot token count, in one kernel launch; at decode batch sizes the router's fp32 logits come
+from one more launch, as partial sums that the routing kernel adds (`gate_parts_triton`).
 
 The unfused torch sequence (engine/moe.py `route`, `ExpertMap.slots_for` and the slot count)
 is a couple of dozen small launches per MoE layer, which dominates at decode batch sizes;
@@ -251,9 +252,9 @@ def gate_parts_triton(x: torch.Tensor, weight: torch.Tensor, parts: int | None =
     e = weight.shape[0]
     if weight.shape[1] != h:
         raise ValueError(f"gate weight {tuple(weight.shape)} does not match hidden size {h}")
-    # One 64-column slice a program (up to 32 slices): the programs' loads all go out at once. Four
-    # 256-column slices a program took 7 us at batch 1 and 64 on the H200, no less than the
-    # cast, GEMM and reduction they replace.
+    # One 64-column slice a program (up to 32 slices), so the programs' loads all go out at once:
+    # 3 us at batch 1 on the H200. Eight 256-column slices, four loads in turn a program, took
+    # 7 us, no less than the cast, GEMM and reduction they replace.
     block_k = 64
     parts = parts or min(32, triton.cdiv(h, block_k))
     k_per_part = triton.cdiv(triton.cdiv(h, parts), block_k) * block_k
