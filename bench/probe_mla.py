@@ -156,7 +156,7 @@ def main() -> None:
             emit(dict(probe="gather", batch=b, resolved=resolved_in, block_n=bn, num_warps=warps, splits=splits,
                       ms=round(ms, 4), tbs=round(gbr / ms, 3)))
 
-        for splits, bcc, bsc, warps in itertools.product((4, 8, 35), (128, 256, 512), (4, 8), (4, 8)) \
+        for splits, bcc, bsc, warps in itertools.product((4, 8, 35), (128, 256, 512), (4, 8, 16, 32), (4, 8)) \
                 if "merge" in args.sections else ():
             acc = torch.randn(b, splits, HEADS, KV_LORA, device=dev)
             m = torch.randn(b, splits, HEADS, device=dev)
