@@ -23,7 +23,7 @@ import torch
 
 from kernels import triton_ok
 from kernels.fp8_kv import FP8_DTYPE
-from kernels.mla_decode_rows import _rows_split_kernel
+from kernels.mla_decode_rows import _global_tile, _rows_split_kernel
 from kernels.tuning import BATCH_BUCKETS, batch_bucket, tuned_config
 
 try:
@@ -165,28 +165,9 @@ if triton is not None:
         g_start = split * keys_per_split
         g_end = tl.minimum(g_start + keys_per_split, n_global)
         for start in range(g_start, g_end, BLOCK_N):
-            idx = start + tl.arange(0, BLOCK_N)
-            valid = idx < g_end
-            if SLOTS:  # top-k entries already resolved to slots (-1 = none): one load, not two
-                slot = tl.load(topk_ptr + b * stride_topk + idx, mask=valid, other=-1)
-                valid = valid & (slot >= 0)
-                slot = tl.where(valid, slot, 0).to(tl.int64)
-            else:
-                if HAS_TOPK:
-                    pos = tl.load(topk_ptr + b * stride_topk + idx, mask=valid, other=-1)
-                    valid = valid & (pos >= 0) & (pos < g_len)
-                    pos = tl.where(valid, pos, 0)
-                else:
-                    pos = idx
-                block = tl.load(table_ptr + b * stride_tb + pos // block_size, mask=valid, other=0)
-                slot = block.to(tl.int64) * block_size + pos % block_size
-            row = kv_ptr + slot[:, None] * stride_kv
-            k_c = tl.load(row + cols[None, :], mask=valid[:, None] & c_ok[None, :], other=0.0)
-            k_r = tl.load(row + kv_lora + rcols[None, :], mask=valid[:, None] & r_ok[None, :], other=0.0)
-            if IS_FP8:
-                k_scale = tl.load(scale_ptr + slot, mask=valid, other=0.0)
-            else:
-                k_scale = tl.zeros([BLOCK_N], dtype=tl.float32)
+            k_c, k_r, k_scale, valid = _global_tile(
+                start, g_end, b, g_len, topk_ptr, stride_topk, table_ptr, stride_tb, kv_ptr, stride_kv,
+                scale_ptr, kv_lora, block_size, cols, c_ok, rcols, r_ok, BLOCK_N, IS_FP8, HAS_TOPK, SLOTS)
             if Q_RELOAD:
                 # The query, kept live across the loop, is a whole dot operand in every warp (at 16
                 # heads x 512, 128 registers a thread); re-read from L1 each tile instead. Within

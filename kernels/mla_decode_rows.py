@@ -169,4 +169,4 @@ if triton is not None:
         tl.store(part_acc_ptr + part[None, :].to(tl.int64) * kv_lora + cols[:, None], acc,
                  mask=h_ok[None, :] & c_ok[:, None])
 else:
-    _rows_split_kernel = None
+    _global_tile = _rows_split_kernel = None
