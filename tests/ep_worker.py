@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from engine import AsyncLLMEngine, EngineConfig, LLMEngine, SamplingParams
+from engine.async_engine import EngineDeadError
 from engine.ep import ExpertParallel, PlanError, initial_placement
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
@@ -69,6 +70,9 @@ def run(rank, world, port, ckpt, results, scenario):
             time.sleep(0.1)
             os._exit(0)  # dies mid-migration
         ep.stage("p1", new, delay_s=1.0)  # deliberately slow staging
+        if scenario == "kill":  # rank 0: its peer dies before the copies start
+            survive_peer_loss(aengine, ep, moe, prompts, out)
+            return
 
         async def decode_while_staging():
             long = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
@@ -102,6 +106,22 @@ def run(rank, world, port, ckpt, results, scenario):
         if scenario != "kill":
             aengine.shutdown()
             dist.destroy_process_group()
+
+
+def survive_peer_loss(aengine, ep, moe, prompts, out):
+    """The group cannot decode without a rank, so the survivor must keep its placement and
+    fail new requests with a clear error instead of hanging in a collective."""
+    out["staged"] = ep.wait_staged("p1", 30)
+    ep.abort("p1")
+    out["phys2log_after"] = ep.phys2log.clone()
+    out["slot0_after"] = moe.w13.data[0].clone()
+    try:
+        asyncio.run(asyncio.wait_for(generate_all(aengine, prompts[:1], "after-kill"), 30))
+        out["after_kill"] = "served"
+    except EngineDeadError as e:
+        out["after_kill"] = f"EngineDeadError: {e}"
+    except asyncio.TimeoutError:
+        out["after_kill"] = "timed out"
 
 
 async def _drain(stream):

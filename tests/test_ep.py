@@ -86,6 +86,7 @@ def test_rank_killed_mid_migration_keeps_old_placement(tiny_ckpt):
     assert not survivor["staged"]["staged"]
     assert survivor["phys2log_after"][0] == [0, 1, 2, 3, 4, 5, 6, 7]
     assert survivor["slot0_after"] == survivor["slot0_before"]
+    assert survivor["after_kill"].startswith("EngineDeadError"), survivor["after_kill"]
 
 
 def ep_worker_cfg(ckpt):
