@@ -423,14 +423,16 @@ def mla_decode_triton(q, kv, kv_scale, block_tables, g_lens, block_size: int, sm
         BLOCK_H=block_h, BLOCK_C=block_c, BLOCK_R=block_r, BLOCK_N=block_n,
         IS_FP8=is_fp8, HAS_TOPK=has_topk, HAS_WINDOW=has_window, RING=ring is not None, PREC=prec,
         SLOTS=slots, Q_RELOAD=q_reload, UPCAST=upcast, num_warps=num_warps, num_stages=num_stages)
-    # One program per (sequence, head) over the whole latent, four splits a step: 3.3 us at batch
-    # 64 on the H200 where 128-column programs and 16-split steps took 15 us (bench.probe_mla).
-    # At batch 1 (16 programs, 35 splits) quarter-latent programs measured no faster: 5.6 against
-    # 5.0 us.
+    # One program per (sequence, head) over the whole latent: 3.3 us at batch 64 on the H200
+    # summing four splits a step, where 128-column programs and 16-split steps took 15 us
+    # (bench.probe_mla). With few programs (batch 1-16 at 16 heads, 35 splits) each program's
+    # serial loop is the time, and sixteen splits a step measured 4.8-5.6 us against 7.1-7.6 us
+    # for four. Chosen by batch bucket, so warm-up (one run per bucket) builds every value.
+    few_programs = batch_bucket(b) * h <= 256
     _merge_kernel[(1, h, b)](
         part_acc, part_m, part_l, out, out.stride(0), out.stride(1),
         total_splits, h, kv_lora,
-        BLOCK_SC=4, BLOCK_CC=block_c, num_warps=4)
+        BLOCK_SC=16 if few_programs else 4, BLOCK_CC=block_c, num_warps=4)
     return out
 
 

@@ -71,7 +71,8 @@ def check(out, ref, dtype):
     ([5, 18, 37], 4, None),      # lengths off the block and tile sizes
     ([5, 18, 37], 3, 3),         # several splits per sequence, some of them empty
     ([0, 13], 2, 2),             # a sequence with no key at all
-    ([700, 40], 2, 40),          # more splits than the merge sums at once
+    ([700, 40], 2, 40),          # more splits than the merge sums at once (16 with few programs)
+    ([30, 9], 72, 6),            # many (sequence, head) programs: the merge sums 4 splits at once
 ])
 def test_dense_matches_reference(device, dtype, g_lens, heads, num_splits):
     q, kv, table, lens = make_case(g_lens, heads, dtype, device)
