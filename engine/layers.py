@@ -7,6 +7,7 @@ from torch import nn
 
 from kernels.rmsnorm import add_rms_norm, rms_norm
 from kernels.rope import apply_rope
+from kernels.swiglu import silu_mul
 
 
 class RMSNorm(nn.Module):
@@ -52,8 +53,9 @@ class DerivedWeight:
         return self._value
 
 
-def fused_linear(x: torch.Tensor, mods: list[nn.Linear], cache: DerivedWeight) -> list[torch.Tensor]:
-    """[m(x) for m in mods] from one GEMM over the mods' concatenated weights (and biases).
+def fused_linear(x: torch.Tensor, mods: list[nn.Linear], cache: DerivedWeight, split: bool = True):
+    """[m(x) for m in mods] from one GEMM over the mods' concatenated weights (and biases);
+    with split=False, the GEMM's output itself (the mods' outputs side by side).
     The modules' parameters then become views of the concatenation, so it costs no memory
     (a copy of every such weight would be gigabytes per GPU for DeepSeek-V3) and a later write
     into one of them lands in it; a replaced one makes a new one. `cache` is a
@@ -76,7 +78,8 @@ def fused_linear(x: torch.Tensor, mods: list[nn.Linear], cache: DerivedWeight) -
                 start += m.out_features
         return weight, bias
     weight, bias = cache.get([m.weight for m in mods], build)
-    return list(F.linear(x, weight, bias).split([m.out_features for m in mods], dim=-1))
+    out = F.linear(x, weight, bias)
+    return list(out.split([m.out_features for m in mods], dim=-1)) if split else out
 
 
 class MLP(nn.Module):
@@ -90,8 +93,8 @@ class MLP(nn.Module):
         self._gate_up = DerivedWeight(track_writes=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = fused_linear(x, [self.gate_proj, self.up_proj], self._gate_up)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = fused_linear(x, [self.gate_proj, self.up_proj], self._gate_up, split=False)
+        return self.down_proj(silu_mul(gate_up))  # one launch on GPU (kernels/swiglu.py)
 
 
 class Rotary:

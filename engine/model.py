@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels.latent import norm_rope_latent
+
 from .attention import AttentionContext, attend, index_topk_mask
 from .config import ModelConfig
 from .decode_attention import decode_attention
@@ -87,9 +89,9 @@ class MLAttention(nn.Module):
 
         latent = None
         if self.has_latent:
-            c_kv, k_rope = xp["kv"].split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
-            k_rope = self.rotary.apply(k_rope, *ctx.rope)
-            latent = torch.cat([self.kv_a_layernorm(c_kv), k_rope], dim=-1)
+            # [norm(c_kv) | rope(k_rope)] in one launch on GPU (kernels/latent.py)
+            norm = self.kv_a_layernorm
+            latent = norm_rope_latent(xp["kv"], norm.weight, norm.eps, *ctx.rope, self.rotary.interleave)
         if self.is_source:
             ctx.write_global(self.source, latent, xp.get("idx_k"))
 

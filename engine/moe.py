@@ -12,8 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import triton_ok
-from kernels.moe_gemm import fused_experts
+from kernels.moe_gemm import fused_experts, token_major
 from kernels.routing import fused_route, gate_fused_ok, gate_parts_triton
+from kernels.swiglu import silu_mul
 
 from .config import ModelConfig
 from .layers import MLP, DerivedWeight
@@ -147,14 +148,13 @@ class MoE(nn.Module):
     def experts(self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Routed experts for tokens x [T, H] routed to local slots [T, k] with weights [T, k]
         (already counted in slot_load by the router)."""
-        t, k = slots.shape
-        # arange // k, not repeat_interleave: the same pairs in two small kernels, no scan
-        token_of = torch.div(torch.arange(t * k, device=x.device), k, rounding_mode="floor")
-        return self.expert_pairs(x, token_of, slots.flatten(), weights.flatten(), count=False)
+        # token-major pairs: the fused kernels derive each pair's token (p // k) themselves
+        return self.expert_pairs(x, None, slots.flatten(), weights.flatten(), count=False)
 
-    def expert_pairs(self, x: torch.Tensor, token_of: torch.Tensor, slot_of: torch.Tensor,
+    def expert_pairs(self, x: torch.Tensor, token_of: torch.Tensor | None, slot_of: torch.Tensor,
                      weight_of: torch.Tensor, count: bool = True) -> torch.Tensor:
-        """Sum over (token, local slot, weight) pairs of weight * expert(x[token]), as [T, H].
+        """Sum over (token, local slot, weight) pairs of weight * expert(x[token]), as [T, H]
+        (token_of None: token-major pairs, as kernels/moe_gemm.py takes them).
         Pairs are sorted by slot: one grouped GEMM per projection where torch has it (no host
         sync, no per-expert launches), else one matmul pair per slot."""
         fused = self.gemm != "grouped_mm" and triton_ok(x)
@@ -167,12 +167,12 @@ class MoE(nn.Module):
         if fused:
             return fused_experts(x, self.w13, self.w2, token_of, slot_of, weight_of)
         order = slot_of.argsort(stable=True)
-        token_of = token_of[order]
+        token_of = token_major(token_of, x, slot_of)[order]
         xs = x[token_of]
         if _grouped_mm_ok(xs, self.w13):
             offs = counts.cumsum(0).to(torch.int32)
-            gate, up = torch._grouped_mm(xs, self.w13.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-            y = torch._grouped_mm(F.silu(gate) * up, self.w2.transpose(1, 2), offs=offs)
+            gate_up = torch._grouped_mm(xs, self.w13.transpose(1, 2), offs=offs)
+            y = torch._grouped_mm(silu_mul(gate_up), self.w2.transpose(1, 2), offs=offs)
         else:
             y = self._experts_loop(xs, counts)
         y = y * weight_of[order].to(y.dtype)[:, None]
@@ -183,8 +183,8 @@ class MoE(nn.Module):
         start = 0
         for slot, n in enumerate(counts.tolist()):
             if n:
-                gate, up = F.linear(xs[start:start + n], self.w13[slot]).chunk(2, dim=-1)
-                y[start:start + n] = F.linear(F.silu(gate) * up, self.w2[slot])
+                gate_up = F.linear(xs[start:start + n], self.w13[slot])
+                y[start:start + n] = F.linear(silu_mul(gate_up), self.w2[slot])
                 start += n
         return y
 

@@ -3,7 +3,9 @@
     out[t] = sum over pairs p with token_of[p] == t of
              weight_of[p] * w2[s] @ (silu(w13[s, :I] @ x[t]) * (w13[s, I:] @ x[t])),  s = slot_of[p]
 
-with w13 [S, 2I, H] (rows 0..I-1 gate, I..2I-1 up) and w2 [S, H, I].
+with w13 [S, 2I, H] (rows 0..I-1 gate, I..2I-1 up) and w2 [S, H, I]. token_of may be None
+when the pairs are token-major, k per token (p // k is the token): the router's layout, for
+which the kernels derive the token themselves instead of reading a tensor two launches built.
 
 The Triton path sorts pairs by slot and pads every slot's rows to a whole row tile, so each
 tile of the padded layout belongs to exactly one slot and reads one expert's weights. All
@@ -30,9 +32,27 @@ except ImportError:  # the reference path still works without Triton
 
 # ---------------------------------------------------------------- references
 
-def fused_experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, token_of: torch.Tensor,
+def pairs_per_token(num_tokens: int, num_pairs: int) -> int:
+    """k of token-major pairs (token_of None), checked."""
+    if num_pairs == 0:
+        return 1
+    if num_tokens == 0 or num_pairs % num_tokens:
+        raise ValueError(f"token_of=None needs k pairs per token: {num_pairs} pairs for {num_tokens} tokens")
+    return num_pairs // num_tokens
+
+
+def token_major(token_of: torch.Tensor | None, x: torch.Tensor, slot_of: torch.Tensor) -> torch.Tensor:
+    """token_of itself, or p // k for token-major pairs."""
+    if token_of is not None:
+        return token_of
+    k = pairs_per_token(x.shape[0], slot_of.numel())
+    return torch.div(torch.arange(slot_of.numel(), device=slot_of.device), k, rounding_mode="floor")
+
+
+def fused_experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, token_of: torch.Tensor | None,
                             slot_of: torch.Tensor, weight_of: torch.Tensor) -> torch.Tensor:
     """The exact semantics: one matmul pair per slot, weighted sum in fp32, output in x's dtype."""
+    token_of = token_major(token_of, x, slot_of)
     num_slots = w13.shape[0]
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     order = slot_of.argsort(stable=True)
@@ -168,7 +188,7 @@ def _place_kernel(slot_ptr, rank_ptr, counts_ptr, padded_start_ptr, row_pair_ptr
 def _gate_up_kernel(x_ptr, w13_ptr, act_ptr, token_ptr, row_pair_ptr, tile_slot_ptr,
                     H, I, num_slots, stride_xt,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
+                    PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, PAIRS_PER_TOKEN: tl.constexpr):
     # One program: BLOCK_M padded rows (one slot) x BLOCK_N columns of both gate and up.
     tile = tl.program_id(0)
     slot = tl.load(tile_slot_ptr + tile).to(tl.int64)
@@ -177,7 +197,10 @@ def _gate_up_kernel(x_ptr, w13_ptr, act_ptr, token_ptr, row_pair_ptr, tile_slot_
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(row_pair_ptr + rows)
     is_pair = pair >= 0
-    token = tl.load(token_ptr + pair, mask=is_pair, other=0).to(tl.int64)
+    if PAIRS_PER_TOKEN > 0:  # token-major pairs: no token tensor to read
+        token = tl.where(is_pair, pair // PAIRS_PER_TOKEN, 0).to(tl.int64)
+    else:
+        token = tl.load(token_ptr + pair, mask=is_pair, other=0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < I
     ks = tl.arange(0, BLOCK_K)
@@ -209,7 +232,7 @@ def _gate_up_kernel(x_ptr, w13_ptr, act_ptr, token_ptr, row_pair_ptr, tile_slot_
 def _down_kernel(act_ptr, w2_ptr, out_ptr, token_ptr, weight_ptr, row_pair_ptr, tile_slot_ptr,
                  H, I, num_slots, stride_ot,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
+                 PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, PAIRS_PER_TOKEN: tl.constexpr):
     # One program: BLOCK_M padded rows (one slot) x BLOCK_N hidden columns, added into fp32 out.
     tile = tl.program_id(0)
     slot = tl.load(tile_slot_ptr + tile).to(tl.int64)
@@ -233,7 +256,10 @@ def _down_kernel(act_ptr, w2_ptr, out_ptr, token_ptr, weight_ptr, row_pair_ptr, 
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    token = tl.load(token_ptr + pair, mask=is_pair, other=0).to(tl.int64)
+    if PAIRS_PER_TOKEN > 0:
+        token = tl.where(is_pair, pair // PAIRS_PER_TOKEN, 0).to(tl.int64)
+    else:
+        token = tl.load(token_ptr + pair, mask=is_pair, other=0).to(tl.int64)
     route_weight = tl.load(weight_ptr + pair, mask=is_pair, other=0.0).to(tl.float32)
     acc = acc * route_weight[:, None]
     # A token's k pairs land in different tiles: combine them with fp32 atomics (order-free sum,
@@ -304,23 +330,24 @@ def pick_config(num_pairs: int, num_slots: int, dtype: torch.dtype) -> MoEGemmCo
     return cfg
 
 
-def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, token_of: torch.Tensor,
+def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, token_of: torch.Tensor | None,
                          slot_of: torch.Tensor, weight_of: torch.Tensor,
                          config: MoEGemmConfig | None = None) -> torch.Tensor:
     """fused_experts through the two Triton kernels (no host sync; CUDA-graph capturable)."""
     num_tokens, hidden = x.shape
     num_slots, two_i, _ = w13.shape
     inter = two_i // 2
-    num_pairs = token_of.numel()
+    num_pairs = slot_of.numel()
     if num_pairs == 0 or num_tokens == 0:
         return torch.zeros_like(x)
+    k = pairs_per_token(num_tokens, num_pairs) if token_of is None else 0
     cfg = config or pick_config(num_pairs, num_slots, w13.dtype)
     aligned = align_pairs_triton(slot_of, num_slots, cfg.block_m)
     num_tiles = aligned.tile_slot.numel()
     w13 = w13.contiguous()
     w2 = w2.contiguous()
     xw = x.to(w13.dtype).contiguous()
-    token_of = token_of.contiguous()
+    token_of = slot_of if token_of is None else token_of.contiguous()  # not read when k > 0
     weight_of = weight_of.contiguous()
     # The interpreter multiplies bf16 bit patterns in tl.dot (triton-lang/triton#11584): on CPU
     # the operands go up to fp32 first, where products of bf16 values are exact.
@@ -334,7 +361,7 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
         xw, w13, act, token_of, aligned.row_pair, aligned.tile_slot,
         hidden, inter, num_slots, xw.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, DOT_FP32=dot_fp32,
-        num_warps=warps, num_stages=stages)
+        PAIRS_PER_TOKEN=k, num_warps=warps, num_stages=stages)
 
     out = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)
     block_n, block_k, warps, stages = cfg.down
@@ -342,16 +369,17 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
         act, w2, out, token_of, weight_of, aligned.row_pair, aligned.tile_slot,
         hidden, inter, num_slots, out.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, DOT_FP32=dot_fp32,
-        num_warps=warps, num_stages=stages)
+        PAIRS_PER_TOKEN=k, num_warps=warps, num_stages=stages)
     return out.to(x.dtype)
 
 
 # ---------------------------------------------------------------- dispatcher
 
-def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, token_of: torch.Tensor,
+def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, token_of: torch.Tensor | None,
                   slot_of: torch.Tensor, weight_of: torch.Tensor) -> torch.Tensor:
     """Routed experts over pairs: x [T, H], w13 [S, 2I, H], w2 [S, H, I], token_of / slot_of [P]
-    int64, weight_of [P] float -> [T, H] in x's dtype (see the module docstring for the sum).
+    int64 (token_of None: token-major pairs, P / T per token), weight_of [P] float -> [T, H] in
+    x's dtype (see the module docstring for the sum).
     Triton where it can run (CUDA, or CPU under TRITON_INTERPRET=1), the reference elsewhere."""
     if triton is not None and triton_ok(x):
         return fused_experts_triton(x, w13, w2, token_of, slot_of, weight_of)

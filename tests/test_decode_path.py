@@ -91,10 +91,11 @@ def test_engine_with_triton_kernels_interpreted(tiny_v4_ckpt, kv_dtype):
         from engine.config import EngineConfig
         from engine.llm_engine import LLMEngine
         from engine.sampling import SamplingParams
-        import engine.moe, kernels.mla_decode, kernels.indexer, kernels.routing
+        import engine.moe, kernels.mla_decode, kernels.indexer, kernels.routing, kernels.swiglu, kernels.latent
         calls = {{}}
         for mod, name in [(kernels.mla_decode, "mla_decode_triton"), (kernels.indexer, "indexer_topk_triton"),
-                          (kernels.routing, "route_triton"), (engine.moe, "gate_parts_triton")]:
+                          (kernels.routing, "route_triton"), (engine.moe, "gate_parts_triton"),
+                          (kernels.swiglu, "silu_mul_triton"), (kernels.latent, "latent_triton")]:
             fn = getattr(mod, name)
             def wrapped(*a, _fn=fn, _n=name, **k):
                 calls[_n] = calls.get(_n, 0) + 1
@@ -109,7 +110,8 @@ def test_engine_with_triton_kernels_interpreted(tiny_v4_ckpt, kv_dtype):
                                           kv_cache_dtype={kv_dtype!r}), progress=False)
             outs[fast] = [o.output_token_ids for o in e.generate(prompts, p)]
         assert outs[True] == outs[False], outs
-        assert set(calls) == {{"mla_decode_triton", "indexer_topk_triton", "route_triton", "gate_parts_triton"}}, calls
+        assert set(calls) == {{"mla_decode_triton", "indexer_topk_triton", "route_triton", "gate_parts_triton",
+                              "silu_mul_triton", "latent_triton"}}, calls
         print("OK", calls)
     """)
     env = dict(os.environ, TRITON_INTERPRET="1", WIDEEP_CPU_KERNELS="1")

@@ -68,6 +68,24 @@ def test_matches_reference(device, dtype, num_tokens):
     assert out.abs().max() > 0.1  # a kernel that wrote nothing would not pass as "close to zero"
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("num_tokens,topk", [(1, 2), (33, 3)])
+def test_token_major_pairs_without_token_of(device, num_tokens, topk):
+    """The router's layout (token p // k): the kernels derive the token instead of reading it,
+    and give what explicit token_of gives."""
+    hidden, inter, num_slots = 64, 32, 8
+    w13, w2 = make_weights(num_slots, hidden, inter, torch.bfloat16, device, seed=11)
+    x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(12)).to(device, torch.bfloat16)
+    token_of, slot_of, weight_of = make_routing(num_tokens, topk, list(range(num_slots)), device, seed=13)
+    derived = fused_experts_triton(x, w13, w2, None, slot_of, weight_of)
+    want = fused_experts_reference(x, w13, w2, token_of, slot_of, weight_of)
+    torch.testing.assert_close(derived.float(), want.float(), **TOLERANCE[torch.bfloat16])
+    assert torch.equal(fused_experts_reference(x, w13, w2, None, slot_of, weight_of), want)
+    three = torch.tensor([0, 1, 2], device=device)
+    with pytest.raises(ValueError, match="pairs per token"):  # 3 pairs for 2 tokens
+        fused_experts_triton(x.new_zeros(2, hidden), w13, w2, None, three, weight_of.new_ones(3))
+
+
 SMALL_BLOCKS = MoEGemmConfig(16, (16, 16, 1, 2), (16, 16, 1, 2))
 
 

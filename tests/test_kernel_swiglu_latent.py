@@ -1,0 +1,156 @@
+"""SwiGLU activation and MLA latent kernels against their torch references (and the latent
+reference against the engine's norm and rope modules)."""
+import os
+import sys
+
+import pytest
+import torch
+
+IMPORTED_TOO_EARLY = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+triton = pytest.importorskip("triton")
+
+from engine.layers import RMSNorm, Rotary  # noqa: E402
+from kernels import latent as latent_module  # noqa: E402
+from kernels import swiglu as swiglu_module  # noqa: E402
+from kernels.latent import latent_reference, latent_triton, norm_rope_latent  # noqa: E402
+from kernels.swiglu import silu_mul, silu_mul_reference, silu_mul_triton  # noqa: E402
+
+DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or IMPORTED_TOO_EARLY,
+                                                  reason="CPU runs Triton only under TRITON_INTERPRET=1")),
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")),
+]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA runs the kernels natively")
+def test_interpreter_is_on():
+    assert not IMPORTED_TOO_EARLY, "triton was imported before TRITON_INTERPRET=1 was set"
+    assert type(swiglu_module._silu_mul_kernel).__name__ == "InterpretedFunction"
+    assert type(latent_module._latent_kernel).__name__ == "InterpretedFunction"
+
+
+def within_ulp(out: torch.Tensor, ref: torch.Tensor, ulps: int = 1) -> None:
+    """fp32 to 1e-6 relative; bf16/fp16 within `ulps` units in the last place of the reference
+    (exp differs by an fp32 ulp between torch, the interpreter's numpy and the GPU)."""
+    assert out.dtype == ref.dtype and out.shape == ref.shape and out.is_contiguous()
+    if ref.dtype == torch.float32:
+        torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
+        return
+    o, r = out.double(), ref.double()
+    ulp = torch.ldexp(torch.ones_like(r), torch.frexp(r)[1] - 1 - MANTISSA_BITS[ref.dtype])
+    bad = (o - r).abs() > ulps * ulp
+    assert not bad.any(), f"{int(bad.sum())} values off by more than {ulps} ulp, e.g. {o[bad][:4]} vs {r[bad][:4]}"
+
+
+def rope_tables(t, rope, interleave=False, seed=0, device="cpu"):
+    rot = Rotary(rope, 10000.0, interleave, 128, "cpu")
+    pos = torch.randint(0, 100_000, (t,), generator=torch.Generator().manual_seed(seed))
+    rot.ensure(int(pos.max()) if t else 0)
+    cos, sin = rot.tables(pos)
+    return rot, cos.to(device), sin.to(device)
+
+
+# ---- silu(gate) * up ----
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 2 * 96), (5, 2 * 1500), (3, 4, 2 * 40)])
+def test_silu_mul_matches_reference(device, dtype, shape):
+    g = torch.Generator().manual_seed(shape[-1])
+    gu = (torch.randn(shape, generator=g) * 4).to(dtype).to(device)  # far into both tails of silu
+    out = silu_mul_triton(gu)
+    assert out.shape == shape[:-1] + (shape[-1] // 2,)
+    within_ulp(out, silu_mul_reference(gu))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_silu_mul_strided_empty_and_errors(device):
+    g = torch.Generator().manual_seed(1)
+    wide = torch.randn(4, 2 * 64 + 16, generator=g).to(torch.bfloat16).to(device)
+    gu = wide[:, 16:]  # rows of a wider buffer: the kernel reads them in place
+    within_ulp(silu_mul_triton(gu), silu_mul_reference(gu))
+    empty = silu_mul_triton(torch.zeros(0, 32, dtype=torch.bfloat16, device=device))
+    assert empty.shape == (0, 16)
+    with pytest.raises(ValueError, match="even"):
+        silu_mul_triton(torch.zeros(2, 33, device=device))
+    with pytest.raises(ValueError, match="float32/bfloat16/float16"):
+        silu_mul_triton(torch.zeros(2, 32, dtype=torch.float64, device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_silu_mul_dispatcher(device, monkeypatch):
+    gu = torch.randn(3, 64).to(torch.bfloat16).to(device)
+    calls = []
+    real = swiglu_module.silu_mul_triton
+    monkeypatch.setattr(swiglu_module, "silu_mul_triton", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setenv("WIDEEP_CPU_KERNELS", "1")
+    within_ulp(silu_mul(gu), silu_mul_reference(gu))
+    assert calls == [1]
+    silu_mul(gu.double())  # a dtype the kernel does not take stays on the reference
+    silu_mul(gu.float().requires_grad_())
+    assert calls == [1]
+    if device == "cpu":
+        monkeypatch.delenv("WIDEEP_CPU_KERNELS")
+        assert torch.equal(silu_mul(gu), silu_mul_reference(gu))
+        assert calls == [1]
+
+
+# ---- [norm(c_kv) | rope(k_rope)] ----
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleave", [False, True])
+@pytest.mark.parametrize("t,c,rope", [(1, 32, 8), (7, 48, 6), (3, 512, 64)])
+def test_latent_matches_reference(device, dtype, interleave, t, c, rope):
+    g = torch.Generator().manual_seed(c + rope)
+    # The kv part of the fused input projection: a column slice of a wider GEMM output.
+    proj = (torch.randn(t, 16 + c + rope + 24, generator=g) * 3).to(dtype).to(device)
+    kv = proj[:, 16:16 + c + rope]
+    w = (torch.randn(c, generator=g) * 0.5 + 1).to(dtype).to(device)
+    _, cos, sin = rope_tables(t, rope, interleave, device=device)
+    out = latent_triton(kv, w, 1e-6, cos, sin, interleave)
+    within_ulp(out, latent_reference(kv, w, 1e-6, cos, sin, interleave))
+
+
+@pytest.mark.parametrize("interleave", [False, True])
+def test_latent_reference_is_the_engine(interleave):
+    """The reference is what the attention layer computed with its modules before the fusion."""
+    g = torch.Generator().manual_seed(2)
+    c, rope, t = 32, 8, 5
+    kv = torch.randn(t, c + rope, generator=g).to(torch.bfloat16)
+    norm = RMSNorm(c).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(c, generator=g))
+    rot, cos, sin = rope_tables(t, rope, interleave)
+    c_kv, k_rope = kv.split([c, rope], dim=-1)
+    engine = torch.cat([norm(c_kv), rot.apply(k_rope, cos, sin)], dim=-1)
+    assert torch.equal(latent_reference(kv, norm.weight.detach(), norm.eps, cos, sin, interleave), engine)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_latent_empty_errors_and_dispatch(device, monkeypatch):
+    _, cos, sin = rope_tables(2, 8, device=device)
+    w = torch.ones(32, dtype=torch.bfloat16, device=device)
+    empty = latent_triton(torch.zeros(0, 40, dtype=torch.bfloat16, device=device), w, 1e-6, cos[:0], sin[:0], False)
+    assert empty.shape == (0, 40)
+    kv = torch.randn(2, 40).to(torch.bfloat16).to(device)
+    with pytest.raises(ValueError, match="share"):
+        latent_triton(kv, w.float(), 1e-6, cos, sin, False)
+    with pytest.raises(ValueError, match="even rope part"):
+        latent_triton(kv[:, :39], w, 1e-6, cos, sin, False)
+    with pytest.raises(ValueError, match="cos and sin"):
+        latent_triton(kv, w, 1e-6, cos[:1], sin[:1], False)
+    calls = []
+    real = latent_module.latent_triton
+    monkeypatch.setattr(latent_module, "latent_triton", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setenv("WIDEEP_CPU_KERNELS", "1")
+    within_ulp(norm_rope_latent(kv, w, 1e-6, cos, sin, True), latent_reference(kv, w, 1e-6, cos, sin, True))
+    assert calls == [1]
+    # A weight of another dtype (the reference promotes) stays on the reference.
+    assert norm_rope_latent(kv, w.float(), 1e-6, cos, sin, True).dtype == torch.float32
+    assert calls == [1]
