@@ -174,6 +174,59 @@ def without_moe(engine: LLMEngine):
     return undo
 
 
+def unfused_small():
+    """The decode layer's small steps as they ran before their fused kernels, for a time side by
+    side: silu then a multiply (torch), the latent's norm, rope and concatenation as three
+    launches, the routed experts' pair tokens built as arange // k. Returns the undo."""
+    from engine import layers as layers_module
+    from engine import model as model_module
+    from kernels.rmsnorm import rms_norm
+    from kernels.rope import apply_rope
+    from kernels.swiglu import silu_mul_reference
+
+    def latent(kv, weight, eps, cos, sin, interleave):
+        c = weight.shape[0]
+        return torch.cat([rms_norm(kv[:, :c], weight, eps), apply_rope(kv[:, c:], cos, sin, interleave)], dim=-1)
+
+    def experts(self, x, slots, weights):
+        t, k = slots.shape
+        token_of = torch.div(torch.arange(t * k, device=x.device), k, rounding_mode="floor")
+        return self.expert_pairs(x, token_of, slots.flatten(), weights.flatten(), count=False)
+
+    swaps = [(layers_module, "silu_mul", silu_mul_reference), (moe_module, "silu_mul", silu_mul_reference),
+             (model_module, "norm_rope_latent", latent), (MoE, "experts", experts)]
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in swaps]
+    for obj, name, new in swaps:
+        setattr(obj, name, new)
+
+    def undo():
+        for obj, name, old in saved:
+            setattr(obj, name, old)
+    return undo
+
+
+def unfused_gate():
+    """The router's fp32 GEMM in place of the partial-logits kernel. Returns the undo."""
+    fused_ok, moe_module.gate_fused_ok = moe_module.gate_fused_ok, lambda x: False
+
+    def undo():
+        moe_module.gate_fused_ok = fused_ok
+    return undo
+
+
+def time_changed(engine: LLMEngine, batch: ScheduledBatch, iters: int, change) -> float:
+    """Forward ms with `change()` applied (graphs recaptured), then undone."""
+    undo = change()
+    try:
+        if engine.runner.graphs is not None:
+            engine.runner.graphs.clear()
+        return time_forward(engine, batch, iters)[0]
+    finally:
+        undo()
+        if engine.runner.graphs is not None:
+            engine.runner.graphs.clear()
+
+
 @torch.inference_mode()
 def profile_step(engine: LLMEngine, batch: ScheduledBatch, path: str, title: str) -> int:
     """Profile one eager decode forward (graphs hide the kernels from the profiler): append
@@ -212,6 +265,9 @@ def main(argv=None):
     ap.add_argument("--graphs-vs-eager", action="store_true", help="also time the eager forward (no CUDA graphs)")
     ap.add_argument("--unfused-gate", action="store_true",
                     help="also time the step with the router's fp32 GEMM in place of the partial-logits kernel")
+    ap.add_argument("--unfused-small", action="store_true",
+                    help="also time the step with silu*mul, the latent's norm/rope/concatenation and the MoE "
+                         "pair tokens as separate launches, as before their fused kernels")
     ap.add_argument("--json", default=None, help="append JSON lines here")
     ap.add_argument("--profile", default=None,
                     help="write the eager decode step's kernels (count, device time) per context here")
@@ -252,13 +308,9 @@ def main(argv=None):
             undo()
             row.update(no_moe_forward_ms=round(no_moe, 3), moe_share=round(1 - no_moe / fwd, 3))
         if args.unfused_gate:
-            fused_ok, moe_module.gate_fused_ok = moe_module.gate_fused_ok, lambda x: False
-            if engine.runner.graphs is not None:
-                engine.runner.graphs.clear()
-            row["unfused_gate_forward_ms"] = round(time_forward(engine, batch, args.iters)[0], 3)
-            moe_module.gate_fused_ok = fused_ok
-            if engine.runner.graphs is not None:
-                engine.runner.graphs.clear()
+            row["unfused_gate_forward_ms"] = round(time_changed(engine, batch, args.iters, unfused_gate), 3)
+        if args.unfused_small:
+            row["unfused_small_forward_ms"] = round(time_changed(engine, batch, args.iters, unfused_small), 3)
         if args.profile:
             row["kernels_per_step"] = profile_step(engine, batch, args.profile, f"batch {args.batch}, context {context}")
         print(json.dumps(row), flush=True)
