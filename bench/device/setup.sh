@@ -1,8 +1,12 @@
 # Sourced at the start of a run on a GPU machine without Ray or a package index: unpack the Ray
 # Serve bundle (.devpack/ray-site.tar.xz, the wheels unpacked) and point Python at it and this checkout.
-mkdir -p /tmp/site && tar xJf .devpack/ray-site.tar.xz -C /tmp/site
-# the bundle's Ray binaries lose their exec bit in the archive
-find /tmp/site/ray/core -type f ! -name "*.py" ! -name "*.so*" -exec chmod +x {} +
+# A run that needs no Ray (kernels, forward, FlashInfer) may carry less than the bundle.
+mkdir -p /tmp/site
+if [ -f .devpack/ray-site.tar.xz ]; then
+  tar xJf .devpack/ray-site.tar.xz -C /tmp/site
+  # the bundle's Ray binaries lose their exec bit in the archive
+  find /tmp/site/ray/core -type f ! -name "*.py" ! -name "*.so*" -exec chmod +x {} +
+fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 RAY_TMPDIR=/tmp/ray
 export OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# FlashInfer's MLA decode against ours on the same top-k keys (bench.flashinfer_mla). Carry the
+# wheel from bench/device/pack_flashinfer.sh alone (.devpack/flashinfer_python-0.2.14-py3-none-any.whl:
+# no Ray needed, and with the Ray bundle the tree would pass 64 MiB). FlashInfer builds its
+# kernels with nvcc on first use: minutes, once per machine.
+source bench/device/setup.sh
+t() { local s=$1; shift; local t0=$SECONDS; timeout "$s" "$@"; echo "rc=$? $((SECONDS - t0))s $*" >> "$OUT/steps.txt"; }
+python3 -m pip install -q --no-deps --no-compile --target /tmp/fisite .devpack/flashinfer_python-*.whl \
+  > "$OUT/flashinfer_install.log" 2>&1
+export PYTHONPATH=/tmp/fisite:$PYTHONPATH TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16
+t ${FLASHINFER_TIMEOUT:-480} python3 -m bench.flashinfer_mla --batches 1 16 64 --backends ${BACKENDS:-fa2 fa3} \
+  --json "$OUT/flashinfer.jsonl" > "$OUT/flashinfer.log" 2>&1
