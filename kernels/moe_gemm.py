@@ -163,7 +163,8 @@ def _offsets_kernel(counts_ptr, padded_start_ptr, num_slots, BLOCK_M: tl.constex
 def _place_kernel(slot_ptr, rank_ptr, counts_ptr, padded_start_ptr, row_pair_ptr, tile_slot_ptr,
                   num_pairs, num_slots, num_tiles,
                   BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr):
-    # Program i places pairs block i into their padded rows and names the slots of tiles block i.
+    # Program i places pairs block i into their padded rows, names the slots of tiles block i and
+    # marks those tiles' padding rows -1 (disjoint from the pairs' rows: no fill launch before).
     pid = tl.program_id(0)
     pairs = pid * BLOCK_P + tl.arange(0, BLOCK_P)
     ok = pairs < num_pairs
@@ -182,7 +183,15 @@ def _place_kernel(slot_ptr, rank_ptr, counts_ptr, padded_start_ptr, row_pair_ptr
         end = tl.load(padded_start_ptr + s0 + idx, mask=s_ok, other=0) + (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M
         before = (end[None, :] <= first_row[:, None]) & s_ok[None, :]
         ended += tl.sum(tl.where(before, 1, 0), axis=1)
-    tl.store(tile_slot_ptr + tiles, ended, mask=tiles < num_tiles)
+    t_ok = tiles < num_tiles
+    tl.store(tile_slot_ptr + tiles, ended, mask=t_ok)
+    # Rows of a tile past its slot's pairs are padding; a tile past the last slot is all padding.
+    has_slot = t_ok & (ended < num_slots)
+    t_count = tl.load(counts_ptr + ended, mask=has_slot, other=0)
+    t_start = tl.load(padded_start_ptr + ended, mask=has_slot, other=0)
+    rows = first_row[:, None] + tl.arange(0, BLOCK_M)[None, :]
+    pad = rows - t_start[:, None] >= t_count[:, None]
+    tl.store(row_pair_ptr + rows, tl.full((BLOCK_T, BLOCK_M), -1, tl.int32), mask=t_ok[:, None] & pad)
 
 
 def _gate_up_kernel(x_ptr, w13_ptr, act_ptr, token_ptr, row_pair_ptr, tile_slot_ptr,
@@ -276,16 +285,19 @@ def _jit(fn, *plain: str):
     return triton.jit(fn, do_not_specialize=plain)
 
 
-def align_pairs_triton(slot_of: torch.Tensor, num_slots: int, block_m: int) -> AlignedPairs:
+def align_pairs_triton(slot_of: torch.Tensor, num_slots: int, block_m: int,
+                       counts: torch.Tensor | None = None) -> AlignedPairs:
     """align_pairs in three small Triton launches (the torch version launches ~25 kernels and
-    measured 3-4x slower on an H200); pairs of one slot may come in any order."""
+    measured 3-4x slower on an H200); pairs of one slot may come in any order. `counts`: a zeroed
+    int32 [num_slots] to count into (a caller's zero fill that covers it spares one)."""
     num_pairs = slot_of.numel()
     num_tiles = max_tiles(num_pairs, num_slots, block_m)
     device = slot_of.device
-    counts = torch.zeros(num_slots, dtype=torch.int32, device=device)
+    if counts is None:
+        counts = torch.zeros(num_slots, dtype=torch.int32, device=device)
     rank = torch.empty(num_pairs, dtype=torch.int32, device=device)
     padded_start = torch.empty(num_slots, dtype=torch.int32, device=device)
-    row_pair = torch.full((num_tiles * block_m,), -1, dtype=torch.int32, device=device)
+    row_pair = torch.empty(num_tiles * block_m, dtype=torch.int32, device=device)  # every row written
     tile_slot = torch.empty(num_tiles, dtype=torch.int32, device=device)
     if num_pairs == 0:
         return AlignedPairs(row_pair, tile_slot, counts)
@@ -342,7 +354,11 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
         return torch.zeros_like(x)
     k = pairs_per_token(num_tokens, num_pairs) if token_of is None else 0
     cfg = config or pick_config(num_pairs, num_slots, w13.dtype)
-    aligned = align_pairs_triton(slot_of, num_slots, cfg.block_m)
+    # The slot counts and the fp32 output zeroed by one fill (the output 16-byte aligned).
+    lead = triton.cdiv(num_slots, 4) * 4
+    zeroed = torch.zeros(lead + num_tokens * hidden, dtype=torch.float32, device=x.device)
+    out = zeroed[lead:].view(num_tokens, hidden)
+    aligned = align_pairs_triton(slot_of, num_slots, cfg.block_m, counts=zeroed[:num_slots].view(torch.int32))
     num_tiles = aligned.tile_slot.numel()
     w13 = w13.contiguous()
     w2 = w2.contiguous()
@@ -363,7 +379,6 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
         BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, DOT_FP32=dot_fp32,
         PAIRS_PER_TOKEN=k, num_warps=warps, num_stages=stages)
 
-    out = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)
     block_n, block_k, warps, stages = cfg.down
     _jit(_down_kernel)[(num_tiles, triton.cdiv(hidden, block_n))](
         act, w2, out, token_of, weight_of, aligned.row_pair, aligned.tile_slot,
