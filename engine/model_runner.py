@@ -112,11 +112,16 @@ class ModelRunner:
         positions = [seq.num_tokens - 1 for seq in batch.seqs]
         num_blocks = max(p // bs + 1 for p in positions)
         width = pad_blocks or num_blocks
-        ids = np.zeros(rows, dtype=np.int64)
-        pos = np.zeros(rows, dtype=np.int64)
-        slots = np.full(rows, self.kv.scratch_slot, dtype=np.int64)
-        tables = np.zeros((rows, width), dtype=np.int32)
-        wslots = np.full(rows, self.kv.scratch_window, dtype=np.int64)
+        # One host buffer, so one copy to the device (was five): four int64 rows (ids, positions,
+        # write slots, window slots), then the int32 tables; each a view, on both sides. Rows
+        # padded to an even count keep every view 16-byte aligned, as kernels' builds assume.
+        even = rows + rows % 2
+        head = 4 * even * 8
+        host = np.zeros(head + rows * width * 4, dtype=np.uint8)
+        ids, pos, slots, wslots = host[:head].view(np.int64).reshape(4, even)[:, :rows]
+        tables = host[head:].view(np.int32).reshape(rows, width)
+        slots[:] = self.kv.scratch_slot
+        wslots[:] = self.kv.scratch_window
         for i, (seq, p) in enumerate(zip(batch.seqs, positions)):
             ids[i] = seq.token_slice(p, p + 1)[0]
             pos[i] = p
@@ -125,12 +130,11 @@ class ModelRunner:
             tables[i, :len(t)] = t
             if seq.window_slot is not None:
                 wslots[i] = seq.window_slot
-        ids, pos, slots, tables, wslots = map(torch.from_numpy, (ids, pos, slots, tables, wslots))
         g_max = max(positions) + 1 - (mc.sliding_window - 1 if mc.sliding_window else 0)
         sparse = bool(mc.index_topk) and g_max > mc.index_topk
-        dev = self.device
-        return (ids.to(dev, non_blocking=True), pos.to(dev, non_blocking=True), slots.to(dev, non_blocking=True),
-                tables.to(dev, non_blocking=True), wslots.to(dev, non_blocking=True), sparse)
+        dev = torch.from_numpy(host).to(self.device, non_blocking=True)
+        ids, pos, slots, wslots = dev[:head].view(torch.int64).view(4, even)[:, :rows]
+        return ids, pos, slots, dev[head:].view(torch.int32).view(rows, width), wslots, sparse
 
     def decode_context(self, positions: torch.Tensor, write_slots: torch.Tensor, block_tables: torch.Tensor,
                        window_slots: torch.Tensor, sparse: bool) -> AttentionContext:
