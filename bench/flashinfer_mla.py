@@ -7,8 +7,9 @@ paged in 64-slot blocks), as the sparse decode does after the indexer. Ours read
 positions through the block tables (`mla_decode_triton(..., topk_pos=...)`, its tuned config);
 FlashInfer's `BatchMLAPagedAttentionWrapper` gets the same keys as one-slot pages (the way
 sparse MLA is served through it), its caches as views of our latent rows. Both are captured in
-a CUDA graph and timed by replay (CUDA events, median); FlashInfer's `plan` runs on the host
-once per batch composition and is timed apart. Errors are against the fp32 reference.
+a CUDA graph and timed by replay (CUDA events, median; a call that cannot be captured is timed
+back to back and its row says "eager"); FlashInfer's `plan` runs on the host once per batch
+composition and is timed apart. Errors are against the fp32 reference.
 
 The window keys are left out: our kernel reads them in the same launch, FlashInfer would need
 a second call and a merge of the two partial softmaxes.
@@ -63,13 +64,25 @@ def gathered_attention(q_lat, q_rope, kv, indptr, indices, sm_scale: float) -> t
     return torch.stack(outs)
 
 
-def graph_time_ms(fn, iters: int) -> float:
-    """Median replay time of a CUDA graph holding one call of fn."""
+def graph_time_ms(fn, iters: int) -> tuple[float, str]:
+    """(median replay time of a CUDA graph holding one call of fn, "graph"); where fn cannot be
+    captured, (mean time of `iters` calls launched back to back, "eager"), which counts the
+    host's launch time wherever it exceeds the GPU's."""
     fn()  # builds and warms up outside the capture
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    except Exception:
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / iters, "eager"
     times = []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -78,7 +91,7 @@ def graph_time_ms(fn, iters: int) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return statistics.median(times), "graph"
 
 
 def run_flashinfer(backend: str, case, sm_scale: float, iters: int) -> dict:
@@ -109,8 +122,8 @@ def run_flashinfer(backend: str, case, sm_scale: float, iters: int) -> dict:
         ckv, kpe = ckv.contiguous(), kpe.contiguous()
         out = wrapper.run(q_lat, q_rope, ckv, kpe)
     out_buf = torch.empty_like(q_lat)
-    ms = graph_time_ms(lambda: wrapper.run(q_lat, q_rope, ckv, kpe, out=out_buf), iters)
-    return dict(ms=ms, plan_ms=plan_ms, layout=layout, out=out)
+    ms, timing = graph_time_ms(lambda: wrapper.run(q_lat, q_rope, ckv, kpe, out=out_buf), iters)
+    return dict(ms=ms, timing=timing, plan_ms=plan_ms, layout=layout, out=out)
 
 
 def main(argv=None):
@@ -142,13 +155,14 @@ def main(argv=None):
         def ours():
             return mla_decode_triton((q_lat, q_rope), kv, None, tables, lens, BLOCK, sm_scale, KV_LORA,
                                      topk_pos=topk_pos)
-        row = dict(batch=b, heads=args.heads, context=args.context, topk=args.topk,
-                   ours_us=round(graph_time_ms(ours, args.iters) * 1e3, 1),
+        ours_ms, _ = graph_time_ms(ours, args.iters)
+        row = dict(batch=b, heads=args.heads, context=args.context, topk=args.topk, ours_us=round(ours_ms * 1e3, 1),
                    ours_max_err=float((ours().float() - ref).abs().max()), flashinfer=version)
         for backend in args.backends if version else []:
             try:
                 fi = run_flashinfer(backend, case, sm_scale, args.iters)
                 row[f"{backend}_us"] = round(fi["ms"] * 1e3, 1)
+                row[f"{backend}_timing"] = fi["timing"]
                 row[f"{backend}_plan_us"] = round(fi["plan_ms"] * 1e3, 1)
                 row[f"{backend}_layout"] = fi["layout"]
                 row[f"{backend}_max_err"] = float((fi["out"].float() - ref).abs().max())
