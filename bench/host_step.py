@@ -5,7 +5,8 @@
 `batch` running sequences of `context` tokens, made up as bench.forward makes them (the tiny
 model; nothing here depends on the model's size), then for each step: the step's input tensors
 (`decode_inputs`), and after the forward the prefix cache's block hashing (`publish`) and the
-output records (`_append`: stop checks, the RequestOutput). Median microseconds per step over
+output records (`_append`: stop checks, the RequestOutput); `--output-tokens N`: the last N of
+each context's tokens were generated (outputs), not prompted. Median microseconds per step over
 `iters` steps. On a GPU this time adds to the forward's: the engine prepares a step between two.
 """
 from __future__ import annotations
@@ -23,12 +24,16 @@ from engine.config import EngineConfig, preset
 from engine.llm_engine import LLMEngine
 
 
-def measure(model, batch_size: int, context: int, iters: int) -> dict:
+def measure(model, batch_size: int, context: int, iters: int, output_tokens: int = 1) -> dict:
     bs = 64
     blocks = batch_size * (-(-(context + iters + 1) // bs) + 1)
     engine = LLMEngine(model, None, EngineConfig(device="cpu", dtype="float32", block_size=bs, num_blocks=blocks,
                                                  max_num_seqs=batch_size, max_model_len=context + iters + 2))
     batch = make_batch(engine, batch_size, context)
+    for seq in batch.seqs:  # the last output_tokens of each context generated rather than prompted
+        moved = seq.prompt_ids[len(seq.prompt_ids) - (output_tokens - 1):] if output_tokens > 1 else []
+        del seq.prompt_ids[len(seq.prompt_ids) - len(moved):]
+        seq.output_ids[:0] = moved
     for seq in batch.seqs:  # room to grow by `iters` tokens, and the prompt's blocks already hashed
         seq.block_table += [seq.block_table[-1] + 1 + i for i in range(-(-iters // bs) + 1)]
         engine.scheduler.blocks.publish(seq)
@@ -47,25 +52,27 @@ def measure(model, batch_size: int, context: int, iters: int) -> dict:
         for key, dt in zip(times, (t1 - t0, t2 - t1, t3 - t2)):
             times[key].append(dt * 1e6)
     row = {f"{k}_us": round(statistics.median(v), 1) for k, v in times.items()}
-    return dict(batch=batch_size, context=context, **row, total_us=round(sum(row.values()), 1))
+    return dict(batch=batch_size, context=context, output_tokens=output_tokens, **row,
+                total_us=round(sum(row.values()), 1))
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--contexts", type=int, nargs="+", default=[8192, 131072, 524288])
+    ap.add_argument("--output-tokens", type=int, default=1, help="tokens of each context already generated")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--json", default=None, help="append JSON lines here")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     model = build_ours(preset("tiny", max_position_embeddings=max(args.contexts) + args.iters + 4), "cpu",
                        torch.float32)
-    rows = [measure(model, args.batch, c, args.iters) for c in args.contexts]
-    print("| batch | context | decode_inputs us | publish us | append us | total us |")
-    print("|---|---|---|---|---|---|")
+    rows = [measure(model, args.batch, c, args.iters, args.output_tokens) for c in args.contexts]
+    print("| batch | context | generated | decode_inputs us | publish us | append us | total us |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['batch']} | {r['context']} | {r['decode_inputs_us']} | {r['publish_us']} | {r['append_us']} | "
-              f"{r['total_us']} |")
+        print(f"| {r['batch']} | {r['context']} | {r['output_tokens']} | {r['decode_inputs_us']} | {r['publish_us']} | "
+              f"{r['append_us']} | {r['total_us']} |")
     if args.json:
         with open(args.json, "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)

@@ -304,7 +304,8 @@ class LLMEngine:
         first = len(seq.output_ids) == 1 and bool(new_ids)
         return RequestOutput(
             prompt_token_ids=list(seq.prompt_ids) if first else None,
-            request_id=seq.request_id, new_token_ids=new_ids, output_token_ids=list(seq.output_ids),
+            request_id=seq.request_id, new_token_ids=new_ids,
+            output_ids_source=seq.output_ids, num_output_ids=len(seq.output_ids),
             text_delta=delta, text=seq.text, finished=seq.is_finished, finish_reason=seq.finish_reason,
             num_prompt_tokens=len(seq.prompt_ids), num_cached_tokens=seq.prefix_hit_tokens, error=seq.error)
 

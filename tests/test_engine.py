@@ -39,6 +39,24 @@ def test_prefix_cache_hit_counts_and_same_output(tiny_ckpt):
     _pool_is_empty(engine)
 
 
+def test_each_output_keeps_its_own_token_ids(tiny_ckpt):
+    """Outputs share the sequence's growing token list instead of copying it per token: an
+    earlier output must still read only the tokens it had, also after a round trip by pickle."""
+    import pickle
+    engine = LLMEngine.from_pretrained(tiny_ckpt, EngineConfig(block_size=4), progress=False)
+    engine.add_request("r", _prompt(12), GREEDY)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    tokens = [t for o in outs for t in o.new_token_ids]
+    assert len(outs) == len(tokens) == 10
+    for i, out in enumerate(outs):
+        assert out.output_token_ids == tokens[:i + 1]
+        assert pickle.loads(pickle.dumps(out)).output_token_ids == tokens[:i + 1]
+    outs[0].output_token_ids.append(-1)  # a reader's list is its own
+    assert outs[0].output_token_ids == tokens[:1] and outs[-1].output_token_ids == tokens
+
+
 def test_preemption_by_recompute_gives_the_same_tokens(tiny_ckpt):
     prompts = [_prompt(20 + 3 * i, i) for i in range(6)]
     roomy = LLMEngine.from_pretrained(tiny_ckpt, EngineConfig(block_size=4, num_blocks=512), progress=False)
