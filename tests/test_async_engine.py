@@ -77,3 +77,24 @@ def test_cancel_during_admission_still_aborts(aengine):
     asyncio.run(scenario())
     assert not aengine.engine.has_unfinished_requests()
     assert aengine.stats()["kv_blocks_used"] == 0 and "late" not in aengine._streams
+
+
+def test_stream_of_a_closed_event_loop_is_aborted_and_the_engine_lives_on(aengine):
+    """A caller's event loop closed without finishing its stream (no cancellation reached the
+    generator): delivering to it fails, so the request is aborted; other callers are served."""
+    import time
+    params = SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True)
+    loop = asyncio.new_event_loop()
+    stream = aengine.generate("orphan", "hello", params)
+    loop.run_until_complete(anext(stream))
+    loop.close()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and aengine.run_locked(lambda e: "orphan" in e.requests):
+        time.sleep(0.01)
+    assert aengine.dead is None
+    assert not aengine.run_locked(lambda e: "orphan" in e.requests)
+
+    async def other():
+        return [out async for out in aengine.generate("next", "hello", SamplingParams(max_tokens=3))][-1]
+    assert asyncio.run(asyncio.wait_for(other(), 30)).finished
+    assert aengine.stats()["kv_blocks_used"] == 0
