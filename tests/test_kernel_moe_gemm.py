@@ -1,16 +1,8 @@
 """Fused MoE grouped GEMM (kernels/moe_gemm.py): the Triton kernels against the per-slot reference."""
-import os
-import sys
-
+import pytest
 import torch
 
-# Triton chooses interpreter or compiler for its own library functions (tl.sum, ...) when it is
-# first imported: too late here if something imported it before (a conftest importing engine).
-IMPORTED_TOO_EARLY = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
+from kernel_devices import DEVICES, IMPORTED_TOO_EARLY
 
 pytest.importorskip("triton")
 
@@ -20,11 +12,6 @@ from kernels.moe_gemm import (  # noqa: E402
     fused_experts_triton, max_tiles,
 )
 
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1" and not IMPORTED_TOO_EARLY
-DEVICES = [
-    pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRETING, reason="Triton on CPU needs TRITON_INTERPRET=1")),
-    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")),
-]
 TOLERANCE = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
 
 

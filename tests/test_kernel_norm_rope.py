@@ -1,16 +1,9 @@
 """RMSNorm and rotary-embedding kernels against their torch references (and the references
 against engine/layers.py, whose semantics they copy)."""
-import os
-import sys
-
 import pytest
 import torch
 
-# Triton picks interpreter or compiler when it is imported: too late here if something
-# imported it first without TRITON_INTERPRET (tests/conftest.py sets it before importing engine).
-IMPORTED_TOO_EARLY = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from kernel_devices import DEVICES, IMPORTED_TOO_EARLY, within_ulp
 
 triton = pytest.importorskip("triton")
 tl = triton.language
@@ -22,13 +15,7 @@ from kernels.rmsnorm import (  # noqa: E402
     add_rms_norm, add_rms_norm_reference, add_rms_norm_triton, rms_norm, rms_norm_reference, rms_norm_triton)
 from kernels.rope import apply_rope, apply_rope_reference, apply_rope_triton  # noqa: E402
 
-DEVICES = [
-    pytest.param("cpu", marks=pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or IMPORTED_TOO_EARLY,
-                                                  reason="CPU runs Triton only under TRITON_INTERPRET=1")),
-    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")),
-]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA runs the kernels natively")
@@ -40,20 +27,10 @@ def test_interpreter_is_on():
 
 
 def check(out: torch.Tensor, ref: torch.Tensor, exact: bool = False) -> None:
-    """fp32 to 1e-6; bf16/fp16 within one unit in the last place of the reference."""
-    assert out.dtype == ref.dtype and out.shape == ref.shape
-    assert out.is_contiguous()
+    """Bit for bit when `exact`; else fp32 to 1e-6, bf16/fp16 within one ulp of the reference."""
+    within_ulp(out, ref)
     if exact:
         assert torch.equal(out, ref)
-        return
-    if ref.dtype == torch.float32:
-        # rtol too: the sum of squares is added in another order, which moves rstd by an ulp or so.
-        torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
-        return
-    o, r = out.double(), ref.double()
-    ulp = torch.ldexp(torch.ones_like(r), torch.frexp(r)[1] - 1 - MANTISSA_BITS[ref.dtype])
-    bad = (o - r).abs() > ulp
-    assert not bad.any(), f"{int(bad.sum())} values off by more than one ulp, e.g. {o[bad][:4]} vs {r[bad][:4]}"
 
 
 def norm_inputs(shape, dtype, device, seed=0, w_dtype=None):

@@ -1,26 +1,13 @@
 """Fused MoE routing kernel against its torch reference (and the reference against engine/moe.py)."""
-import os
-import sys
-
 import pytest
 import torch
 
-# Triton picks interpreter or compiler when it is imported: too late here if something
-# imported it first (a conftest importing engine, which imports kernels).
-IMPORTED_TOO_EARLY = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from kernel_devices import DEVICES, IMPORTED_TOO_EARLY
 
 triton = pytest.importorskip("triton")
 
 from kernels.routing import fused_route, gate_parts_triton, route_reference, route_triton  # noqa: E402
 
-# Triton runs on CPU tensors only under the interpreter, which this module turns on only without CUDA.
-DEVICES = [
-    pytest.param("cpu", marks=pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or IMPORTED_TOO_EARLY,
-                                                  reason="no Triton interpreter")),
-    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")),
-]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA runs the kernels natively")

@@ -1,14 +1,9 @@
 """SwiGLU activation and MLA latent kernels against their torch references (and the latent
 reference against the engine's norm and rope modules)."""
-import os
-import sys
-
 import pytest
 import torch
 
-IMPORTED_TOO_EARLY = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from kernel_devices import DEVICES, IMPORTED_TOO_EARLY, within_ulp
 
 triton = pytest.importorskip("triton")
 
@@ -18,13 +13,7 @@ from kernels import swiglu as swiglu_module  # noqa: E402
 from kernels.latent import latent_reference, latent_triton, norm_rope_latent  # noqa: E402
 from kernels.swiglu import silu_mul, silu_mul_reference, silu_mul_triton  # noqa: E402
 
-DEVICES = [
-    pytest.param("cpu", marks=pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or IMPORTED_TOO_EARLY,
-                                                  reason="CPU runs Triton only under TRITON_INTERPRET=1")),
-    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")),
-]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA runs the kernels natively")
@@ -32,19 +21,6 @@ def test_interpreter_is_on():
     assert not IMPORTED_TOO_EARLY, "triton was imported before TRITON_INTERPRET=1 was set"
     assert type(swiglu_module._silu_mul_kernel).__name__ == "InterpretedFunction"
     assert type(latent_module._latent_kernel).__name__ == "InterpretedFunction"
-
-
-def within_ulp(out: torch.Tensor, ref: torch.Tensor, ulps: int = 1) -> None:
-    """fp32 to 1e-6 relative; bf16/fp16 within `ulps` units in the last place of the reference
-    (exp differs by an fp32 ulp between torch, the interpreter's numpy and the GPU)."""
-    assert out.dtype == ref.dtype and out.shape == ref.shape and out.is_contiguous()
-    if ref.dtype == torch.float32:
-        torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
-        return
-    o, r = out.double(), ref.double()
-    ulp = torch.ldexp(torch.ones_like(r), torch.frexp(r)[1] - 1 - MANTISSA_BITS[ref.dtype])
-    bad = (o - r).abs() > ulps * ulp
-    assert not bad.any(), f"{int(bad.sum())} values off by more than {ulps} ulp, e.g. {o[bad][:4]} vs {r[bad][:4]}"
 
 
 def rope_tables(t, rope, interleave=False, seed=0, device="cpu"):
