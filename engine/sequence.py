@@ -89,6 +89,9 @@ class RequestOutput:
         """Every token generated so far, this output's included (a new list on each read)."""
         return self.output_ids_source[:self.num_output_ids]
 
+    def __getstate__(self) -> dict:  # pickled (another process): only this output's ids travel
+        return dict(self.__dict__, output_ids_source=self.output_token_ids)
+
     def stream_dict(self) -> dict:
         """The per-token record streamed between processes and to the HTTP layer."""
         return {"text_delta": self.text_delta, "new_token_ids": list(self.new_token_ids), "finished": self.finished,
