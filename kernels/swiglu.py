@@ -17,6 +17,7 @@ from . import kernel_or_reference, triton_ok
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice
     from .rmsnorm import cast_rne
 except Exception:  # the reference path must keep working where triton is absent
     triton = None
@@ -33,15 +34,22 @@ def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
 
 if triton is not None:
     @triton.jit
-    def _silu_mul_kernel(gu_ptr, out_ptr, inter, stride_row, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(gu_ptr, out_ptr, inter, stride_row, BLOCK: tl.constexpr, CUDA_EXP: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < inter
         DTYPE: tl.constexpr = out_ptr.dtype.element_ty
         g = tl.load(gu_ptr + row * stride_row + cols, mask=ok, other=0.0).to(tl.float32)
         u = tl.load(gu_ptr + row * stride_row + inter + cols, mask=ok, other=0.0).to(tl.float32)
-        # torch rounds silu's result to the input dtype before the multiply; so do we.
-        s = cast_rne(tl.div_rn(g, 1.0 + tl.exp(-g)), DTYPE).to(tl.float32)
+        # torch rounds silu's result to the input dtype before the multiply; so do we. On CUDA,
+        # libdevice's exp is the expf of torch's silu: tl.exp (ex2.approx) moved an fp16 product
+        # by 2 ulp on the H200 where a rounding boundary fell between the two. (The interpreter
+        # has no libdevice; its tl.exp is numpy's.)
+        if CUDA_EXP:
+            e = libdevice.exp(-g)
+        else:
+            e = tl.exp(-g)
+        s = cast_rne(tl.div_rn(g, 1.0 + e), DTYPE).to(tl.float32)
         tl.store(out_ptr + row * inter + cols, cast_rne(s * u, DTYPE), mask=ok)
 
 
@@ -63,7 +71,7 @@ def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
         rows = rows.contiguous()
     block = min(BLOCK_COLS, triton.next_power_of_2(inter))
     _silu_mul_kernel[(rows.shape[0], triton.cdiv(inter, block))](
-        rows, out, inter, rows.stride(0), BLOCK=block, num_warps=4,
+        rows, out, inter, rows.stride(0), BLOCK=block, CUDA_EXP=rows.is_cuda, num_warps=4,
         enable_fp_fusion=False,  # the rounding the interpreter (and so the CPU tests) sees
     )
     return out

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # FlashInfer's MLA decode against ours on the same top-k keys (bench.flashinfer_mla). Carry the
-# wheel from bench/device/pack_flashinfer.sh alone (.devpack/flashinfer_python-0.2.14-py3-none-any.whl:
-# no Ray needed, and with the Ray bundle the tree would pass 64 MiB). FlashInfer builds its
+# wheel from bench/device/pack_flashinfer.sh (.devpack/flashinfer_python-0.2.14-py3-none-any.whl)
+# and .devpack/pydantic-site.tgz (bench/device/pack_pydantic.sh), not the Ray bundle: no Ray
+# is needed, and with the bundle the tree would pass 64 MiB. FlashInfer builds its
 # kernels with nvcc on first use: minutes, once per machine.
 source bench/device/setup.sh
 t() { local s=$1; shift; local t0=$SECONDS; timeout "$s" "$@"; echo "rc=$? $((SECONDS - t0))s $*" >> "$OUT/steps.txt"; }

@@ -1,7 +1,11 @@
 # Sourced at the start of a run on a GPU machine without Ray or a package index: unpack the Ray
 # Serve bundle (.devpack/ray-site.tar.xz, the wheels unpacked) and point Python at it and this checkout.
-# A run that needs no Ray (kernels, forward, FlashInfer) may carry less than the bundle.
+# A run that needs no Ray (kernels, forward, FlashInfer) may carry .devpack/pydantic-site.tgz
+# (bench/device/pack_pydantic.sh) instead: the engine's config needs pydantic, the image lacks it.
 mkdir -p /tmp/site
+if [ -f .devpack/pydantic-site.tgz ] && [ ! -f .devpack/ray-site.tar.xz ]; then
+  tar xzf .devpack/pydantic-site.tgz -C /tmp/site
+fi
 if [ -f .devpack/ray-site.tar.xz ]; then
   tar xJf .devpack/ray-site.tar.xz -C /tmp/site
   # the bundle's Ray binaries lose their exec bit in the archive
