@@ -119,6 +119,54 @@ def time_forward(engine: LLMEngine, batch: ScheduledBatch, iters: int) -> tuple[
     return statistics.median(fwd), statistics.median(step)
 
 
+@torch.inference_mode()
+def step_parts(engine: LLMEngine, batch: ScheduledBatch, iters: int) -> dict:
+    """Where `step_ms - forward_ms` goes on the CUDA-graph path, medians in microseconds, the GPU
+    idle at the start of each: `checks_us` (is it a decode step, rope tables long enough),
+    `graph_run_us` (the graph path: inputs into pinned memory, one copy, replay, to the end of
+    the replay) and `graph_run_host_us` (the same until the host is free), `five_copies_us` (as
+    the path was: index tensors built as a device buffer from pageable memory, copied into five
+    static tensors, then the replay), `replay_us` (the replay alone), `sample_us` (greedy)."""
+    r = engine.runner
+    g = r.graphs
+    if g is None or r.device.type != "cuda":
+        return {}
+    b = len(batch)
+    pad_b = next(s for s in g.sizes if s >= b)
+    pad_m = g._blocks_bucket(r.decode_width(batch))
+    static = r.decode_input_views(torch.empty(r.decode_input_bytes(pad_b, pad_m)[1], dtype=torch.uint8,
+                                              device=r.device), pad_b, pad_m)
+    parts: dict[str, list[float]] = {}
+
+    def lap(name, t0):
+        torch.cuda.synchronize()
+        parts.setdefault(name, []).append((time.perf_counter() - t0) * 1e6)
+        return time.perf_counter()
+
+    for _ in range(iters + 2):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        r.is_decode(batch)
+        r.model.model.rotary.ensure(max(seq.num_tokens for seq in batch.seqs))
+        t = lap("checks_us", t)
+        g.run(batch)
+        parts.setdefault("graph_run_host_us", []).append((time.perf_counter() - t) * 1e6)
+        t = lap("graph_run_us", t)
+        inputs = r.decode_inputs(batch, pad_batch=pad_b, pad_blocks=pad_m)
+        for dst, src in zip(static, inputs[:-1]):
+            dst.copy_(src, non_blocking=True)
+        g.last.replay()
+        t = lap("five_copies_us", t)
+        g.last.replay()
+        t = lap("replay_us", t)
+        logits = r.run(batch)[1]
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        r.sample(batch.seqs, logits)
+        lap("sample_us", t)
+    return {k: round(statistics.median(v[2:]), 1) for k, v in parts.items()}
+
+
 def step_bytes(engine: LLMEngine, batch: int, context: int, experts_touched: list[int]) -> int:
     """Bytes one decode step must read: weights (routed experts only where touched; one embedding
     row per sequence) and the KV its attention and indexer read."""
@@ -268,6 +316,8 @@ def main(argv=None):
     ap.add_argument("--unfused-small", action="store_true",
                     help="also time the step with silu*mul, the latent's norm/rope/concatenation and the MoE "
                          "pair tokens as separate launches, as before their fused kernels")
+    ap.add_argument("--step-parts", action="store_true",
+                    help="also time the host parts of a CUDA-graph step (inputs, replay, sampling) one by one")
     ap.add_argument("--json", default=None, help="append JSON lines here")
     ap.add_argument("--profile", default=None,
                     help="write the eager decode step's kernels (count, device time) per context here")
@@ -311,6 +361,8 @@ def main(argv=None):
             row["unfused_gate_forward_ms"] = round(time_changed(engine, batch, args.iters, unfused_gate), 3)
         if args.unfused_small:
             row["unfused_small_forward_ms"] = round(time_changed(engine, batch, args.iters, unfused_small), 3)
+        if args.step_parts:
+            row.update(step_parts(engine, batch, args.iters))
         if args.profile:
             row["kernels_per_step"] = profile_step(engine, batch, args.profile, f"batch {args.batch}, context {context}")
         print(json.dumps(row), flush=True)

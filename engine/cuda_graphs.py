@@ -3,8 +3,10 @@
 A decode step of a few billion parameters is hundreds of small kernels; at low batch the
 GPU waits on Python to launch them. One graph per (padded batch size, padded block-table
 width, sparse or dense attention) is captured the first time that shape is seen and replayed
-after: the inputs are copied into the graph's static index tensors, nothing else crosses the
-host. Batches pad up to the next captured size; padding rows write to the KV cache's scratch
+after: the step's index tensors are written on the host into one pinned buffer and copied in
+one transfer into the graph's static buffer, of which the graph's inputs are views; nothing else
+crosses the host. (Each torch call costs tens of microseconds of host time on a busy host, while
+the GPU waits: the path is one copy and one replay.) Batches pad up to the next captured size; padding rows write to the KV cache's scratch
 block and window ring. Their routed tokens do land in the MoE layers' per-slot load counts,
 as does the eager warm-up of each capture; those counts feed only the load balancer, which
 runs with expert parallelism, where decode steps are not captured.
@@ -14,6 +16,7 @@ from __future__ import annotations
 import gc
 import logging
 
+import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
@@ -39,13 +42,19 @@ class DecodeGraphs:
     def __init__(self, runner, max_batch: int):
         self.runner = runner
         self.sizes = _batch_sizes(min(max_batch, runner.cfg.max_num_seqs))
-        self.graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, tuple, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.pool = None
         self.failed: set[tuple[int, int, bool]] = set()
         cfg = runner.cfg
         limit = min(runner.model.cfg.max_position_embeddings, cfg.num_blocks * cfg.block_size)
         self.rotary = runner.model.model.rotary
         self.rotary.ensure(cfg.max_model_len or limit)
+        # Host staging of the inputs (pinned, so the copy is a DMA the host does not wait on),
+        # grown as needed; `copied` marks the end of the last copy out of it, which must be
+        # over before the buffer is written again.
+        self.staging: torch.Tensor | None = None
+        self.staging_host: np.ndarray | None = None
+        self.copied: torch.cuda.Event | None = None
 
     def covers(self, batch_size: int) -> bool:
         return batch_size <= self.sizes[-1]
@@ -54,33 +63,45 @@ class DecodeGraphs:
     def _blocks_bucket(num_blocks: int) -> int:
         return blocks_bucket(num_blocks)
 
+    def _host_buffer(self, nbytes: int) -> np.ndarray:
+        if self.copied is not None:
+            self.copied.synchronize()
+        if self.staging is None or self.staging.numel() < nbytes:
+            self.staging = torch.empty(max(nbytes, 2 * (0 if self.staging is None else self.staging.numel())),
+                                       dtype=torch.uint8, pin_memory=True)
+            self.staging_host = self.staging.numpy()
+        return self.staging_host
+
     def run(self, batch) -> torch.Tensor:
         r = self.runner
-        b = len(batch)
-        pad_b = next(s for s in self.sizes if s >= b)
-        num_blocks = max((seq.num_tokens - 1) // r.cfg.block_size + 1 for seq in batch.seqs)
-        pad_m = self._blocks_bucket(num_blocks)
-        inputs = r.decode_inputs(batch, pad_batch=pad_b, pad_blocks=pad_m)
+        pad_b = next(s for s in self.sizes if s >= len(batch))
+        pad_m = self._blocks_bucket(r.decode_width(batch))
+        nbytes = r.decode_input_bytes(pad_b, pad_m)[1]
+        sparse = r.fill_decode_inputs(batch, self._host_buffer(nbytes), pad_b, pad_m)
         if self._tables_moved():
             self.clear()  # they read the rope tables a longer context has since replaced
-        key = (pad_b, pad_m, inputs[-1])
-        if key in self.failed:
-            return r.decode_forward(*inputs)
-        if key not in self.graphs:
+        key = (pad_b, pad_m, sparse)
+        if key not in self.graphs and key not in self.failed:
             try:
-                self.graphs[key] = self._capture(inputs)
+                self.graphs[key] = self._capture(pad_b, pad_m, sparse, nbytes)
             except RuntimeError as e:  # a shape that cannot be captured still runs, eagerly
                 log.warning("CUDA graph capture failed for batch %d x %d blocks (%s); running it eagerly",
                             pad_b, pad_m, e)
                 self.failed.add(key)
                 torch.cuda.synchronize()
-                return r.decode_forward(*inputs)
+        if key in self.failed:
+            return r.decode_forward(*r.decode_inputs(batch, pad_batch=pad_b, pad_blocks=pad_m))
         graph, static, logits = self.graphs[key]
-        for dst, src in zip(static, inputs[:-1]):
-            dst.copy_(src, non_blocking=True)
+        self._upload(static, nbytes)
         graph.replay()
         self.last = graph  # benchmarks time the replay alone
         return logits
+
+    def _upload(self, static: torch.Tensor, nbytes: int) -> None:
+        static.copy_(self.staging[:nbytes], non_blocking=True)
+        if self.copied is None:
+            self.copied = torch.cuda.Event()
+        self.copied.record()
 
     def clear(self) -> None:
         """Drop every graph, and their memory pool with them (a new capture starts a new pool)."""
@@ -93,15 +114,18 @@ class DecodeGraphs:
         self._cos_ptr = ptr
         return moved
 
-    def _capture(self, inputs):
+    def _capture(self, pad_b: int, pad_m: int, sparse: bool, nbytes: int):
+        """Capture the step of this shape, its inputs views of a static buffer that already holds
+        this step's values (so the warm-up run and the capture compute a real step)."""
         r = self.runner
-        static = tuple(t.clone() for t in inputs[:-1])
-        sparse = inputs[-1]
+        static = torch.empty(nbytes, dtype=torch.uint8, device=r.device)
+        self._upload(static, nbytes)
+        inputs = r.decode_input_views(static, pad_b, pad_m)
         # Warm up on a side stream (lazy initialisation, allocator) before capturing.
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            r.decode_forward(*static, sparse)
+            r.decode_forward(*inputs, sparse)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         # A CUDA graph destroyed while another is being captured (an unreachable engine's graphs,
@@ -111,7 +135,7 @@ class DecodeGraphs:
         gc.disable()
         try:
             with torch.cuda.graph(graph, pool=self.pool):
-                logits = r.decode_forward(*static, sparse)
+                logits = r.decode_forward(*inputs, sparse)
         finally:
             gc.enable()
         if self.pool is None:

@@ -102,27 +102,41 @@ class ModelRunner:
             n == 1 and seq.num_computed_tokens + 1 == seq.num_tokens and seq.num_computed_tokens >= seq.num_cached_tokens
             for seq, n in zip(batch.seqs, batch.num_tokens))
 
-    def decode_inputs(self, batch: ScheduledBatch, pad_batch: int | None = None, pad_blocks: int | None = None):
-        """Host-side index tensors of a decode step: token ids, positions, KV write slots, block tables,
-        window rings, and whether any sequence needs the sparse (indexer) path. Padded rows write to
-        the scratch slot and ring."""
+    @staticmethod
+    def decode_input_bytes(rows: int, width: int) -> tuple[int, int]:
+        """Layout of a decode step's index tensors in one buffer: four int64 rows (ids, positions,
+        write slots, window slots), then the int32 block tables [rows, width]. Rows padded to an
+        even count keep every view 16-byte aligned, as kernels' builds assume. Returns (bytes of
+        the int64 part, total bytes)."""
+        head = 4 * (rows + rows % 2) * 8
+        return head, head + rows * width * 4
+
+    @classmethod
+    def decode_input_views(cls, buf: torch.Tensor, rows: int, width: int) -> tuple[torch.Tensor, ...]:
+        """(ids, positions, write slots, block tables, window slots) as views of a uint8 buffer."""
+        head, total = cls.decode_input_bytes(rows, width)
+        ids, pos, slots, wslots = buf[:head].view(torch.int64).view(4, -1)[:, :rows]
+        return ids, pos, slots, buf[head:total].view(torch.int32).view(rows, width), wslots
+
+    def decode_width(self, batch: ScheduledBatch) -> int:
+        """Block-table entries the longest sequence of a decode step needs."""
+        return max(seq.num_tokens - 1 for seq in batch.seqs) // self.cfg.block_size + 1
+
+    def fill_decode_inputs(self, batch: ScheduledBatch, host: np.ndarray, rows: int, width: int) -> bool:
+        """Write a decode step's index tensors into `host` (uint8, laid out as decode_input_bytes
+        says, any content) and return whether any sequence needs the sparse (indexer) path.
+        Padded rows write to the scratch slot and ring and read block 0."""
         bs, mc = self.cfg.block_size, self.model.cfg
-        b = len(batch)
-        rows = pad_batch or b
-        positions = [seq.num_tokens - 1 for seq in batch.seqs]
-        num_blocks = max(p // bs + 1 for p in positions)
-        width = pad_blocks or num_blocks
-        # One host buffer, so one copy to the device (was five): four int64 rows (ids, positions,
-        # write slots, window slots), then the int32 tables; each a view, on both sides. Rows
-        # padded to an even count keep every view 16-byte aligned, as kernels' builds assume.
-        even = rows + rows % 2
-        head = 4 * even * 8
-        host = np.zeros(head + rows * width * 4, dtype=np.uint8)
-        ids, pos, slots, wslots = host[:head].view(np.int64).reshape(4, even)[:, :rows]
-        tables = host[head:].view(np.int32).reshape(rows, width)
+        head, total = self.decode_input_bytes(rows, width)
+        host[:total] = 0
+        ids, pos, slots, wslots = host[:head].view(np.int64).reshape(4, -1)[:, :rows]
+        tables = host[head:total].view(np.int32).reshape(rows, width)
         slots[:] = self.kv.scratch_slot
         wslots[:] = self.kv.scratch_window
-        for i, (seq, p) in enumerate(zip(batch.seqs, positions)):
+        p_max = 0
+        for i, seq in enumerate(batch.seqs):
+            p = seq.num_tokens - 1
+            p_max = max(p_max, p)
             ids[i] = seq.token_slice(p, p + 1)[0]
             pos[i] = p
             slots[i] = seq.block_table[p // bs] * bs + p % bs
@@ -130,11 +144,18 @@ class ModelRunner:
             tables[i, :len(t)] = t
             if seq.window_slot is not None:
                 wslots[i] = seq.window_slot
-        g_max = max(positions) + 1 - (mc.sliding_window - 1 if mc.sliding_window else 0)
-        sparse = bool(mc.index_topk) and g_max > mc.index_topk
+        g_max = p_max + 1 - (mc.sliding_window - 1 if mc.sliding_window else 0)
+        return bool(mc.index_topk) and g_max > mc.index_topk
+
+    def decode_inputs(self, batch: ScheduledBatch, pad_batch: int | None = None, pad_blocks: int | None = None):
+        """Index tensors of a decode step on the device (one host-to-device copy): token ids,
+        positions, KV write slots, block tables, window rings, and whether any sequence needs
+        the sparse (indexer) path. Padded rows write to the scratch slot and ring."""
+        rows, width = pad_batch or len(batch), pad_blocks or self.decode_width(batch)
+        host = np.empty(self.decode_input_bytes(rows, width)[1], dtype=np.uint8)
+        sparse = self.fill_decode_inputs(batch, host, rows, width)
         dev = torch.from_numpy(host).to(self.device, non_blocking=True)
-        ids, pos, slots, wslots = dev[:head].view(torch.int64).view(4, even)[:, :rows]
-        return ids, pos, slots, dev[head:].view(torch.int32).view(rows, width), wslots, sparse
+        return (*self.decode_input_views(dev, rows, width), sparse)
 
     def decode_context(self, positions: torch.Tensor, write_slots: torch.Tensor, block_tables: torch.Tensor,
                        window_slots: torch.Tensor, sparse: bool) -> AttentionContext:

@@ -73,29 +73,30 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None]) -> list[int]:
+        rows = [i for i, p in enumerate(params) if not p.greedy]
+        if not rows:  # the fp32 cast is exact, so the same argmax; two calls a step fewer
+            return logits.argmax(-1).tolist()
         logits = logits.float()
         out = logits.argmax(-1)
-        rows = [i for i, p in enumerate(params) if not p.greedy]
-        if rows:
-            idx = torch.tensor(rows, device=logits.device)
-            sub = logits[idx]
-            temp = torch.tensor([params[i].temperature for i in rows], device=logits.device)
-            probs = self._filter(sub / temp[:, None], [params[i] for i in rows]).softmax(-1)
-            # Exponential race: argmax(p / E) with E ~ Exp(1) samples from p. Unseeded rows draw
-            # in one call; a seeded row draws its own row from its generator (the same numbers
-            # as a draw of that row alone); then one argmax and one write for every row: a few
-            # launches a step instead of four a row.
-            e = torch.empty_like(probs)
-            seeded = [j for j, i in enumerate(rows) if generators[i] is not None]
-            if not seeded:
-                e.exponential_(1.0)
-            elif len(seeded) < len(rows):
-                unseeded = [j for j in range(len(rows)) if generators[rows[j]] is None]
-                e[torch.tensor(unseeded, device=e.device)] = torch.empty(
-                    len(unseeded), e.shape[1], device=e.device).exponential_(1.0)
-            for j in seeded:
-                e[j].exponential_(1.0, generator=generators[rows[j]])
-            out[idx] = (probs / e).argmax(-1)
+        idx = torch.tensor(rows, device=logits.device)
+        sub = logits[idx]
+        temp = torch.tensor([params[i].temperature for i in rows], device=logits.device)
+        probs = self._filter(sub / temp[:, None], [params[i] for i in rows]).softmax(-1)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) samples from p. Unseeded rows draw
+        # in one call; a seeded row draws its own row from its generator (the same numbers
+        # as a draw of that row alone); then one argmax and one write for every row: a few
+        # launches a step instead of four a row.
+        e = torch.empty_like(probs)
+        seeded = [j for j, i in enumerate(rows) if generators[i] is not None]
+        if not seeded:
+            e.exponential_(1.0)
+        elif len(seeded) < len(rows):
+            unseeded = [j for j in range(len(rows)) if generators[rows[j]] is None]
+            e[torch.tensor(unseeded, device=e.device)] = torch.empty(
+                len(unseeded), e.shape[1], device=e.device).exponential_(1.0)
+        for j in seeded:
+            e[j].exponential_(1.0, generator=generators[rows[j]])
+        out[idx] = (probs / e).argmax(-1)
         return out.tolist()
 
     @staticmethod

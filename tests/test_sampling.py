@@ -32,6 +32,19 @@ def test_top_k_and_top_p_filters():
     assert torch.isfinite(f[0, :2]).all() and torch.isinf(f[0, 2:]).all()  # 0.5 + 0.3 reaches 0.7
 
 
+def test_greedy_rows_take_the_argmax_in_the_logits_dtype_first_index_on_ties():
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(6, 50, generator=g) * 3).bfloat16()
+    logits[2, [7, 31]] = 40.0  # a tie: the first index wins, as for the fp32 logits
+    greedy = [SamplingParams(temperature=0)] * 6
+    assert Sampler()(logits, greedy, [None] * 6) == logits.float().argmax(-1).tolist()
+    assert Sampler()(logits, greedy, [None] * 6)[2] == 7
+    # with one sampled row the greedy rows still get their argmax
+    mixed = greedy[:5] + [SamplingParams(temperature=1.0, seed=1)]
+    assert Sampler()(logits, mixed, [None] * 5 + [torch.Generator().manual_seed(1)])[:5] == \
+        logits.float().argmax(-1).tolist()[:5]
+
+
 def test_sampling_follows_the_distribution():
     logits = torch.tensor([[0.0, 1.0, 2.0]]).log_softmax(-1).repeat(4000, 1)
     params = [SamplingParams(temperature=1.0)] * 4000
