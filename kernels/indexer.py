@@ -179,24 +179,38 @@ if triton is not None:
             i = start + tl.arange(0, FILL)
             tl.store(row_out + i, tl.full([FILL], -1, tl.int32), mask=(i >= filled) & (i < topk))
 
-    @triton.jit(do_not_specialize=["num_seqs", "span", "programs", "k"])
-    def _radix_pass_kernel(scores_ptr, hist_ptr, arrive_ptr, prefix_ptr, rank_ptr, kth_ptr, stride_sb, width,
-                           num_seqs, span, programs, k, PASS: tl.constexpr, BLOCK: tl.constexpr):
+    @triton.jit(do_not_specialize=["num_seqs", "k"])
+    def _radix_state_kernel(hist_ptr, prefix_ptr, rank_ptr, kth_ptr, num_seqs, k, PASS: tl.constexpr):
+        """After the PASS-th histogram: the top 8 * (PASS + 1) bits of each row's k-th largest
+        key (`prefix`) and its rank among the keys sharing them (1 = the largest); after the
+        last pass, the k-th score itself. One program per row, so the passes and the emit
+        read a few words instead of re-deriving them in every program."""
+        seq = tl.program_id(0)
+        if PASS == 0:
+            prefix = tl.zeros([], dtype=tl.int32)
+            rank = k
+        else:
+            prefix = tl.load(prefix_ptr + seq)
+            rank = tl.load(rank_ptr + seq)
+        h = tl.load(hist_ptr + (PASS * num_seqs + seq) * 256 + tl.arange(0, 256))
+        digit, rank = _pick_digit(h, rank)
+        prefix = (prefix << 8) | digit
+        tl.store(prefix_ptr + seq, prefix)
+        tl.store(rank_ptr + seq, rank)
+        if PASS == 3:
+            tl.store(kth_ptr + seq, _key_to_score(prefix.to(tl.uint32, bitcast=True)))
+
+    @triton.jit(do_not_specialize=["num_seqs", "span"])
+    def _radix_pass_kernel(scores_ptr, hist_ptr, prefix_ptr, stride_sb, width, num_seqs, span,
+                           PASS: tl.constexpr, BLOCK: tl.constexpr):
         """Histogram of the PASS-th byte (from the top) of the keys that match the k-th
         largest key in the bytes before it, over `span` positions of the row; counts are added
         into hist[PASS, seq]. The span is a runtime loop, not a block size, so one build serves
-        every batch size and context.
-
-        The last of a row's `programs` to finish then derives the row's state from the whole
-        histogram: the top 8 * (PASS + 1) bits of its k-th largest key (`prefix`) and that
-        key's rank among the keys sharing them (1 = the largest); after the last pass, the k-th
-        score itself. (A state kernel after each pass did this: 64 launches a decode step.)"""
+        every batch size and context."""
         seq = tl.program_id(0)
         start = tl.program_id(1) * span
         if PASS > 0:
-            prefix = tl.load(prefix_ptr + seq)
-        else:
-            prefix = tl.zeros([], dtype=tl.int32)
+            prefix = tl.load(prefix_ptr + seq).to(tl.uint32, bitcast=True)
         counts = tl.zeros([256], dtype=tl.int32)
         for off in range(0, span, BLOCK):
             pos = start + off + tl.arange(0, BLOCK)
@@ -205,28 +219,13 @@ if triton is not None:
             digit = (key >> (24 - 8 * PASS)) & 0xFF
             match = pos < width
             if PASS > 0:
-                match = match & ((key >> (32 - 8 * PASS)) == prefix.to(tl.uint32, bitcast=True))
-            # Non-matching keys land in bin 0, which the state never needs exactly: it reads
-            # only the counts of digits above the one it picks, and bin 0 is picked only when
-            # every higher bin together holds fewer than `rank` keys.
+                match = match & ((key >> (32 - 8 * PASS)) == prefix)
+            # Non-matching keys land in bin 0, which the state kernel never needs exactly: it
+            # reads only the counts of digits above the one it picks, and bin 0 is picked only
+            # when every higher bin together holds fewer than `rank` keys.
             counts += tl.histogram(tl.where(match, digit, 0).to(tl.int32), 256)
         bins = tl.arange(0, 256)
-        row_hist = hist_ptr + (PASS * num_seqs + seq) * 256 + bins
-        tl.atomic_add(row_hist, counts, mask=counts > 0, sem="relaxed")
-        # Every thread's counts are added before one thread announces this program's arrival;
-        # the acquire-release arrival orders them before the last program's reads (the
-        # threadfence-reduction pattern).
-        tl.debug_barrier()
-        arrived = tl.atomic_add(arrive_ptr + PASS * num_seqs + seq, 1, sem="acq_rel")
-        if arrived == programs - 1:
-            rank = k if PASS == 0 else tl.load(rank_ptr + seq)
-            h = tl.atomic_add(row_hist, tl.zeros([256], dtype=tl.int32), sem="acquire")  # the summed counts
-            digit, rank = _pick_digit(h, rank)
-            prefix = (prefix << 8) | digit
-            tl.store(prefix_ptr + seq, prefix)
-            tl.store(rank_ptr + seq, rank)
-            if PASS == 3:
-                tl.store(kth_ptr + seq, _key_to_score(prefix.to(tl.uint32, bitcast=True)))
+        tl.atomic_add(hist_ptr + (PASS * num_seqs + seq) * 256 + bins, counts, mask=counts > 0, sem="relaxed")
 
     @triton.jit(do_not_specialize=["stride_cb"])
     def _count_chunk_kernel(scores_ptr, kth_ptr, lens_ptr, above_ptr, equal_ptr,
@@ -365,8 +364,7 @@ def kth_scores(scores: torch.Tensor, k: int, method: str | None = None) -> torch
     method = method or ("radix" if width <= RADIX_MAX_WIDTH else "topk")
     if method == "topk":
         return torch.topk(scores, k, dim=1, sorted=False).values.amin(dim=1)
-    counters = torch.zeros(4 * num_seqs * 257, device=scores.device, dtype=torch.int32)  # one fill
-    hist, arrive = counters[:4 * num_seqs * 256], counters[4 * num_seqs * 256:]
+    hist = torch.zeros(4, num_seqs, 256, device=scores.device, dtype=torch.int32)
     prefix = torch.empty(num_seqs, device=scores.device, dtype=torch.int32)
     rank = torch.empty_like(prefix)
     kth = torch.empty(num_seqs, device=scores.device, dtype=torch.float32)
@@ -375,11 +373,10 @@ def kth_scores(scores: torch.Tensor, k: int, method: str | None = None) -> torch
     span = max(block, min(4096, _next_pow2(width, 16)))
     while span > block and num_seqs * triton.cdiv(width, span) < _RADIX_PROGRAMS:
         span //= 2
-    programs = triton.cdiv(width, span)
     for p in range(4):
-        _radix_pass_kernel[(num_seqs, programs)](
-            scores, hist, arrive, prefix, rank, kth, scores.stride(0), width, num_seqs, span, programs, k,
-            PASS=p, BLOCK=block, num_warps=8)
+        _radix_pass_kernel[(num_seqs, triton.cdiv(width, span))](
+            scores, hist, prefix, scores.stride(0), width, num_seqs, span, PASS=p, BLOCK=block, num_warps=8)
+        _radix_state_kernel[(num_seqs,)](hist, prefix, rank, kth, num_seqs, k, PASS=p, num_warps=1)
     return kth
 
 
