@@ -31,7 +31,8 @@ class AttentionContext:
 
     positions: torch.Tensor          # [T] position of each token
     rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, rope_dim/2] for those positions
-    write_rows: torch.Tensor         # token rows whose global KV is written (replayed rows are already cached)
+    write_rows: torch.Tensor | None  # token rows whose global KV is written (replayed rows are already
+                                     # cached); None: every row (a decode step), no gather
     write_slots: torch.Tensor        # their flat global-KV slots
     q_index: torch.Tensor            # [B, N] token row of each padded query (0 where padding)
     q_flat: torch.Tensor             # [T] where each token sits in the flattened [B*N] padding
@@ -55,13 +56,13 @@ class AttentionContext:
     _gathered: dict = field(default_factory=dict)
 
     def write_global(self, source: int, latent: torch.Tensor, index_key: torch.Tensor | None) -> None:
-        rows = latent[self.write_rows]
+        rows = latent if self.write_rows is None else latent[self.write_rows]
         if self.kv_scale is not None:
             rows, scale = quantize_kv(rows)
             self.kv_scale[source, self.write_slots] = scale
         self.global_kv[source, self.write_slots] = rows.to(self.global_kv.dtype)
         if index_key is not None:
-            rows = index_key[self.write_rows]
+            rows = index_key if self.write_rows is None else index_key[self.write_rows]
             if self.index_scale is not None:
                 rows, scale = quantize_kv(rows)
                 self.index_scale[source, self.write_slots] = scale

@@ -162,7 +162,7 @@ class ModelRunner:
         """Device-only (capturable): the attention metadata of a decode step."""
         rows = torch.arange(positions.shape[0], device=positions.device)
         ctx = AttentionContext(
-            positions=positions, rope=self.model.model.rotary.tables(positions), write_rows=rows,
+            positions=positions, rope=self.model.model.rotary.tables(positions), write_rows=None,
             write_slots=write_slots, q_index=None, q_flat=None, q_pos=None, key_slots=None, g_mask=None,
             global_kv=self.kv.global_kv, index_keys=self.kv.index_keys, kv_scale=self.kv.kv_scale,
             index_scale=self.kv.index_scale,

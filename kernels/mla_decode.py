@@ -268,6 +268,14 @@ if triton is not None:
         tl.store(out_ptr + b * stride_ob + h * stride_oh + cols, out.to(out_ptr.dtype.element_ty), mask=c_ok)
 
 
+def _flags(valid: torch.Tensor) -> torch.Tensor:
+    """uint8 flags the kernel reads; a contiguous bool tensor is read in place (a cast would be
+    a launch per layer)."""
+    if valid.dtype == torch.bool and valid.is_contiguous():
+        return valid.view(torch.uint8)
+    return valid.to(torch.uint8).contiguous()
+
+
 def _pow2(n: int, floor: int = 16) -> int:
     return max(floor, triton.next_power_of_2(max(int(n), 1)))
 
@@ -343,7 +351,7 @@ def mla_decode_triton(q, kv, kv_scale, block_tables, g_lens, block_size: int, sm
         num_win = win_kv.shape[1] + 1
         if win_valid is None:
             win_valid = torch.ones(b, num_win, dtype=torch.bool, device=q.device)
-        win_flags = win_valid.to(torch.uint8).contiguous()
+        win_flags = _flags(win_valid)
     elif has_window:
         if win_kv.dtype == FP8_DTYPE:
             raise ValueError("window keys carry no scale: pass them in bf16/fp16/fp32")
@@ -351,7 +359,7 @@ def mla_decode_triton(q, kv, kv_scale, block_tables, g_lens, block_size: int, sm
             win_kv = win_kv.contiguous()
         if win_valid is None:
             win_valid = torch.ones(win_kv.shape[:2], dtype=torch.bool, device=q.device)
-        win_flags = win_valid.to(torch.uint8).contiguous()
+        win_flags = _flags(win_valid)
         num_win = win_kv.shape[1]
     else:
         win_kv, win_flags, num_win = q, q, 0
