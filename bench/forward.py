@@ -225,7 +225,8 @@ def without_moe(engine: LLMEngine):
 def unfused_small():
     """The decode layer's small steps as they ran before their fused kernels, for a time side by
     side: silu then a multiply (torch), the latent's norm, rope and concatenation as three
-    launches, the routed experts' pair tokens built as arange // k. Returns the undo."""
+    launches, the routed experts' pair tokens built as arange // k, their fp32 sum cast and then
+    added to the shared experts' output (two launches). Returns the undo."""
     from engine import layers as layers_module
     from engine import model as model_module
     from kernels.rmsnorm import rms_norm
@@ -236,10 +237,11 @@ def unfused_small():
         c = weight.shape[0]
         return torch.cat([rms_norm(kv[:, :c], weight, eps), apply_rope(kv[:, c:], cos, sin, interleave)], dim=-1)
 
-    def experts(self, x, slots, weights):
+    def experts(self, x, slots, weights, add=None):
         t, k = slots.shape
         token_of = torch.div(torch.arange(t * k, device=x.device), k, rounding_mode="floor")
-        return self.expert_pairs(x, token_of, slots.flatten(), weights.flatten(), count=False)
+        out = self.expert_pairs(x, token_of, slots.flatten(), weights.flatten(), count=False)
+        return out if add is None else out + add
 
     swaps = [(layers_module, "silu_mul", silu_mul_reference), (moe_module, "silu_mul", silu_mul_reference),
              (model_module, "norm_rope_latent", latent), (MoE, "experts", experts)]

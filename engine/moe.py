@@ -129,32 +129,32 @@ class MoE(nn.Module):
         else:
             logits = F.linear(x.float(), self._gate_fp32.get([w], w.float))
         bias = self.gate.e_score_correction_bias
+        shared = self.shared_experts(x) if self.shared_experts is not None else None
         if self.ep is not None:
             # Slots are the group's (ep.maps); each rank counts the pairs it computes.
             ids, weights, _ = route(logits, bias, self.cfg, self._logical_map())
             out = self.ep.moe_forward(self, x, ids, weights)
-        else:
-            _, weights, slots = route(logits, bias, self.cfg, self.expert_map, self.slot_load)
-            out = self.experts(x, slots, weights)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+            return out if shared is None else out + shared
+        _, weights, slots = route(logits, bias, self.cfg, self.expert_map, self.slot_load)
+        return self.experts(x, slots, weights, add=shared)
 
     def _logical_map(self) -> "ExpertMap":
         if self._identity is None:
             self._identity = ExpertMap.identity(self.cfg.n_routed_experts)
         return self._identity
 
-    def experts(self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def experts(self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor,
+                add: torch.Tensor | None = None) -> torch.Tensor:
         """Routed experts for tokens x [T, H] routed to local slots [T, k] with weights [T, k]
-        (already counted in slot_load by the router)."""
+        (already counted in slot_load by the router), plus `add` (the shared experts' output)."""
         # token-major pairs: the fused kernels derive each pair's token (p // k) themselves
-        return self.expert_pairs(x, None, slots.flatten(), weights.flatten(), count=False)
+        return self.expert_pairs(x, None, slots.flatten(), weights.flatten(), count=False, add=add)
 
     def expert_pairs(self, x: torch.Tensor, token_of: torch.Tensor | None, slot_of: torch.Tensor,
-                     weight_of: torch.Tensor, count: bool = True) -> torch.Tensor:
+                     weight_of: torch.Tensor, count: bool = True, add: torch.Tensor | None = None) -> torch.Tensor:
         """Sum over (token, local slot, weight) pairs of weight * expert(x[token]), as [T, H]
-        (token_of None: token-major pairs, as kernels/moe_gemm.py takes them).
+        (token_of None: token-major pairs, as kernels/moe_gemm.py takes them), plus `add` when
+        given (the fused path adds it in the same launch that rounds the fp32 sum).
         Pairs are sorted by slot: one grouped GEMM per projection where torch has it (no host
         sync, no per-expert launches), else one matmul pair per slot."""
         fused = self.gemm != "grouped_mm" and triton_ok(x)
@@ -165,7 +165,7 @@ class MoE(nn.Module):
             if count:
                 self.slot_load += counts
         if fused:
-            return fused_experts(x, self.w13, self.w2, token_of, slot_of, weight_of)
+            return fused_experts(x, self.w13, self.w2, token_of, slot_of, weight_of, add=add)
         order = slot_of.argsort(stable=True)
         token_of = token_major(token_of, x, slot_of)[order]
         xs = x[token_of]
@@ -176,7 +176,8 @@ class MoE(nn.Module):
         else:
             y = self._experts_loop(xs, counts)
         y = y * weight_of[order].to(y.dtype)[:, None]
-        return torch.zeros_like(x).index_add_(0, token_of, y.to(x.dtype))
+        out = torch.zeros_like(x).index_add_(0, token_of, y.to(x.dtype))
+        return out if add is None else out + add
 
     def _experts_loop(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         y = torch.empty_like(xs)

@@ -26,6 +26,7 @@ from . import triton_ok
 try:
     import triton
     import triton.language as tl
+    from .rmsnorm import cast_rne
 except ImportError:  # the reference path still works without Triton
     triton = tl = None
 
@@ -277,6 +278,17 @@ def _down_kernel(act_ptr, w2_ptr, out_ptr, token_ptr, weight_ptr, row_pair_ptr, 
     tl.atomic_add(out_ptrs, acc, mask=is_pair[:, None] & col_ok[None, :])
 
 
+def _round_add_kernel(acc_ptr, add_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    """out = acc (fp32) rounded to out's dtype, plus add, rounded again: torch's `acc.to(d) + add`
+    bit for bit, in one launch instead of a cast and an add."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < n
+    DTYPE: tl.constexpr = out_ptr.dtype.element_ty
+    a = cast_rne(tl.load(acc_ptr + i, mask=ok, other=0.0), DTYPE).to(tl.float32)
+    b = tl.load(add_ptr + i, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + i, cast_rne(a + b, DTYPE), mask=ok)
+
+
 @functools.cache
 def _jit(fn, *plain: str):
     # Decorated at first launch rather than at import, so that this module (and its reference
@@ -344,14 +356,14 @@ def pick_config(num_pairs: int, num_slots: int, dtype: torch.dtype) -> MoEGemmCo
 
 def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, token_of: torch.Tensor | None,
                          slot_of: torch.Tensor, weight_of: torch.Tensor,
-                         config: MoEGemmConfig | None = None) -> torch.Tensor:
+                         config: MoEGemmConfig | None = None, add: torch.Tensor | None = None) -> torch.Tensor:
     """fused_experts through the two Triton kernels (no host sync; CUDA-graph capturable)."""
     num_tokens, hidden = x.shape
     num_slots, two_i, _ = w13.shape
     inter = two_i // 2
     num_pairs = slot_of.numel()
     if num_pairs == 0 or num_tokens == 0:
-        return torch.zeros_like(x)
+        return torch.zeros_like(x) if add is None else add.clone()
     k = pairs_per_token(num_tokens, num_pairs) if token_of is None else 0
     cfg = config or pick_config(num_pairs, num_slots, w13.dtype)
     # The slot counts and the fp32 output zeroed by one fill (the output 16-byte aligned).
@@ -385,17 +397,27 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
         hidden, inter, num_slots, out.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, DOT_FP32=dot_fp32,
         PAIRS_PER_TOKEN=k, num_warps=warps, num_stages=stages)
-    return out.to(x.dtype)
+    if add is None:
+        return out.to(x.dtype)
+    if add.shape != out.shape or add.dtype != x.dtype:
+        raise ValueError(f"add must be [{num_tokens}, {hidden}] {x.dtype}, got {list(add.shape)} {add.dtype}")
+    summed = torch.empty_like(add)
+    block = 1024
+    _jit(_round_add_kernel, "n")[(triton.cdiv(out.numel(), block),)](
+        out, add.contiguous(), summed, out.numel(), BLOCK=block, num_warps=4)
+    return summed
 
 
 # ---------------------------------------------------------------- dispatcher
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, token_of: torch.Tensor | None,
-                  slot_of: torch.Tensor, weight_of: torch.Tensor) -> torch.Tensor:
+                  slot_of: torch.Tensor, weight_of: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
     """Routed experts over pairs: x [T, H], w13 [S, 2I, H], w2 [S, H, I], token_of / slot_of [P]
     int64 (token_of None: token-major pairs, P / T per token), weight_of [P] float -> [T, H] in
-    x's dtype (see the module docstring for the sum).
+    x's dtype (see the module docstring for the sum); plus `add` [T, H] (the shared experts'
+    output) when given, as `out + add` would.
     Triton where it can run (CUDA, or CPU under TRITON_INTERPRET=1), the reference elsewhere."""
     if triton is not None and triton_ok(x):
-        return fused_experts_triton(x, w13, w2, token_of, slot_of, weight_of)
-    return fused_experts_reference(x, w13, w2, token_of, slot_of, weight_of)
+        return fused_experts_triton(x, w13, w2, token_of, slot_of, weight_of, add=add)
+    out = fused_experts_reference(x, w13, w2, token_of, slot_of, weight_of)
+    return out if add is None else out + add

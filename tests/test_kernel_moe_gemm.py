@@ -73,6 +73,30 @@ def test_token_major_pairs_without_token_of(device, num_tokens, topk):
         fused_experts_triton(x.new_zeros(2, hidden), w13, w2, None, three, weight_of.new_ones(3))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_is_rounded_sum_plus_add(device, dtype):
+    """`add` (the shared experts' output) in the launch that rounds the fp32 sum: bit for bit
+    `out.to(dtype) + add` (one pair per token, so the atomics' order cannot move a bit), and
+    close to the reference's sum plus add with several pairs per token."""
+    hidden, inter, num_slots, t = 64, 32, 8, 9
+    w13, w2 = make_weights(num_slots, hidden, inter, dtype, device, seed=21)
+    g = torch.Generator().manual_seed(22)
+    x = torch.randn(t, hidden, generator=g).to(device, dtype)
+    add = (torch.randn(t, hidden, generator=g) * 3).to(device, dtype)
+    _, slot_of, weight_of = make_routing(t, 1, list(range(num_slots)), device, seed=23)
+    got = fused_experts_triton(x, w13, w2, None, slot_of, weight_of, add=add)
+    assert got.dtype == dtype and torch.equal(got, fused_experts_triton(x, w13, w2, None, slot_of, weight_of) + add)
+    token_of, slot_of, weight_of = make_routing(t, 3, list(range(num_slots)), device, seed=24)
+    got = fused_experts(x, w13, w2, None, slot_of, weight_of, add=add)
+    want = fused_experts_reference(x, w13, w2, token_of, slot_of, weight_of) + add
+    torch.testing.assert_close(got.float(), want.float(), **TOLERANCE[dtype])
+    empty = slot_of[:0]
+    assert torch.equal(fused_experts_triton(x[:0], w13, w2, None, empty, weight_of[:0], add=add[:0]), add[:0])
+    with pytest.raises(ValueError, match="add must be"):
+        fused_experts_triton(x, w13, w2, None, slot_of, weight_of, add=add[:, :8])
+
+
 SMALL_BLOCKS = MoEGemmConfig(16, (16, 16, 1, 2), (16, 16, 1, 2))
 
 
