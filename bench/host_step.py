@@ -8,6 +8,13 @@ model; nothing here depends on the model's size), then for each step: the step's
 output records (`_append`: stop checks, the RequestOutput); `--output-tokens N`: the last N of
 each context's tokens were generated (outputs), not prompted. Median microseconds per step over
 `iters` steps. On a GPU this time adds to the forward's: the engine prepares a step between two.
+
+    python -m bench.host_step --admission --contexts 8192 131072
+
+`--admission`: the prefix-cache lookup of a request whose whole prompt of `context` tokens is
+cached, as admission runs it on every attempt (each step while the pool is full): the first
+attempt, a retry, and hashing every block's tokens again (what each attempt cost before the
+sequences kept their chain of block hashes). Milliseconds.
 """
 from __future__ import annotations
 
@@ -20,8 +27,11 @@ import torch
 
 from bench.engine_vs_hf import build_ours
 from bench.forward import make_batch
+from engine.block_manager import BlockManager, block_hash
 from engine.config import EngineConfig, preset
 from engine.llm_engine import LLMEngine
+from engine.sampling import SamplingParams
+from engine.sequence import Sequence
 
 
 def measure(model, batch_size: int, context: int, iters: int, output_tokens: int = 1) -> dict:
@@ -56,23 +66,57 @@ def measure(model, batch_size: int, context: int, iters: int, output_tokens: int
                 total_us=round(sum(row.values()), 1))
 
 
+def admission(context: int, block_size: int = 64) -> dict:
+    blocks = BlockManager(context // block_size + 8, block_size)
+    tokens = torch.randint(4, 30000, (context,), generator=torch.Generator().manual_seed(0)).tolist()
+    owner = Sequence("cached", tokens, SamplingParams())
+    blocks.grow(owner, context)
+    owner.num_computed_tokens = context
+    blocks.publish(owner)
+    seq = Sequence("next-turn", tokens + [7] * 16, SamplingParams())
+
+    def timed(fn):
+        t0 = time.perf_counter()
+        out = fn()
+        return out, round((time.perf_counter() - t0) * 1e3, 3)
+
+    def rehash():  # as each attempt did before: the whole token list, then every block hashed
+        prev, ids = b"", seq.token_ids
+        for i in range(context // block_size):
+            prev = block_hash(prev, ids[i * block_size:(i + 1) * block_size])
+
+    _, rehash_ms = timed(rehash)
+    hits, first_ms = timed(lambda: blocks.match_prefix(seq))
+    again, retry_ms = timed(lambda: blocks.match_prefix(seq))
+    assert hits == again and len(hits) == context // block_size
+    return dict(context=context, hit_blocks=len(hits), rehash_ms=rehash_ms, first_ms=first_ms, retry_ms=retry_ms)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--contexts", type=int, nargs="+", default=[8192, 131072, 524288])
     ap.add_argument("--output-tokens", type=int, default=1, help="tokens of each context already generated")
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--admission", action="store_true", help="time the prefix-cache lookup of admission instead")
     ap.add_argument("--json", default=None, help="append JSON lines here")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    model = build_ours(preset("tiny", max_position_embeddings=max(args.contexts) + args.iters + 4), "cpu",
-                       torch.float32)
-    rows = [measure(model, args.batch, c, args.iters, args.output_tokens) for c in args.contexts]
-    print("| batch | context | generated | decode_inputs us | publish us | append us | total us |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['batch']} | {r['context']} | {r['output_tokens']} | {r['decode_inputs_us']} | {r['publish_us']} | "
-              f"{r['append_us']} | {r['total_us']} |")
+    if args.admission:
+        rows = [admission(c) for c in args.contexts]
+        print("| context | cached blocks | hash every block ms | first lookup ms | retry ms |")
+        print("|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['context']} | {r['hit_blocks']} | {r['rehash_ms']} | {r['first_ms']} | {r['retry_ms']} |")
+    else:
+        model = build_ours(preset("tiny", max_position_embeddings=max(args.contexts) + args.iters + 4), "cpu",
+                           torch.float32)
+        rows = [measure(model, args.batch, c, args.iters, args.output_tokens) for c in args.contexts]
+        print("| batch | context | generated | decode_inputs us | publish us | append us | total us |")
+        print("|---|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['batch']} | {r['context']} | {r['output_tokens']} | {r['decode_inputs_us']} | "
+                  f"{r['publish_us']} | {r['append_us']} | {r['total_us']} |")
     if args.json:
         with open(args.json, "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)

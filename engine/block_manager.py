@@ -39,19 +39,28 @@ class BlockManager:
         return -(-num_positions // self.block_size)
 
     # prefix cache -----------------------------------------------------------------------
-    def match_prefix(self, tokens: list[int]) -> list[int]:
-        """Cached blocks covering the longest hashed prefix of `tokens`, leaving at least one
-        token to compute (its logits are needed)."""
+    def chain_hash(self, seq: Sequence, i: int) -> bytes:
+        """Hash of the sequence's block i (its tokens and every block before it), from the
+        sequence's cache of them, extended as needed."""
+        chain, bs = seq.block_hashes, self.block_size
+        while len(chain) <= i:
+            j = len(chain)
+            chain.append(block_hash(chain[-1] if chain else b"", seq.token_slice(j * bs, (j + 1) * bs)))
+        return chain[i]
+
+    def match_prefix(self, seq: Sequence, num_tokens: int | None = None) -> list[int]:
+        """Cached blocks covering the longest hashed prefix of the sequence's first `num_tokens`
+        tokens (all of them by default), leaving at least one token to compute (its logits are
+        needed)."""
         if not self.enable_prefix_caching:
             return []
-        hits, prev = [], b""
-        for i in range((len(tokens) - 1) // self.block_size):
-            h = block_hash(prev, tokens[i * self.block_size:(i + 1) * self.block_size])
-            block = self.cached.get(h)
+        n = seq.num_tokens if num_tokens is None else num_tokens
+        hits = []
+        for i in range((n - 1) // self.block_size):
+            block = self.cached.get(self.chain_hash(seq, i))
             if block is None:
                 break
             hits.append(block)
-            prev = h
         return hits
 
     def take_prefix(self, seq: Sequence, blocks: list[int]) -> None:
@@ -73,7 +82,7 @@ class BlockManager:
             b = seq.block_table[i]
             # the block's tokens alone: a decode step calls this for every sequence, and copying a
             # long context's whole token list took 1.1 ms a sequence at 512K
-            h = block_hash(seq.prefix_hash, seq.token_slice(i * bs, (i + 1) * bs))
+            h = self.chain_hash(seq, i)
             if self.block_hash[b] is None and h not in self.cached:
                 self.block_hash[b] = h
                 self.cached[h] = b

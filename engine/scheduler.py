@@ -53,7 +53,7 @@ class Scheduler:
         """Blocks for the whole prompt, locally cached prefix included. Returns (number of
         leading blocks already cached here, blocks the prefill server must fill), or None
         when the pool cannot hold the prompt right now."""
-        hits = self.blocks.match_prefix(seq.prompt_ids)
+        hits = self.blocks.match_prefix(seq, len(seq.prompt_ids))
         revived = sum(1 for b in hits if self.blocks.ref_count[b] == 0)
         need = self.blocks.blocks_needed(len(seq.prompt_ids)) - len(hits)
         if need > self.blocks.num_free_blocks - revived:
@@ -162,7 +162,7 @@ class Scheduler:
             if not self.blocks.can_grow(seq, start + n):
                 return 0
         else:
-            hits = self.blocks.match_prefix(seq.token_ids)
+            hits = self.blocks.match_prefix(seq)
             hit = len(hits) * self.cfg.block_size
             start = self.replay_start(hit)
             n = min(seq.num_tokens - start, budget)

@@ -34,6 +34,9 @@ class Sequence:
     num_cached_tokens: int = 0
     num_hashed_blocks: int = 0
     prefix_hash: bytes = b""      # chain hash of the last hashed block
+    # Chain hash of each full block of token_ids, computed once (the tokens only grow): admission
+    # (retried every step while the pool is full) and publishing read them instead of re-hashing.
+    block_hashes: list[bytes] = field(default_factory=list, repr=False)
     window_slot: int | None = None
     table_cache: tuple | None = field(default=None, repr=False)  # (block_table list, its int32 array)
     generator: torch.Generator | None = None

@@ -70,6 +70,25 @@ def test_preemption_by_recompute_gives_the_same_tokens(tiny_ckpt):
     _pool_is_empty(tight)
 
 
+def test_each_block_is_hashed_once_through_retries_and_preemption(tiny_ckpt, monkeypatch):
+    """Admission looks up the prefix cache on every attempt (each step while the pool is full,
+    again after a preemption) and publishing hashes computed blocks: all of them read the
+    sequence's own chain of block hashes, so no block of a sequence is hashed twice."""
+    from engine import block_manager
+    calls = []
+    real = block_manager.block_hash
+    monkeypatch.setattr(block_manager, "block_hash", lambda prev, tokens: calls.append(1) or real(prev, tokens))
+    tight = LLMEngine.from_pretrained(tiny_ckpt, EngineConfig(block_size=4, num_blocks=24, max_model_len=64),
+                                      progress=False)
+    prompts = [_prompt(20 + 3 * i, i) for i in range(6)]
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    outs = tight.generate(prompts, params)
+    assert tight.stats()["preemptions"] > 0
+    full_blocks = sum((len(p) + len(o.output_token_ids)) // 4 for p, o in zip(prompts, outs))
+    assert 0 < len(calls) <= full_blocks
+    _pool_is_empty(tight)
+
+
 @pytest.mark.parametrize("ckpt", ["tiny_ckpt", "tiny_v4_ckpt"])
 def test_block_pool_empty_after_random_mix(ckpt, request):
     """Finished, aborted and failed requests, with preemption and chunked prefill."""
