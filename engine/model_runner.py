@@ -133,17 +133,21 @@ class ModelRunner:
         tables = host[head:total].view(np.int32).reshape(rows, width)
         slots[:] = self.kv.scratch_slot
         wslots[:] = self.kv.scratch_window
-        p_max = 0
+        # Python lists first, one store per row of the buffer: numpy's per-element stores cost
+        # more than the rest of the loop (the host is on the critical path of every step).
+        last, where, write, ring = [], [], [], []
         for i, seq in enumerate(batch.seqs):
-            p = seq.num_tokens - 1
-            p_max = max(p_max, p)
-            ids[i] = seq.token_slice(p, p + 1)[0]
-            pos[i] = p
-            slots[i] = seq.block_table[p // bs] * bs + p % bs
+            out = seq.output_ids
+            p = len(seq.prompt_ids) + len(out) - 1
+            last.append(out[-1] if out else seq.prompt_ids[-1])
+            where.append(p)
+            write.append(seq.block_table[p // bs] * bs + p % bs)
             t = _table_array(seq)[:width]
             tables[i, :len(t)] = t
-            if seq.window_slot is not None:
-                wslots[i] = seq.window_slot
+            ring.append(self.kv.scratch_window if seq.window_slot is None else seq.window_slot)
+        n = len(last)
+        ids[:n], pos[:n], slots[:n], wslots[:n] = last, where, write, ring
+        p_max = max(where, default=0)
         g_max = p_max + 1 - (mc.sliding_window - 1 if mc.sliding_window else 0)
         return bool(mc.index_topk) and g_max > mc.index_topk
 
