@@ -146,8 +146,7 @@ def step_parts(engine: LLMEngine, batch: ScheduledBatch, iters: int) -> dict:
     for _ in range(iters + 2):
         torch.cuda.synchronize()
         t = time.perf_counter()
-        r.is_decode(batch)
-        r.model.model.rotary.ensure(max(seq.num_tokens for seq in batch.seqs))
+        r.model.model.rotary.ensure(r.decode_length(batch))
         t = lap("checks_us", t)
         g.run(batch)
         parts.setdefault("graph_run_host_us", []).append((time.perf_counter() - t) * 1e6)

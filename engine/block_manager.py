@@ -74,9 +74,9 @@ class BlockManager:
 
     def publish(self, seq: Sequence) -> None:
         """Hash the sequence's blocks whose KV is now fully computed."""
-        if not self.enable_prefix_caching:
-            return
         bs = self.block_size
+        if not self.enable_prefix_caching or seq.num_computed_tokens // bs <= seq.num_hashed_blocks:
+            return  # most calls (a decode step, one token each): no block filled
         full = min(seq.num_computed_tokens, seq.num_tokens) // bs
         for i in range(seq.num_hashed_blocks, full):
             b = seq.block_table[i]

@@ -72,10 +72,12 @@ class DecodeGraphs:
             self.staging_host = self.staging.numpy()
         return self.staging_host
 
-    def run(self, batch) -> torch.Tensor:
+    def run(self, batch, longest: int | None = None) -> torch.Tensor:
+        """Replay (capturing first if new) the graph of this decode step's shape; `longest`: the
+        tokens of its longest sequence, when the caller has them."""
         r = self.runner
         pad_b = next(s for s in self.sizes if s >= len(batch))
-        pad_m = self._blocks_bucket(r.decode_width(batch))
+        pad_m = self._blocks_bucket(r.decode_width(batch, longest))
         nbytes = r.decode_input_bytes(pad_b, pad_m)[1]
         sparse = r.fill_decode_inputs(batch, self._host_buffer(nbytes), pad_b, pad_m)
         if self._tables_moved():

@@ -96,11 +96,23 @@ class ModelRunner:
     def _tensor(self, data, dtype=torch.long) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
 
+    def decode_length(self, batch: ScheduledBatch) -> int:
+        """Tokens of the longest sequence when every sequence computes exactly its last token,
+        which is not a cached position (a decode step); 0 otherwise. One pass: the host's time
+        here is on the critical path of every step."""
+        if not self.cfg.decode_kernels:
+            return 0
+        longest = 0
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            total, computed = len(seq.prompt_ids) + len(seq.output_ids), seq.num_computed_tokens
+            if n != 1 or computed + 1 != total or computed < seq.num_cached_tokens:
+                return 0
+            longest = total if total > longest else longest
+        return longest
+
     def is_decode(self, batch: ScheduledBatch) -> bool:
         """Every sequence computes exactly its last token, which is not a cached position."""
-        return self.cfg.decode_kernels and all(
-            n == 1 and seq.num_computed_tokens + 1 == seq.num_tokens and seq.num_computed_tokens >= seq.num_cached_tokens
-            for seq, n in zip(batch.seqs, batch.num_tokens))
+        return self.decode_length(batch) > 0
 
     @staticmethod
     def decode_input_bytes(rows: int, width: int) -> tuple[int, int]:
@@ -118,9 +130,11 @@ class ModelRunner:
         ids, pos, slots, wslots = buf[:head].view(torch.int64).view(4, -1)[:, :rows]
         return ids, pos, slots, buf[head:total].view(torch.int32).view(rows, width), wslots
 
-    def decode_width(self, batch: ScheduledBatch) -> int:
-        """Block-table entries the longest sequence of a decode step needs."""
-        return max(seq.num_tokens - 1 for seq in batch.seqs) // self.cfg.block_size + 1
+    def decode_width(self, batch: ScheduledBatch, longest: int | None = None) -> int:
+        """Block-table entries the longest sequence of a decode step needs (`longest`: its
+        tokens, when the caller has them)."""
+        longest = longest or max(seq.num_tokens for seq in batch.seqs)
+        return (longest - 1) // self.cfg.block_size + 1
 
     def fill_decode_inputs(self, batch: ScheduledBatch, host: np.ndarray, rows: int, width: int) -> bool:
         """Write a decode step's index tensors into `host` (uint8, laid out as decode_input_bytes
@@ -278,11 +292,12 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> tuple[list[int], torch.Tensor | None]:
         """One forward over the batch. Returns the indices (into the batch) of the sequences
         whose last known token was computed, and their next-token logits."""
-        if self.is_decode(batch):
+        longest = self.decode_length(batch)
+        if longest:
             b = len(batch)
-            self.model.model.rotary.ensure(max(seq.num_tokens for seq in batch.seqs))
+            self.model.model.rotary.ensure(longest)
             if self.graphs is not None and self.graphs.covers(b):
-                logits = self.graphs.run(batch)
+                logits = self.graphs.run(batch, longest)
             else:
                 logits = self.decode_forward(*self.decode_inputs(batch))
             return list(range(b)), logits[:b]
