@@ -11,6 +11,9 @@ each context's tokens were generated (outputs), not prompted. Median microsecond
 
     python -m bench.host_step --admission --contexts 8192 131072
 
+`--whole-step`: instead, the median of the engine's whole `step()` (schedule, inputs, sampling,
+outputs) with the model's forward replaced by zero logits, for `batch` requests decoding.
+
 `--admission`: the prefix-cache lookup of a request whose whole prompt of `context` tokens is
 cached, as admission runs it on every attempt (each step while the pool is full): the first
 attempt, a retry, and hashing every block's tokens again (what each attempt cost before the
@@ -66,6 +69,27 @@ def measure(model, batch_size: int, context: int, iters: int, output_tokens: int
                 total_us=round(sum(row.values()), 1))
 
 
+def whole_step(model, batch_size: int, prompt: int, iters: int) -> dict:
+    engine = LLMEngine(model, None, EngineConfig(device="cpu", dtype="float32", block_size=64,
+                                                 num_blocks=batch_size * (-(-(prompt + 3 * iters) // 64) + 2),
+                                                 max_num_seqs=batch_size, max_model_len=prompt + 3 * iters + 8))
+    for i in range(batch_size):
+        engine.add_request(f"r{i}", list(range(5, 5 + prompt)), SamplingParams(max_tokens=3 * iters, temperature=0,
+                                                                              ignore_eos=True))
+    while any(s.num_computed_tokens < len(s.prompt_ids) for s in engine.scheduler.running + list(engine.scheduler.waiting)):
+        engine.step()  # the prefills, with the real forward
+    vocab = model.cfg.vocab_size
+    engine.runner.decode_forward = lambda ids, *rest: torch.zeros(ids.shape[0], vocab)
+    for _ in range(10):
+        engine.step()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append((time.perf_counter() - t0) * 1e6)
+    return dict(batch=batch_size, prompt=prompt, step_us=round(statistics.median(times), 1))
+
+
 def admission(context: int, block_size: int = 64) -> dict:
     blocks = BlockManager(context // block_size + 8, block_size)
     tokens = torch.randint(4, 30000, (context,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -99,10 +123,19 @@ def main(argv=None):
     ap.add_argument("--output-tokens", type=int, default=1, help="tokens of each context already generated")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--admission", action="store_true", help="time the prefix-cache lookup of admission instead")
+    ap.add_argument("--whole-step", action="store_true", help="time engine.step() with the forward stubbed instead")
     ap.add_argument("--json", default=None, help="append JSON lines here")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    if args.admission:
+    if args.whole_step:
+        model = build_ours(preset("tiny", max_position_embeddings=max(args.contexts) + 3 * args.iters + 16), "cpu",
+                           torch.float32)
+        rows = [whole_step(model, args.batch, c, args.iters) for c in args.contexts]
+        print("| batch | prompt | engine step us (forward stubbed) |")
+        print("|---|---|---|")
+        for r in rows:
+            print(f"| {r['batch']} | {r['prompt']} | {r['step_us']} |")
+    elif args.admission:
         rows = [admission(c) for c in args.contexts]
         print("| context | cached blocks | hash every block ms | first lookup ms | retry ms |")
         print("|---|---|---|---|---|")
