@@ -6,8 +6,8 @@ width, sparse or dense attention) is captured the first time that shape is seen 
 after: the step's index tensors are written on the host into one pinned buffer and copied in
 one transfer into the graph's static buffer, of which the graph's inputs are views; nothing else
 crosses the host. (Each torch call costs tens of microseconds of host time on a busy host, while
-the GPU waits: the path is one copy and one replay.) Batches pad up to the next captured size; padding rows write to the KV cache's scratch
-block and window ring. Their routed tokens do land in the MoE layers' per-slot load counts,
+the GPU waits: the path is one copy and one replay.) Batches pad up to the next captured size;
+padding rows write to the KV cache's scratch block and window ring. Their routed tokens do land in the MoE layers' per-slot load counts,
 as does the eager warm-up of each capture; those counts feed only the load balancer, which
 runs with expert parallelism, where decode steps are not captured.
 """

@@ -401,7 +401,7 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
         return out.to(x.dtype)
     if add.shape != out.shape or add.dtype != x.dtype:
         raise ValueError(f"add must be [{num_tokens}, {hidden}] {x.dtype}, got {list(add.shape)} {add.dtype}")
-    summed = torch.empty_like(add)
+    summed = torch.empty(add.shape, dtype=add.dtype, device=add.device)  # written as contiguous
     block = 1024
     _jit(_round_add_kernel, "n")[(triton.cdiv(out.numel(), block),)](
         out, add.contiguous(), summed, out.numel(), BLOCK=block, num_warps=4)
