@@ -263,6 +263,20 @@ def unfused_gate():
     return undo
 
 
+def mla_gluon(on: bool):
+    """Force the Gluon MLA decode split kernel on or off where it applies. Returns a function
+    that applies the change (time_changed's form), which returns the undo."""
+    from kernels import mla_decode as mla_module
+
+    def change():
+        saved, mla_module.GLUON_OVERRIDE = mla_module.GLUON_OVERRIDE, on
+
+        def undo():
+            mla_module.GLUON_OVERRIDE = saved
+        return undo
+    return change
+
+
 def time_changed(engine: LLMEngine, batch: ScheduledBatch, iters: int, change) -> float:
     """Forward ms with `change()` applied (graphs recaptured), then undone."""
     undo = change()
@@ -317,6 +331,8 @@ def main(argv=None):
     ap.add_argument("--unfused-small", action="store_true",
                     help="also time the step with silu*mul, the latent's norm/rope/concatenation and the MoE "
                          "pair tokens as separate launches, as before their fused kernels")
+    ap.add_argument("--mla-gluon", action="store_true",
+                    help="also time the step with the Gluon MLA decode kernel forced on and forced off")
     ap.add_argument("--step-parts", action="store_true",
                     help="also time the host parts of a CUDA-graph step (inputs, replay, sampling) one by one")
     ap.add_argument("--json", default=None, help="append JSON lines here")
@@ -362,6 +378,10 @@ def main(argv=None):
             row["unfused_gate_forward_ms"] = round(time_changed(engine, batch, args.iters, unfused_gate), 3)
         if args.unfused_small:
             row["unfused_small_forward_ms"] = round(time_changed(engine, batch, args.iters, unfused_small), 3)
+        if args.mla_gluon:
+            for on in (True, False):
+                ms = time_changed(engine, batch, args.iters, mla_gluon(on))
+                row[f"mla_gluon_{'on' if on else 'off'}_forward_ms"] = round(ms, 3)
         if args.step_parts:
             row.update(step_parts(engine, batch, args.iters))
         if args.profile:

@@ -92,6 +92,8 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--sections", nargs="+", default=["configs", "gather", "merge"],
                     choices=["configs", "gather", "merge"], help="what to time (default: all)")
+    ap.add_argument("--configs", type=json.loads, default=None,
+                    help='with the configs section: time only these launch configurations (a JSON list)')
     ap.add_argument("--once", action="store_true", help="only run the engine's configuration a few times (for ncu)")
     ap.add_argument("--config", type=json.loads, default=None,
                     help='with --once: this launch configuration instead, e.g. \'{"keys_rows": true, ...}\'')
@@ -130,8 +132,13 @@ def main() -> None:
                  for kr, n, w, st, wv, sl in itertools.product((False, True), (16, 32, 64), (4, 8), (2, 3),
                                                                (1, 2), (False, True))
                  if (n == 64 and st == 2 and sl if kr else True)]
+        # the Gluon form of keys as rows (kernels/mla_decode_gluon.py): 64-key tiles, slots
+        space += [dict(block_n=64, num_warps=w, num_stages=2, waves=wv, slots=True, keys_rows=True, gluon=True)
+                  for w, wv in itertools.product((4, 8), (1, 2))]
+        if args.configs is not None:
+            space = args.configs
         for cfg in space if "configs" in args.sections else ():
-            cfg = dict(cfg, min_tiles=1)
+            cfg = dict(dict(min_tiles=1), **cfg)
             try:
                 err = (call(cfg).float() - ref).abs().max().item()
                 ms = reps_ms(lambda: call(cfg))

@@ -22,6 +22,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from kernels.mla_decode import _split_kernel
+from kernels.mla_decode_gluon import _gluon_split_kernel
 from kernels.mla_decode_rows import _rows_split_kernel
 
 HEADS, KV_LORA, ROPE = 16, 512, 64
@@ -32,6 +33,8 @@ POINTER_TYPES = dict(q_ptr="*bf16", qr_ptr="*bf16", kv_ptr="*bf16", win_ptr="*bf
 # (kernel, keys per tile, warps, stages): the tuned table's choices for the H200 and their neighbours
 BUILDS = [(_split_kernel, 32, 4, 2), (_split_kernel, 64, 8, 2), (_rows_split_kernel, 64, 4, 2),
           (_rows_split_kernel, 64, 8, 2)]
+# the Gluon form (kernels/mla_decode_gluon.py): its two buffers are written out, not a pipeliner's stages
+GLUON_BUILDS = [(_gluon_split_kernel, 64, 4, 1), (_gluon_split_kernel, 64, 8, 1)]
 
 
 def _ptxas() -> str:
@@ -43,6 +46,8 @@ def _ptxas() -> str:
 def build(fn, block_n: int, warps: int, stages: int, fp8: bool = False) -> dict:
     consts = dict(BLOCK_H=HEADS, BLOCK_C=KV_LORA, BLOCK_R=ROPE, BLOCK_N=block_n, IS_FP8=fp8, HAS_TOPK=True,
                   HAS_WINDOW=True, RING=True, PREC="tf32", SLOTS=True, Q_RELOAD=False, UPCAST=False)
+    if fn is _gluon_split_kernel:
+        consts["num_warps"] = warps
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}
     types = dict(POINTER_TYPES, kv_ptr="*fp8e4nv" if fp8 else "*bf16")
     plain = set(fn.do_not_specialize) | {fn.arg_names.index(n) for n in fn.do_not_specialize if isinstance(n, str)}
@@ -59,8 +64,11 @@ def build(fn, block_n: int, warps: int, stages: int, fp8: bool = False) -> dict:
             signature[name] = "i32"
             if i not in plain and name not in plain and name not in ("num_heads", "keys_per_split"):
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn=fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
-                    attrs=attrs)
+    source = ASTSource
+    if fn is _gluon_split_kernel:
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+    src = source(fn=fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
+                 attrs=attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
     ptx = kernel.asm["ptx"]
     with tempfile.TemporaryDirectory() as tmp:
@@ -84,7 +92,7 @@ def main(argv=None) -> None:
     ap.add_argument("--fp8", action="store_true", help="FP8 KV instead of bf16")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    rows = [build(fn, n, w, s, args.fp8) for fn, n, w, s in BUILDS]
+    rows = [build(fn, n, w, s, args.fp8) for fn, n, w, s in BUILDS + ([] if args.fp8 else GLUON_BUILDS)]
     print("| kernel | KV | tile, warps, stages | registers | spill bytes | shared KB | wgmma | mma.sync |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:

@@ -19,10 +19,13 @@ which computes the same with keys as the rows of its products.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from kernels import triton_ok
+from kernels import _unusable, log, triton_ok
 from kernels.fp8_kv import FP8_DTYPE
+from kernels.mla_decode_gluon import _gluon_split_kernel
 from kernels.mla_decode_rows import _global_tile, _rows_split_kernel
 from kernels.tuning import BATCH_BUCKETS, batch_bucket, tuned_config
 
@@ -33,6 +36,9 @@ except Exception:  # the reference path needs no Triton
     triton = None
 
 _LOG2E = 1.4426950408889634
+# None: the launch configuration decides whether the Gluon split kernel runs; True / False force it
+# where it applies (bench.forward --mla-gluon times the step both ways).
+GLUON_OVERRIDE: bool | None = None
 
 
 def mla_decode_reference(q, kv, kv_scale, block_tables, g_lens, block_size: int, sm_scale: float,
@@ -300,6 +306,32 @@ def _target_programs(device: torch.device, waves: int = 2) -> int:
     return 8
 
 
+@functools.cache
+def _has_wgmma(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] == 9
+
+
+def _rows_aligned(t: torch.Tensor) -> bool:
+    """Every row of t (its last dimension) starts on 16 bytes: the Gluon kernel copies 16 at a time."""
+    width = 16 // t.element_size()
+    return t.data_ptr() % 16 == 0 and all(s % width == 0 for s in t.stride()[:-1])
+
+
+def gluon_applies(q, kv, config: dict | None, slots: bool, block_h: int, win_kv, *rows) -> bool:
+    """Whether the Gluon split kernel (kernels/mla_decode_gluon.py) runs: asked for by the launch
+    configuration (or GLUON_OVERRIDE), on a Hopper GPU, with 16-bit keys and query of one type,
+    top-k slots resolved, one 16-head group, a latent of at least 64 columns (the products' rows),
+    and key rows (kv, window rows, fresh latents: `rows`) that start on 16 bytes."""
+    wanted = GLUON_OVERRIDE if GLUON_OVERRIDE is not None else bool((config or {}).get("gluon", False))
+    if not wanted or _gluon_split_kernel is None or not q.is_cuda or "mla_decode_gluon" in _unusable:
+        return False
+    same_type = kv.dtype == q.dtype and (win_kv is None or win_kv.dtype == q.dtype)
+    return (q.dtype in (torch.bfloat16, torch.float16) and same_type and slots and block_h == 16
+            and all(_rows_aligned(t) for t in rows)
+            and q.shape[-1] >= 64 and _has_wgmma(q.device.index if q.device.index is not None else
+                                                  torch.cuda.current_device()))
+
+
 def tune_key(batch: int, heads: int, width: int, is_fp8: bool, has_topk: bool) -> str:
     """Shape key of kernels/tuned/<gpu>.json: KV type, sparse or dense, heads, latent width, batch bucket."""
     return f"{'fp8' if is_fp8 else 'bf16'}|{'topk' if has_topk else 'dense'}|h{heads}|d{width}|b{batch_bucket(batch)}"
@@ -311,6 +343,7 @@ def mla_decode_triton(q, kv, kv_scale, block_tables, g_lens, block_size: int, sm
     """Triton flash-decoding path of mla_decode; num_splits overrides the per-sequence split count,
     config the launch configuration (block_n, num_warps, num_stages, waves, min_tiles; the tuned
     one for this GPU and shape when None, see kernels/tuning.py)."""
+    q_in, topk_pos_in, win_kv_in, win_valid_in, num_splits_in = q, topk_pos, win_kv, win_valid, num_splits
     q, q_rope = q if isinstance(q, tuple) else (q[..., :kv_lora], q[..., kv_lora:])
     b, h, d = q.shape[0], q.shape[1], q.shape[-1] + q_rope.shape[-1]
     rope = q_rope.shape[-1]
@@ -380,13 +413,16 @@ def mla_decode_triton(q, kv, kv_scale, block_tables, g_lens, block_size: int, sm
     q_reload = bool((config or {}).get("q_reload", False))
     # Keys as the rows of both products (kernels/mla_decode_rows.py); q_reload has no meaning there.
     split_kernel = _rows_split_kernel if (config or {}).get("keys_rows", False) else _split_kernel
+    if gluon_applies(q, kv, config, slots, block_h, win_kv, kv, *(() if win_kv is None else (win_kv,)),
+                     *(() if fresh is None else (fresh,))):
+        split_kernel, block_n, num_warps = _gluon_split_kernel, 64, (config or {}).get("num_warps", 4)
     if slots:
         resolved = torch.empty(b, n_cap, dtype=torch.int32, device=q.device)
         _resolve_slots_kernel[(triton.cdiv(n_cap, 1024), b)](
             topk_pos, topk_pos.stride(0), block_tables, block_tables.stride(0), block_tables.shape[1] * block_size,
             g_lens, resolved, n_cap, block_size, BLOCK=1024, num_warps=4)
         topk_pos = resolved
-    if split_kernel is _rows_split_kernel:
+    if split_kernel is _rows_split_kernel or split_kernel is _gluon_split_kernel:
         # One stage at 64-key tiles hit an illegal address on the H200 (Triton 3.6), with and
         # without a hand-pipelined loop; not understood, so never launched.
         num_stages = max(num_stages, 2) if q.is_cuda and block_n >= 64 else num_stages
@@ -418,7 +454,7 @@ def mla_decode_triton(q, kv, kv_scale, block_tables, g_lens, block_size: int, sm
     # The interpreter (Triton 3.9) computes bf16 dots wrongly: it gets fp32 operands instead.
     upcast = q.device.type == "cpu" and q.dtype == torch.bfloat16
     prec = "ieee" if q.dtype == torch.float32 or upcast else "tf32"
-    split_kernel[(total_splits, head_groups, b)](
+    args = (
         q, q.stride(0), q.stride(1), q_rope, q_rope.stride(0), q_rope.stride(1),
         kv, kv.stride(0), scale,
         block_tables, block_tables.stride(0), block_tables.shape[1] * block_size, g_lens,
@@ -427,10 +463,22 @@ def mla_decode_triton(q, kv, kv_scale, block_tables, g_lens, block_size: int, sm
         win_flags, win_flags.stride(0) if has_window else 0, num_win,
         *((ring_slots, fresh, fresh.stride(0), write_idx) if ring is not None else (q, q, 0, q)),
         part_acc, part_m, part_l,
-        h, kv_lora, rope, block_size, keys_per_split, num_global, sm_scale * _LOG2E,
-        BLOCK_H=block_h, BLOCK_C=block_c, BLOCK_R=block_r, BLOCK_N=block_n,
-        IS_FP8=is_fp8, HAS_TOPK=has_topk, HAS_WINDOW=has_window, RING=ring is not None, PREC=prec,
-        SLOTS=slots, Q_RELOAD=q_reload, UPCAST=upcast, num_warps=num_warps, num_stages=num_stages)
+        h, kv_lora, rope, block_size, keys_per_split, num_global, sm_scale * _LOG2E)
+    consts = dict(BLOCK_H=block_h, BLOCK_C=block_c, BLOCK_R=block_r, BLOCK_N=block_n, IS_FP8=is_fp8,
+                  HAS_TOPK=has_topk, HAS_WINDOW=has_window, RING=ring is not None, PREC=prec, SLOTS=slots,
+                  Q_RELOAD=q_reload, UPCAST=upcast, num_warps=num_warps)
+    grid = (total_splits, head_groups, b)
+    if split_kernel is _gluon_split_kernel:
+        try:
+            _gluon_split_kernel[grid](*args, **consts)
+        except Exception as e:  # a Triton whose Gluon differs: warn once, then the Triton kernel
+            _unusable.add("mla_decode_gluon")
+            log.warning("Gluon MLA decode kernel failed here (%s: %s); using the Triton kernel from now on",
+                        type(e).__name__, e)
+            return mla_decode_triton(q_in, kv, kv_scale, block_tables, g_lens, block_size, sm_scale, kv_lora,
+                                     topk_pos_in, win_kv_in, win_valid_in, num_splits_in, config, ring)
+    else:
+        split_kernel[grid](*args, **consts, num_stages=num_stages)
     # One program per (sequence, head) over the whole latent: 3.3 us at batch 64 on the H200
     # summing four splits a step, where 128-column programs and 16-split steps took 15 us
     # (bench.probe_mla). With few programs (batch 1-16 at 16 heads, 35 splits) each program's

@@ -347,3 +347,78 @@ def test_warm_up_runs_every_bucket_and_variant(device, kv_fp8, monkeypatch):
     assert [(b, topk, ring) for b, topk, ring, _ in seen] == [
         (b, t, r) for b in (1, 4, 16, 64) for t in (False, True) for r in (True, False)]
     assert all(dt == kv_dtype for _, _, _, dt in seen)
+
+
+def _gluon_case(device, heads, g_lens, topk_n, w, seed):
+    gen = torch.Generator().manual_seed(seed)
+    q, kv, table, lens = make_case(g_lens, heads, torch.bfloat16, device, seed=seed, kv_lora=512, rope=64)
+    b = len(g_lens)
+    # entries past a sequence's length and -1 are no key; the rest repeat or not at random
+    topk = torch.randint(-1, max(g_lens) + 3, (b, topk_n), generator=gen, dtype=torch.int32).to(device)
+    ring_kv = torch.randn(b + 2, w, 576, generator=gen).to(torch.bfloat16).to(device)
+    slots = torch.randperm(b + 2, generator=gen)[:b].to(device)
+    write_idx = torch.randint(0, w, (b,), generator=gen).to(device)
+    fresh = torch.randn(b, 576, generator=gen).to(torch.bfloat16).to(device)
+    valid = torch.rand(b, w + 1, generator=gen) > 0.3
+    valid[torch.arange(b), write_idx.cpu()] = False
+    return q, kv, table, lens, topk, (ring_kv, slots, fresh, write_idx), valid.to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("heads", [16, 5])
+@pytest.mark.parametrize("num_warps", [4, 8])
+@pytest.mark.parametrize("num_splits", [1, 3, 7, None])
+def test_gluon_split_kernel(device, heads, num_warps, num_splits):
+    """The Gluon split kernel (kernels/mla_decode_gluon.py, Hopper only) against the reference:
+    top-k entries that are -1, past the length or repeated, a ring window with masked entries
+    read in place and written, splits holding global tiles, window tiles or both (200 top-k
+    entries: a partial last global tile). Elsewhere the same configuration runs the Triton
+    keys-as-rows kernel, which must give the same answer."""
+    from kernels import _unusable
+    g_lens, w = [150, 9, 300, 64], 100
+    q, kv, table, lens, topk, ring, valid = _gluon_case(device, heads, g_lens, 200, w, seed=13)
+    config = dict(block_n=64, num_warps=num_warps, num_stages=2, waves=1, min_tiles=1, keys_rows=True, gluon=True)
+    on_hopper = device == "cuda" and torch.cuda.get_device_capability()[0] == 9
+    assert mla_module.gluon_applies(q[..., :512], kv, config, True, 16, ring[0]) == on_hopper
+    scale = 576 ** -0.5
+    ring_out, ring_ref = ring[0].clone(), ring[0].clone()
+    out = mla_decode_triton(q, kv, None, table, lens, BS, scale, 512, topk_pos=topk, win_valid=valid,
+                            ring=(ring_out,) + ring[1:], num_splits=num_splits, config=config)
+    ref = mla_decode_reference(q, kv, None, table, lens, BS, scale, 512, topk_pos=topk, win_valid=valid,
+                               ring=(ring_ref,) + ring[1:])
+    assert "mla_decode_gluon" not in _unusable
+    check(out, ref, torch.bfloat16)
+    assert torch.equal(ring_out, ring_ref)
+    # the window passed as rows (as prefill chunks pass it) gives the same
+    win = torch.cat([ring[0][ring[1]], ring[2][:, None]], dim=1)
+    out_rows = mla_decode_triton(q, kv, None, table, lens, BS, scale, 512, topk_pos=topk, win_kv=win,
+                                 win_valid=valid, num_splits=num_splits, config=config)
+    check(out_rows, ref, torch.bfloat16)
+    # no window at all
+    out_g = mla_decode_triton(q, kv, None, table, lens, BS, scale, 512, topk_pos=topk, num_splits=num_splits,
+                              config=config)
+    check(out_g, mla_decode_reference(q, kv, None, table, lens, BS, scale, 512, topk_pos=topk), torch.bfloat16)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gluon_override_and_where_it_does_not_apply(device, monkeypatch):
+    """GLUON_OVERRIDE forces the Gluon kernel on or off whatever the configuration says; FP8 keys
+    and dense rows never take it (they run the Triton kernels, with the same answer)."""
+    q, kv, table, lens, topk, ring, valid = _gluon_case(device, 16, [70, 130], 128, 8, seed=14)
+    on_hopper = device == "cuda" and torch.cuda.get_device_capability()[0] == 9
+    plain = dict(block_n=64, num_warps=4, num_stages=2, waves=1, min_tiles=1, keys_rows=True)
+    assert not mla_module.gluon_applies(q[..., :512], kv, plain, True, 16, None)
+    monkeypatch.setattr(mla_module, "GLUON_OVERRIDE", True)
+    assert mla_module.gluon_applies(q[..., :512], kv, plain, True, 16, None) == on_hopper
+    assert not mla_module.gluon_applies(q[..., :512], kv, plain, False, 16, None)  # positions, not slots
+    assert not mla_module.gluon_applies(q[..., :512], kv, plain, True, 32, None)  # more than 16 heads a group
+    kv8, kv_scale = quantize_kv(kv)
+    assert not mla_module.gluon_applies(q[..., :512], kv8, plain, True, 16, None)
+    scale = 576 ** -0.5
+    ref = mla_decode_reference(q, kv, None, table, lens, BS, scale, 512, topk_pos=topk)
+    check(mla_decode_triton(q, kv, None, table, lens, BS, scale, 512, topk_pos=topk, config=plain), ref,
+          torch.bfloat16)
+    monkeypatch.setattr(mla_module, "GLUON_OVERRIDE", False)
+    assert not mla_module.gluon_applies(q[..., :512], kv, dict(plain, gluon=True), True, 16, None)
+    check(mla_decode_triton(q, kv, None, table, lens, BS, scale, 512, topk_pos=topk, config=dict(plain, gluon=True)),
+          ref, torch.bfloat16)

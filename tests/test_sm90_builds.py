@@ -18,7 +18,7 @@ def test_keys_as_rows_builds_use_warpgroup_mmas(tmp_path):
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert len(rows) == 4 and all(0 < row["registers"] <= 255 for row in rows)
+    assert len(rows) == 6 and all(0 < row["registers"] <= 255 for row in rows)
     heads = [row for row in rows if row["kernel"] == "_split_kernel"]
     keys = [row for row in rows if row["kernel"] == "_rows_split_kernel"]
     assert all(row["mma_sync"] > 0 and row["wgmma"] == 0 for row in heads)
@@ -26,3 +26,9 @@ def test_keys_as_rows_builds_use_warpgroup_mmas(tmp_path):
     # two stages of 64 x 576 bf16 key tiles are staged in shared memory
     assert all(row["shared_kb"] > 2 * 64 * 576 * 2 / 1024 for row in keys)
     assert "| _rows_split_kernel |" in r.stdout
+    # the Gluon form: its copies are cp.async into two written-out buffers, its products wgmma,
+    # and it keeps everything in registers
+    gluon = [row for row in rows if row["kernel"] == "_gluon_split_kernel"]
+    assert len(gluon) == 2 and all(row["wgmma"] > 0 and row["cp_async"] > 0 and row["mma_sync"] == 0
+                                   and row["spill_store_bytes"] == 0 for row in gluon)
+    assert all(2 * 64 * 576 * 2 / 1024 < row["shared_kb"] <= 227 for row in gluon)

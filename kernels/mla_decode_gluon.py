@@ -1,0 +1,211 @@
+"""The keys-as-rows MLA decode split kernel (kernels/mla_decode_rows.py) written in Gluon, Triton's
+explicit-layout dialect, for Hopper: the same inputs, the same partial outputs, one more thing.
+
+Why: in the Triton form the key tiles are gathered through an index (the resolved top-k slot),
+and Triton's pipeliner then issues the next tile's copy *after* this tile's products and waits
+for it at the top of the next iteration, so no load overlaps a product (a third stage would, but
+three 64-key stages do not fit in shared memory). Here the loop is written out: the copies of
+tile t+1 (cp.async, into the other of two buffers) are issued before tile t's products, and the
+slots of tile t+2 are loaded while tile t computes, so the gather is in flight behind the MMAs.
+
+Limits (the wrapper uses it only there, the Triton kernels elsewhere): CUDA with Hopper MMAs,
+bf16/fp16 keys and query, top-k entries already resolved to slots, at most 16 heads, power-of-two
+latent and rope widths.
+"""
+from __future__ import annotations
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
+                                                                   warpgroup_mma_wait)
+    # Triton 3.6 (the GPU image's) names the cp.async copy async_copy_global_to_shared; later ones async_load
+    _async_load = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
+except Exception:  # a Triton without Gluon, or without its Hopper ops
+    gluon = None
+
+BLOCK_N = 64  # keys a tile: the row block of both products (a Hopper MMA wants 64 rows)
+
+
+if gluon is not None:
+
+    @gluon.jit
+    def _tile_entries(start, span, num_topk, num_win, slots_row, flags_row,
+                      BLOCK_N: gl.constexpr, HAS_WINDOW: gl.constexpr, layout: gl.constexpr):
+        """The tile at range position `start`: its slots (global tiles) and window flags. Loaded one
+        tile ahead of their copies, so their latency hides behind a tile's products."""
+        idx = start + gl.arange(0, BLOCK_N, layout=layout)
+        slot = gl.load(slots_row + idx, mask=(idx < num_topk) & (start < span), other=-1)
+        if HAS_WINDOW:
+            widx = idx - span
+            flag = gl.load(flags_row + widx, mask=(widx >= 0) & (widx < num_win), other=0)
+        else:
+            flag = gl.zeros([BLOCK_N], gl.uint8, layout=layout)
+        return slot, flag
+
+    @gluon.jit
+    def _issue_tile(start, span, num_win, slot, flag, kv_ptr, stride_kv, win_row0, stride_wi, fresh_row,
+                    c_buf, r_buf, kv_lora,
+                    BLOCK_N: gl.constexpr, BLOCK_C: gl.constexpr, BLOCK_R: gl.constexpr,
+                    RING: gl.constexpr, c_layout: gl.constexpr, r_layout: gl.constexpr):
+        """Start the copies of one tile's rows into (c_buf, r_buf); rows that are no key are zero-filled
+        (their probability is 0, and 0 x stale bits could be NaN). Returns which rows are keys."""
+        row_layout: gl.constexpr = gl.SliceLayout(1, c_layout)
+        idx = start + gl.arange(0, BLOCK_N, layout=row_layout)
+        widx = idx - span
+        is_global = start < span
+        valid = gl.where(is_global, slot >= 0, flag != 0)
+        g_off = slot.to(gl.int64) * stride_kv
+        if RING:  # ring rows, then the fresh latent as the window's last entry
+            w_row = gl.where(widx < num_win - 1, win_row0 + widx.to(gl.int64) * stride_wi, fresh_row)
+        else:
+            w_row = win_row0 + widx.to(gl.int64) * stride_wi
+        row = gl.where(is_global, kv_ptr + g_off, w_row)
+        # every row starts 16-byte aligned (the wrapper checks), which the copies need: say so, as the
+        # selects hide it from the compiler
+        row = gl.multiple_of(gl.where(valid, row, kv_ptr), 16)
+        cols = gl.arange(0, BLOCK_C, layout=gl.SliceLayout(0, c_layout))
+        _async_load(c_buf, row[:, None] + cols[None, :], mask=valid[:, None])
+        r_rows = gl.convert_layout(row, gl.SliceLayout(1, r_layout))
+        r_valid = gl.convert_layout(valid, gl.SliceLayout(1, r_layout))
+        rcols = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(0, r_layout))
+        _async_load(r_buf, r_rows[:, None] + kv_lora + rcols[None, :], mask=r_valid[:, None])
+        return valid
+
+    @gluon.jit(do_not_specialize=["stride_tb", "table_keys", "num_topk", "num_win", "global_span"])
+    def _gluon_split_kernel(
+            q_ptr, stride_qb, stride_qh, qr_ptr, stride_rb, stride_rh,
+            kv_ptr, stride_kv, scale_ptr,
+            table_ptr, stride_tb, table_keys, glen_ptr,
+            topk_ptr, stride_topk, num_topk,
+            win_ptr, stride_wb, stride_wi, wvalid_ptr, stride_vb, num_win,
+            ring_slot_ptr, fresh_ptr, stride_fb, write_idx_ptr,
+            part_acc_ptr, part_m_ptr, part_l_ptr,
+            num_heads, kv_lora, rope, block_size, keys_per_split, global_span, qk_scale,
+            BLOCK_H: gl.constexpr, BLOCK_C: gl.constexpr, BLOCK_R: gl.constexpr, BLOCK_N: gl.constexpr,
+            IS_FP8: gl.constexpr, HAS_TOPK: gl.constexpr, HAS_WINDOW: gl.constexpr, RING: gl.constexpr,
+            PREC: gl.constexpr, SLOTS: gl.constexpr, Q_RELOAD: gl.constexpr, UPCAST: gl.constexpr,
+            num_warps: gl.constexpr):
+        gl.static_assert(SLOTS and HAS_TOPK and not IS_FP8, "the Gluon kernel reads resolved top-k slots, 16-bit keys")
+        split = gl.program_id(0)
+        head_group = gl.program_id(1)
+        b = gl.program_id(2)
+        num_splits = gl.num_programs(0)
+        dtype: gl.constexpr = q_ptr.dtype.element_ty
+
+        # Layouts. Copies: 16 bytes a thread, a warp per row run. Products: scores^T [keys, heads] on
+        # one warpgroup's rows, out^T [latent, heads] with the latent split over the warps.
+        c_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
+        r_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BLOCK_R // 8), BLOCK_R // 8], [num_warps, 1], [1, 0])
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, num_warps // 4],
+                                                           instr_shape=[16, BLOCK_H // (num_warps // 4), 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, BLOCK_H, 16])
+        head_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+        head_o: gl.constexpr = gl.SliceLayout(0, o_layout)
+        key_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        slot_layout: gl.constexpr = gl.SliceLayout(1, c_layout)
+
+        # The query, stored once as [heads, columns]; its transposed view is each product's B operand.
+        heads_c = head_group * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, c_layout))
+        cols_c = gl.arange(0, BLOCK_C, layout=gl.SliceLayout(0, c_layout))
+        qc = gl.load(q_ptr + b * stride_qb + heads_c[:, None] * stride_qh + cols_c[None, :],
+                     mask=(heads_c < num_heads)[:, None] & (cols_c < kv_lora)[None, :], other=0.0)
+        heads_r = head_group * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, r_layout))
+        cols_r = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(0, r_layout))
+        qr = gl.load(qr_ptr + b * stride_rb + heads_r[:, None] * stride_rh + cols_r[None, :],
+                     mask=(heads_r < num_heads)[:, None] & (cols_r < rope)[None, :], other=0.0)
+        qc_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_C],
+                                            gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_C], dtype), qc)
+        qr_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_R],
+                                            gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_R], dtype), qr)
+        c_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_C],
+                                           gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_C], dtype))
+        r_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_R],
+                                           gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_R], dtype))
+        p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_H],
+                                           gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], dtype))
+
+        m = gl.full([BLOCK_H], -1.0e30, gl.float32, layout=head_s)
+        l = gl.zeros([BLOCK_H], gl.float32, layout=head_s)
+        acc = gl.zeros([BLOCK_C, BLOCK_H], gl.float32, layout=o_layout)
+        s_zero = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=s_layout)
+
+        # This split's share of the range [global keys padded to global_span, window keys].
+        v_start = split * keys_per_split
+        v_end = gl.minimum(v_start + keys_per_split, global_span + num_win)
+        n_tiles = gl.cdiv(gl.maximum(v_end - v_start, 0), BLOCK_N)
+        slots_row = topk_ptr + b * stride_topk
+        flags_row = wvalid_ptr + b * stride_vb
+        if RING:
+            win_row0 = win_ptr + gl.load(ring_slot_ptr + b).to(gl.int64) * stride_wb
+            fresh_row = fresh_ptr + b * stride_fb
+        else:
+            win_row0 = win_ptr + b * stride_wb
+            fresh_row = win_row0
+
+        # Prologue: tile 0's copies in flight, tile 1's slots in registers.
+        slot, flag = _tile_entries(v_start, global_span, num_topk, num_win, slots_row, flags_row,
+                                   BLOCK_N, HAS_WINDOW, slot_layout)
+        valid = _issue_tile(v_start, global_span, num_win, slot, flag, kv_ptr, stride_kv, win_row0, stride_wi,
+                            fresh_row, c_smem.index(0), r_smem.index(0), kv_lora,
+                            BLOCK_N, BLOCK_C, BLOCK_R, RING, c_layout, r_layout)
+        cp.commit_group()
+        slot, flag = _tile_entries(v_start + BLOCK_N, global_span, num_topk, num_win, slots_row, flags_row,
+                                   BLOCK_N, HAS_WINDOW, slot_layout)
+        for t in range(n_tiles):
+            start = v_start + t * BLOCK_N
+            # Tile t+1's copies go out before tile t's products (past the end: every row masked off).
+            nxt = start + BLOCK_N
+            live = nxt < v_end
+            next_valid = _issue_tile(nxt, global_span, num_win, gl.where(live, slot, -1), gl.where(live, flag, 0),
+                                     kv_ptr, stride_kv, win_row0, stride_wi, fresh_row,
+                                     c_smem.index((t + 1) % 2), r_smem.index((t + 1) % 2), kv_lora,
+                                     BLOCK_N, BLOCK_C, BLOCK_R, RING, c_layout, r_layout)
+            cp.commit_group()
+            slot, flag = _tile_entries(nxt + BLOCK_N, global_span, num_topk, num_win, slots_row, flags_row,
+                                       BLOCK_N, HAS_WINDOW, slot_layout)
+            cp.wait_group(1)  # tile t has landed (this thread's copies; the barrier before the MMA does the rest)
+            fence_async_shared()
+            k_c = c_smem.index(t % 2)
+            k_r = r_smem.index(t % 2)
+            s = warpgroup_mma(k_c, qc_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s = warpgroup_mma(k_r, qr_smem.permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+            key_ok = gl.convert_layout(valid, key_s)
+            s = gl.where(key_ok[:, None], s * qk_scale, -1.0e30)
+            m_new = gl.maximum(m, gl.max(s, axis=0))
+            alpha = gl.exp2(m - m_new)
+            p = gl.where(key_ok[:, None], gl.exp2(s - m_new[None, :]), 0.0)
+            l = l * alpha + gl.sum(p, axis=0)
+            m = m_new
+            p_smem.store(p.to(dtype))
+            fence_async_shared()
+            acc = acc * gl.convert_layout(alpha, head_o)[None, :]
+            acc = warpgroup_mma(k_c.permute((1, 0)), p_smem, acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            valid = next_valid
+        cp.wait_group(0)
+
+        if RING:
+            if (split == num_splits - 1) & (head_group == 0):
+                # the step's ring update (see mla_decode_rows; other splits read the entry masked)
+                w_layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+                wc = gl.arange(0, BLOCK_C, layout=w_layout)
+                wr = gl.arange(0, BLOCK_R, layout=w_layout)
+                dst = win_row0 + gl.load(write_idx_ptr + b).to(gl.int64) * stride_wi
+                gl.store(dst + wc, gl.load(fresh_row + wc, mask=wc < kv_lora), mask=wc < kv_lora)
+                gl.store(dst + kv_lora + wr, gl.load(fresh_row + kv_lora + wr, mask=wr < rope), mask=wr < rope)
+
+        heads = head_group * BLOCK_H + gl.arange(0, BLOCK_H, layout=head_s)
+        part = (b * num_splits + split) * num_heads + heads
+        gl.store(part_m_ptr + part, m, mask=heads < num_heads)
+        gl.store(part_l_ptr + part, l, mask=heads < num_heads)
+        heads_o = head_group * BLOCK_H + gl.arange(0, BLOCK_H, layout=head_o)
+        part_o = (b * num_splits + split) * num_heads + heads_o
+        cols_o = gl.arange(0, BLOCK_C, layout=gl.SliceLayout(1, o_layout))
+        gl.store(part_acc_ptr + part_o[None, :].to(gl.int64) * kv_lora + cols_o[:, None], acc,
+                 mask=(heads_o < num_heads)[None, :] & (cols_o < kv_lora)[:, None])
+else:
+    _gluon_split_kernel = None
