@@ -86,9 +86,15 @@ def record(kernel: str, key: str, best: dict | None, us: float, base: float, ent
     print(json.dumps(rows[-1]), flush=True)
 
 
-def tune_mla(batches, device) -> tuple[dict, list[dict]]:
+def wanted(key: str, shapes) -> bool:
+    return shapes is None or any(part in key for part in shapes)
+
+
+def tune_mla(batches, device, shapes=None) -> tuple[dict, list[dict]]:
     entries, rows = {}, []
     for fp8, topk, b in itertools.product((False, True), (True, False), batches):
+        if not wanted(tune_key(b, HEADS, KV_LORA + ROPE, fp8, topk), shapes):
+            continue
         context = 8192 if topk else TOPK
         q, kv, tables, lens, topk_pos = mla_inputs(b, context, device, HEADS, KV_LORA, ROPE, BLOCK,
                                                    TOPK if topk else None)
@@ -117,14 +123,16 @@ def tune_mla(batches, device) -> tuple[dict, list[dict]]:
     return entries, rows
 
 
-def tune_score(device) -> tuple[dict, list[dict]]:
+def tune_score(device, shapes=None) -> tuple[dict, list[dict]]:
     """One configuration per key type for every row width (a width-dependent choice would build
     a new kernel variant mid-serving when a context crosses the threshold): each candidate is
     timed on a short and a long shape in one graph, their sum ranked."""
     entries, rows = {}, []
     heads, dim = 8, 64
     for fp8 in (False, True):
-        shapes = []
+        if not wanted(score_tune_key(heads, dim, fp8), shapes):
+            continue
+        inputs = []
         for batch, context in ((64, 8192), (16, 131072)):
             g = torch.Generator(device=device).manual_seed(0)
             blocks = -(-context // BLOCK)
@@ -136,13 +144,13 @@ def tune_score(device) -> tuple[dict, list[dict]]:
             if fp8:
                 keys, scale = quantize_kv(keys)
             lens = torch.full((batch,), context, dtype=torch.int32, device=device)
-            shapes.append((q, w, keys, tables, lens, scale))
+            inputs.append((q, w, keys, tables, lens, scale))
 
         def run(cfg):
             cfg = cfg or {}
             return torch.cat([_score_launch(q, w, keys, tables, lens, BLOCK, tile=cfg.get("tile"),
                                             num_warps=cfg.get("num_warps"), key_scale=scale).flatten()
-                              for q, w, keys, tables, lens, scale in shapes])
+                              for q, w, keys, tables, lens, scale in inputs])
         ref = run(None)
         best, us, base = best_of(run, SCORE_SPACE, ref, tol=1e-3 * ref.abs().max().item())
         record("indexer_score", score_tune_key(heads, dim, fp8), best, us, base, entries, rows)
@@ -154,6 +162,9 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="batches 1 and 64 only")
     ap.add_argument("--dry-run", action="store_true", help="print, do not write the table")
     ap.add_argument("--json", default=None, help="also write the rows here")
+    ap.add_argument("--shapes", nargs="+", default=None,
+                    help="tune only shape keys containing one of these (e.g. 'bf16|topk'); the table's other "
+                         "entries are kept")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("tune_kernels needs a CUDA GPU", file=sys.stderr)
@@ -165,9 +176,14 @@ def main(argv=None) -> int:
     tuning.reload()
     batches = (1, 64) if args.quick else tuning.BATCH_BUCKETS
     table = {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__}
+    old = json.loads(path.read_text()) if args.shapes and path.exists() else {}
     rows = []
-    for name, tune in (("mla_decode", lambda: tune_mla(batches, device)), ("indexer_score", lambda: tune_score(device))):
-        table[name], kernel_rows = tune()
+    for name, tune in (("mla_decode", lambda: tune_mla(batches, device, args.shapes)),
+                       ("indexer_score", lambda: tune_score(device, args.shapes))):
+        entries, kernel_rows = tune()
+        # with --shapes: the untuned shapes keep their entries, a tuned one loses its old entry
+        kept = {k: v for k, v in old.get(name, {}).items() if not wanted(k, args.shapes)}
+        table[name] = dict(kept, **entries)
         rows += kernel_rows
         if not args.dry_run:  # after each kernel, so a run cut short keeps what it measured
             path.parent.mkdir(parents=True, exist_ok=True)

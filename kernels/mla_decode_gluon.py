@@ -45,17 +45,22 @@ if gluon is not None:
         return slot, flag
 
     @gluon.jit
+    def _tile_keys(start, span, slot, flag):
+        """Which rows of the tile at `start` are keys, from its entries."""
+        return gl.where(start < span, slot >= 0, flag != 0)
+
+    @gluon.jit
     def _issue_tile(start, span, num_win, slot, flag, kv_ptr, stride_kv, win_row0, stride_wi, fresh_row,
                     c_buf, r_buf, kv_lora,
                     BLOCK_N: gl.constexpr, BLOCK_C: gl.constexpr, BLOCK_R: gl.constexpr,
-                    RING: gl.constexpr, c_layout: gl.constexpr, r_layout: gl.constexpr):
+                    RING: gl.constexpr, c_layout: gl.constexpr):
         """Start the copies of one tile's rows into (c_buf, r_buf); rows that are no key are zero-filled
-        (their probability is 0, and 0 x stale bits could be NaN). Returns which rows are keys."""
+        (their probability is 0, and 0 x stale bits could be NaN)."""
         row_layout: gl.constexpr = gl.SliceLayout(1, c_layout)
         idx = start + gl.arange(0, BLOCK_N, layout=row_layout)
         widx = idx - span
         is_global = start < span
-        valid = gl.where(is_global, slot >= 0, flag != 0)
+        valid = _tile_keys(start, span, slot, flag)
         g_off = slot.to(gl.int64) * stride_kv
         if RING:  # ring rows, then the fresh latent as the window's last entry
             w_row = gl.where(widx < num_win - 1, win_row0 + widx.to(gl.int64) * stride_wi, fresh_row)
@@ -67,11 +72,8 @@ if gluon is not None:
         row = gl.multiple_of(gl.where(valid, row, kv_ptr), 16)
         cols = gl.arange(0, BLOCK_C, layout=gl.SliceLayout(0, c_layout))
         _async_load(c_buf, row[:, None] + cols[None, :], mask=valid[:, None])
-        r_rows = gl.convert_layout(row, gl.SliceLayout(1, r_layout))
-        r_valid = gl.convert_layout(valid, gl.SliceLayout(1, r_layout))
-        rcols = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(0, r_layout))
-        _async_load(r_buf, r_rows[:, None] + kv_lora + rcols[None, :], mask=r_valid[:, None])
-        return valid
+        rcols = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(0, c_layout))
+        _async_load(r_buf, row[:, None] + kv_lora + rcols[None, :], mask=valid[:, None])
 
     @gluon.jit(do_not_specialize=["stride_tb", "table_keys", "num_topk", "num_win", "global_span"])
     def _gluon_split_kernel(
@@ -94,10 +96,11 @@ if gluon is not None:
         num_splits = gl.num_programs(0)
         dtype: gl.constexpr = q_ptr.dtype.element_ty
 
-        # Layouts. Copies: 16 bytes a thread, a warp per row run. Products: scores^T [keys, heads] on
-        # one warpgroup's rows, out^T [latent, heads] with the latent split over the warps.
-        c_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
-        r_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BLOCK_R // 8), BLOCK_R // 8], [num_warps, 1], [1, 0])
+        # Layouts. Copies: 16 bytes a thread; the latent and rope parts of a row share one layout (their
+        # row pointers then need no conversion), a warp's threads spanning the rope width. Products:
+        # scores^T [keys, heads] on one warpgroup's rows, out^T [latent, heads] with the latent split
+        # over the warps.
+        c_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BLOCK_R // 8), BLOCK_R // 8], [num_warps, 1], [1, 0])
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, num_warps // 4],
                                                            instr_shape=[16, BLOCK_H // (num_warps // 4), 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -112,8 +115,8 @@ if gluon is not None:
         cols_c = gl.arange(0, BLOCK_C, layout=gl.SliceLayout(0, c_layout))
         qc = gl.load(q_ptr + b * stride_qb + heads_c[:, None] * stride_qh + cols_c[None, :],
                      mask=(heads_c < num_heads)[:, None] & (cols_c < kv_lora)[None, :], other=0.0)
-        heads_r = head_group * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, r_layout))
-        cols_r = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(0, r_layout))
+        heads_r = head_group * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, c_layout))
+        cols_r = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(0, c_layout))
         qr = gl.load(qr_ptr + b * stride_rb + heads_r[:, None] * stride_rh + cols_r[None, :],
                      mask=(heads_r < num_heads)[:, None] & (cols_r < rope)[None, :], other=0.0)
         qc_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_C],
@@ -148,9 +151,8 @@ if gluon is not None:
         # Prologue: tile 0's copies in flight, tile 1's slots in registers.
         slot, flag = _tile_entries(v_start, global_span, num_topk, num_win, slots_row, flags_row,
                                    BLOCK_N, HAS_WINDOW, slot_layout)
-        valid = _issue_tile(v_start, global_span, num_win, slot, flag, kv_ptr, stride_kv, win_row0, stride_wi,
-                            fresh_row, c_smem.index(0), r_smem.index(0), kv_lora,
-                            BLOCK_N, BLOCK_C, BLOCK_R, RING, c_layout, r_layout)
+        _issue_tile(v_start, global_span, num_win, slot, flag, kv_ptr, stride_kv, win_row0, stride_wi,
+                    fresh_row, c_smem.index(0), r_smem.index(0), kv_lora, BLOCK_N, BLOCK_C, BLOCK_R, RING, c_layout)
         cp.commit_group()
         slot, flag = _tile_entries(v_start + BLOCK_N, global_span, num_topk, num_win, slots_row, flags_row,
                                    BLOCK_N, HAS_WINDOW, slot_layout)
@@ -159,11 +161,15 @@ if gluon is not None:
             # Tile t+1's copies go out before tile t's products (past the end: every row masked off).
             nxt = start + BLOCK_N
             live = nxt < v_end
-            next_valid = _issue_tile(nxt, global_span, num_win, gl.where(live, slot, -1), gl.where(live, flag, 0),
-                                     kv_ptr, stride_kv, win_row0, stride_wi, fresh_row,
-                                     c_smem.index((t + 1) % 2), r_smem.index((t + 1) % 2), kv_lora,
-                                     BLOCK_N, BLOCK_C, BLOCK_R, RING, c_layout, r_layout)
+            _issue_tile(nxt, global_span, num_win, gl.where(live, slot, -1), gl.where(live, flag, 0),
+                        kv_ptr, stride_kv, win_row0, stride_wi, fresh_row, c_smem.index((t + 1) % 2),
+                        r_smem.index((t + 1) % 2), kv_lora, BLOCK_N, BLOCK_C, BLOCK_R, RING, c_layout)
             cp.commit_group()
+            # tile t's keys, read again in the scores' layout (cached: cheaper than a layout
+            # conversion, which is a shared-memory round trip and a barrier)
+            key_slot, key_flag = _tile_entries(start, global_span, num_topk, num_win, slots_row, flags_row,
+                                               BLOCK_N, HAS_WINDOW, key_s)
+            key_ok = _tile_keys(start, global_span, key_slot, key_flag)
             slot, flag = _tile_entries(nxt + BLOCK_N, global_span, num_topk, num_win, slots_row, flags_row,
                                        BLOCK_N, HAS_WINDOW, slot_layout)
             cp.wait_group(1)  # tile t has landed (this thread's copies; the barrier before the MMA does the rest)
@@ -173,7 +179,6 @@ if gluon is not None:
             s = warpgroup_mma(k_c, qc_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             s = warpgroup_mma(k_r, qr_smem.permute((1, 0)), s, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-            key_ok = gl.convert_layout(valid, key_s)
             s = gl.where(key_ok[:, None], s * qk_scale, -1.0e30)
             m_new = gl.maximum(m, gl.max(s, axis=0))
             alpha = gl.exp2(m - m_new)
@@ -185,7 +190,6 @@ if gluon is not None:
             acc = acc * gl.convert_layout(alpha, head_o)[None, :]
             acc = warpgroup_mma(k_c.permute((1, 0)), p_smem, acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-            valid = next_valid
         cp.wait_group(0)
 
         if RING:
