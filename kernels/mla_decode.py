@@ -320,8 +320,9 @@ def _rows_aligned(t: torch.Tensor) -> bool:
 def gluon_applies(q, kv, config: dict | None, slots: bool, block_h: int, win_kv, *rows) -> bool:
     """Whether the Gluon split kernel (kernels/mla_decode_gluon.py) runs: asked for by the launch
     configuration (or GLUON_OVERRIDE), on a Hopper GPU, with 16-bit keys and query of one type,
-    top-k slots resolved, one 16-head group, a latent of at least 64 columns (the products' rows),
-    and key rows (kv, window rows, fresh latents: `rows`) that start on 16 bytes."""
+    global keys given as slots (top-k resolved, or dense rows: `slots`), one 16-head group, a
+    latent of at least 64 columns (the products' rows), and key rows (kv, window rows, fresh
+    latents: `rows`) that start on 16 bytes."""
     wanted = GLUON_OVERRIDE if GLUON_OVERRIDE is not None else bool((config or {}).get("gluon", False))
     if not wanted or _gluon_split_kernel is None or not q.is_cuda or "mla_decode_gluon" in _unusable:
         return False
@@ -413,7 +414,7 @@ def mla_decode_triton(q, kv, kv_scale, block_tables, g_lens, block_size: int, sm
     q_reload = bool((config or {}).get("q_reload", False))
     # Keys as the rows of both products (kernels/mla_decode_rows.py); q_reload has no meaning there.
     split_kernel = _rows_split_kernel if (config or {}).get("keys_rows", False) else _split_kernel
-    if gluon_applies(q, kv, config, slots, block_h, win_kv, kv, *(() if win_kv is None else (win_kv,)),
+    if gluon_applies(q, kv, config, slots or not has_topk, block_h, win_kv, kv, *(() if win_kv is None else (win_kv,)),
                      *(() if fresh is None else (fresh,))):
         split_kernel, block_n, num_warps = _gluon_split_kernel, 64, (config or {}).get("num_warps", 4)
     if slots:

@@ -9,8 +9,8 @@ tile t+1 (cp.async, into the other of two buffers) are issued before tile t's pr
 slots of tile t+2 are loaded while tile t computes, so the gather is in flight behind the MMAs.
 
 Limits (the wrapper uses it only there, the Triton kernels elsewhere): CUDA with Hopper MMAs,
-bf16/fp16 keys and query, top-k entries already resolved to slots, at most 16 heads, power-of-two
-latent and rope widths.
+bf16/fp16 keys and query, top-k entries already resolved to slots or dense rows (positions read
+through the block table), at most 16 heads a program, rows aligned to 16 bytes.
 """
 from __future__ import annotations
 
@@ -31,12 +31,19 @@ BLOCK_N = 64  # keys a tile: the row block of both products (a Hopper MMA wants 
 if gluon is not None:
 
     @gluon.jit
-    def _tile_entries(start, span, num_topk, num_win, slots_row, flags_row,
-                      BLOCK_N: gl.constexpr, HAS_WINDOW: gl.constexpr, layout: gl.constexpr):
-        """The tile at range position `start`: its slots (global tiles) and window flags. Loaded one
-        tile ahead of their copies, so their latency hides behind a tile's products."""
+    def _tile_entries(start, span, num_topk, num_win, slots_row, flags_row, g_len, block_size,
+                      BLOCK_N: gl.constexpr, HAS_TOPK: gl.constexpr, HAS_WINDOW: gl.constexpr,
+                      layout: gl.constexpr):
+        """The tile at range position `start`: its slots (global tiles; -1 = no key) and window flags.
+        Loaded one tile ahead of their copies, so their latency hides behind a tile's products.
+        With top-k, slots_row is the sequence's resolved slots; without, its block-table row."""
         idx = start + gl.arange(0, BLOCK_N, layout=layout)
-        slot = gl.load(slots_row + idx, mask=(idx < num_topk) & (start < span), other=-1)
+        if HAS_TOPK:
+            slot = gl.load(slots_row + idx, mask=(idx < num_topk) & (start < span), other=-1)
+        else:  # dense: positions 0..g_len-1 through the block table
+            ok = (idx < g_len) & (start < span)
+            block = gl.load(slots_row + idx // block_size, mask=ok, other=0)
+            slot = gl.where(ok, block * block_size + idx % block_size, -1)
         if HAS_WINDOW:
             widx = idx - span
             flag = gl.load(flags_row + widx, mask=(widx >= 0) & (widx < num_win), other=0)
@@ -89,7 +96,8 @@ if gluon is not None:
             IS_FP8: gl.constexpr, HAS_TOPK: gl.constexpr, HAS_WINDOW: gl.constexpr, RING: gl.constexpr,
             PREC: gl.constexpr, SLOTS: gl.constexpr, Q_RELOAD: gl.constexpr, UPCAST: gl.constexpr,
             num_warps: gl.constexpr):
-        gl.static_assert(SLOTS and HAS_TOPK and not IS_FP8, "the Gluon kernel reads resolved top-k slots, 16-bit keys")
+        gl.static_assert((SLOTS or not HAS_TOPK) and not IS_FP8,
+                         "the Gluon kernel reads resolved top-k slots or dense rows, 16-bit keys")
         split = gl.program_id(0)
         head_group = gl.program_id(1)
         b = gl.program_id(2)
@@ -139,7 +147,12 @@ if gluon is not None:
         v_start = split * keys_per_split
         v_end = gl.minimum(v_start + keys_per_split, global_span + num_win)
         n_tiles = gl.cdiv(gl.maximum(v_end - v_start, 0), BLOCK_N)
-        slots_row = topk_ptr + b * stride_topk
+        if HAS_TOPK:
+            slots_row = topk_ptr + b * stride_topk
+            g_len = 0
+        else:
+            slots_row = table_ptr + b * stride_tb
+            g_len = gl.minimum(gl.load(glen_ptr + b), table_keys)
         flags_row = wvalid_ptr + b * stride_vb
         if RING:
             win_row0 = win_ptr + gl.load(ring_slot_ptr + b).to(gl.int64) * stride_wb
@@ -149,13 +162,13 @@ if gluon is not None:
             fresh_row = win_row0
 
         # Prologue: tile 0's copies in flight, tile 1's slots in registers.
-        slot, flag = _tile_entries(v_start, global_span, num_topk, num_win, slots_row, flags_row,
-                                   BLOCK_N, HAS_WINDOW, slot_layout)
+        slot, flag = _tile_entries(v_start, global_span, num_topk, num_win, slots_row, flags_row, g_len,
+                                   block_size, BLOCK_N, HAS_TOPK, HAS_WINDOW, slot_layout)
         _issue_tile(v_start, global_span, num_win, slot, flag, kv_ptr, stride_kv, win_row0, stride_wi,
                     fresh_row, c_smem.index(0), r_smem.index(0), kv_lora, BLOCK_N, BLOCK_C, BLOCK_R, RING, c_layout)
         cp.commit_group()
-        slot, flag = _tile_entries(v_start + BLOCK_N, global_span, num_topk, num_win, slots_row, flags_row,
-                                   BLOCK_N, HAS_WINDOW, slot_layout)
+        slot, flag = _tile_entries(v_start + BLOCK_N, global_span, num_topk, num_win, slots_row, flags_row, g_len,
+                                   block_size, BLOCK_N, HAS_TOPK, HAS_WINDOW, slot_layout)
         for t in range(n_tiles):
             start = v_start + t * BLOCK_N
             # Tile t+1's copies go out before tile t's products (past the end: every row masked off).
@@ -167,11 +180,11 @@ if gluon is not None:
             cp.commit_group()
             # tile t's keys, read again in the scores' layout (cached: cheaper than a layout
             # conversion, which is a shared-memory round trip and a barrier)
-            key_slot, key_flag = _tile_entries(start, global_span, num_topk, num_win, slots_row, flags_row,
-                                               BLOCK_N, HAS_WINDOW, key_s)
+            key_slot, key_flag = _tile_entries(start, global_span, num_topk, num_win, slots_row, flags_row, g_len,
+                                               block_size, BLOCK_N, HAS_TOPK, HAS_WINDOW, key_s)
             key_ok = _tile_keys(start, global_span, key_slot, key_flag)
-            slot, flag = _tile_entries(nxt + BLOCK_N, global_span, num_topk, num_win, slots_row, flags_row,
-                                       BLOCK_N, HAS_WINDOW, slot_layout)
+            slot, flag = _tile_entries(nxt + BLOCK_N, global_span, num_topk, num_win, slots_row, flags_row, g_len,
+                                       block_size, BLOCK_N, HAS_TOPK, HAS_WINDOW, slot_layout)
             cp.wait_group(1)  # tile t has landed (this thread's copies; the barrier before the MMA does the rest)
             fence_async_shared()
             k_c = c_smem.index(t % 2)

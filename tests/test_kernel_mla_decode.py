@@ -398,6 +398,16 @@ def test_gluon_split_kernel(device, heads, num_warps, num_splits):
     out_g = mla_decode_triton(q, kv, None, table, lens, BS, scale, 512, topk_pos=topk, num_splits=num_splits,
                               config=config)
     check(out_g, mla_decode_reference(q, kv, None, table, lens, BS, scale, 512, topk_pos=topk), torch.bfloat16)
+    # dense rows (every position below the length, through the block table), with and without the ring
+    ring_out, ring_ref = ring[0].clone(), ring[0].clone()
+    out_d = mla_decode_triton(q, kv, None, table, lens, BS, scale, 512, win_valid=valid,
+                              ring=(ring_out,) + ring[1:], num_splits=num_splits, config=config)
+    check(out_d, mla_decode_reference(q, kv, None, table, lens, BS, scale, 512, win_valid=valid,
+                                      ring=(ring_ref,) + ring[1:]), torch.bfloat16)
+    assert torch.equal(ring_out, ring_ref)
+    check(mla_decode_triton(q, kv, None, table, lens, BS, scale, 512, num_splits=num_splits, config=config),
+          mla_decode_reference(q, kv, None, table, lens, BS, scale, 512), torch.bfloat16)
+    assert "mla_decode_gluon" not in _unusable
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -410,7 +420,8 @@ def test_gluon_override_and_where_it_does_not_apply(device, monkeypatch):
     assert not mla_module.gluon_applies(q[..., :512], kv, plain, True, 16, None)
     monkeypatch.setattr(mla_module, "GLUON_OVERRIDE", True)
     assert mla_module.gluon_applies(q[..., :512], kv, plain, True, 16, None) == on_hopper
-    assert not mla_module.gluon_applies(q[..., :512], kv, plain, False, 16, None)  # positions, not slots
+    assert not mla_module.gluon_applies(q[..., :512], kv, plain, False, 16, None)  # top-k positions, not slots
+    assert not mla_module.gluon_applies(q[..., :512], kv[:, 1:], plain, True, 16, None)  # rows off 16 bytes
     assert not mla_module.gluon_applies(q[..., :512], kv, plain, True, 32, None)  # more than 16 heads a group
     kv8, kv_scale = quantize_kv(kv)
     assert not mla_module.gluon_applies(q[..., :512], kv8, plain, True, 16, None)
