@@ -421,7 +421,8 @@ def test_gluon_override_and_where_it_does_not_apply(device, monkeypatch):
     monkeypatch.setattr(mla_module, "GLUON_OVERRIDE", True)
     assert mla_module.gluon_applies(q[..., :512], kv, plain, True, 16, None) == on_hopper
     assert not mla_module.gluon_applies(q[..., :512], kv, plain, False, 16, None)  # top-k positions, not slots
-    assert not mla_module.gluon_applies(q[..., :512], kv[:, 1:], plain, True, 16, None)  # rows off 16 bytes
+    assert mla_module.gluon_applies(q[..., :512], kv, plain, True, 16, None, kv) == on_hopper
+    assert not mla_module.gluon_applies(q[..., :512], kv, plain, True, 16, None, kv[:, 1:])  # rows off 16 bytes
     assert not mla_module.gluon_applies(q[..., :512], kv, plain, True, 32, None)  # more than 16 heads a group
     kv8, kv_scale = quantize_kv(kv)
     assert not mla_module.gluon_applies(q[..., :512], kv8, plain, True, 16, None)
