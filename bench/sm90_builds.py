@@ -92,7 +92,7 @@ def main(argv=None) -> None:
     ap.add_argument("--fp8", action="store_true", help="FP8 KV instead of bf16")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    rows = [build(fn, n, w, s, args.fp8) for fn, n, w, s in BUILDS + ([] if args.fp8 else GLUON_BUILDS)]
+    rows = [build(fn, n, w, s, args.fp8) for fn, n, w, s in BUILDS + GLUON_BUILDS]
     print("| kernel | KV | tile, warps, stages | registers | spill bytes | shared KB | wgmma | mma.sync |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:

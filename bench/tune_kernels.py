@@ -34,7 +34,7 @@ MLA_SPACE = dict(block_n=(32, 64), num_warps=(4, 8), num_stages=(2, 3), waves=(1
 # of them fill shared memory), bf16 KV only (its FP8 builds spill about 0.9 KB a thread).
 MLA_ROWS_SPACE = dict(block_n=(64,), num_warps=(4, 8), num_stages=(2,), waves=(1, 2), min_tiles=(1, 4),
                       keys_rows=(True,))
-# The Gluon form of keys as rows (kernels/mla_decode_gluon.py): bf16 KV only.
+# The Gluon form of keys as rows (kernels/mla_decode_gluon.py), bf16 or FP8 KV.
 MLA_GLUON_SPACE = dict(MLA_ROWS_SPACE, gluon=(True,))
 SCORE_SPACE = dict(tile=(64, 128, 256, 512), num_warps=(2, 4, 8))
 
@@ -112,7 +112,7 @@ def tune_mla(batches, device, shapes=None) -> tuple[dict, list[dict]]:
             return mla_decode_triton(q, kv, scale, tables, lens, BLOCK, 192 ** -0.5, KV_LORA, topk_pos=topk_pos,
                                      win_valid=win_valid, ring=ring, config=cfg)
         ref = run(None)
-        space = [MLA_SPACE] + ([MLA_ROWS_SPACE] if not fp8 else []) + ([MLA_GLUON_SPACE] if not fp8 else [])
+        space = [MLA_SPACE] + ([MLA_ROWS_SPACE] if not fp8 else []) + [MLA_GLUON_SPACE]
         fastest = []
         best, us, base = best_of(run, space, ref, tol=3e-2 * ref.float().abs().max().item(), fastest=fastest)
         key = tune_key(b, HEADS, KV_LORA + ROPE, fp8, topk)

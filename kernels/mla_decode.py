@@ -319,14 +319,15 @@ def _rows_aligned(t: torch.Tensor) -> bool:
 
 def gluon_applies(q, kv, config: dict | None, slots: bool, block_h: int, win_kv, *rows) -> bool:
     """Whether the Gluon split kernel (kernels/mla_decode_gluon.py) runs: asked for by the launch
-    configuration (or GLUON_OVERRIDE), on a Hopper GPU, with 16-bit keys and query of one type,
+    configuration (or GLUON_OVERRIDE), on a Hopper GPU, with a 16-bit query and keys of its type
+    or FP8 (window rows of its type),
     global keys given as slots (top-k resolved, or dense rows: `slots`), one 16-head group, a
     latent of at least 64 columns (the products' rows), and key rows (kv, window rows, fresh
     latents: `rows`) that start on 16 bytes."""
     wanted = GLUON_OVERRIDE if GLUON_OVERRIDE is not None else bool((config or {}).get("gluon", False))
     if not wanted or _gluon_split_kernel is None or not q.is_cuda or "mla_decode_gluon" in _unusable:
         return False
-    same_type = kv.dtype == q.dtype and (win_kv is None or win_kv.dtype == q.dtype)
+    same_type = kv.dtype in (q.dtype, FP8_DTYPE) and (win_kv is None or win_kv.dtype == q.dtype)
     return (q.dtype in (torch.bfloat16, torch.float16) and same_type and slots and block_h == 16
             and all(_rows_aligned(t) for t in rows)
             and q.shape[-1] >= 64 and _has_wgmma(q.device.index if q.device.index is not None else

@@ -57,30 +57,69 @@ if gluon is not None:
         return gl.where(start < span, slot >= 0, flag != 0)
 
     @gluon.jit
+    def _window_rows(start, span, num_win, win_row0, stride_wi, fresh_row, BLOCK_N: gl.constexpr,
+                     RING: gl.constexpr, layout: gl.constexpr):
+        """Row pointers of the window keys at range positions start..start+BLOCK_N."""
+        widx = start + gl.arange(0, BLOCK_N, layout=layout) - span
+        if RING:  # ring rows, then the fresh latent as the window's last entry
+            return gl.where(widx < num_win - 1, win_row0 + widx.to(gl.int64) * stride_wi, fresh_row)
+        return win_row0 + widx.to(gl.int64) * stride_wi
+
+    @gluon.jit
+    def _copy_rows(row, valid, safe_row, c_buf, r_buf, kv_lora, BLOCK_C: gl.constexpr, BLOCK_R: gl.constexpr,
+                   layout: gl.constexpr):
+        """Start the copies of a tile's rows into (c_buf, r_buf); rows that are no key are zero-filled
+        (their probability is 0, and 0 x stale bits could be NaN)."""
+        # every row starts 16-byte aligned (the wrapper checks), which the copies need: say so, as the
+        # selects hide it from the compiler
+        row = gl.multiple_of(gl.where(valid, row, safe_row), 16)
+        cols = gl.arange(0, BLOCK_C, layout=gl.SliceLayout(0, layout))
+        _async_load(c_buf, row[:, None] + cols[None, :], mask=valid[:, None])
+        rcols = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(0, layout))
+        _async_load(r_buf, row[:, None] + kv_lora + rcols[None, :], mask=valid[:, None])
+
+    @gluon.jit
     def _issue_tile(start, span, num_win, slot, flag, kv_ptr, stride_kv, win_row0, stride_wi, fresh_row,
                     c_buf, r_buf, kv_lora,
                     BLOCK_N: gl.constexpr, BLOCK_C: gl.constexpr, BLOCK_R: gl.constexpr,
                     RING: gl.constexpr, c_layout: gl.constexpr):
-        """Start the copies of one tile's rows into (c_buf, r_buf); rows that are no key are zero-filled
-        (their probability is 0, and 0 x stale bits could be NaN)."""
-        row_layout: gl.constexpr = gl.SliceLayout(1, c_layout)
-        idx = start + gl.arange(0, BLOCK_N, layout=row_layout)
-        widx = idx - span
-        is_global = start < span
-        valid = _tile_keys(start, span, slot, flag)
-        g_off = slot.to(gl.int64) * stride_kv
-        if RING:  # ring rows, then the fresh latent as the window's last entry
-            w_row = gl.where(widx < num_win - 1, win_row0 + widx.to(gl.int64) * stride_wi, fresh_row)
-        else:
-            w_row = win_row0 + widx.to(gl.int64) * stride_wi
-        row = gl.where(is_global, kv_ptr + g_off, w_row)
-        # every row starts 16-byte aligned (the wrapper checks), which the copies need: say so, as the
-        # selects hide it from the compiler
-        row = gl.multiple_of(gl.where(valid, row, kv_ptr), 16)
-        cols = gl.arange(0, BLOCK_C, layout=gl.SliceLayout(0, c_layout))
-        _async_load(c_buf, row[:, None] + cols[None, :], mask=valid[:, None])
-        rcols = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(0, c_layout))
-        _async_load(r_buf, row[:, None] + kv_lora + rcols[None, :], mask=valid[:, None])
+        """The copies of one tile of the [global, window] range, keys in the query's type."""
+        w_row = _window_rows(start, span, num_win, win_row0, stride_wi, fresh_row, BLOCK_N, RING,
+                             gl.SliceLayout(1, c_layout))
+        row = gl.where(start < span, kv_ptr + slot.to(gl.int64) * stride_kv, w_row)
+        _copy_rows(row, _tile_keys(start, span, slot, flag), kv_ptr, c_buf, r_buf, kv_lora, BLOCK_C, BLOCK_R,
+                   c_layout)
+
+    @gluon.jit
+    def _dequantize(k8_c, k8_r, scale, kb_c, kb_r, BLOCK_C: gl.constexpr, CHUNK: gl.constexpr,
+                    layout: gl.constexpr):
+        """FP8 tile -> the query's type, each row times its scale, in shared memory (Hopper MMAs take
+        FP8 only K-major, and the second product reads the tile transposed)."""
+        dtype: gl.constexpr = kb_c.dtype
+        for c in gl.static_range(0, BLOCK_C, CHUNK):
+            x = k8_c.slice(c, CHUNK, dim=1).load(layout)
+            kb_c.slice(c, CHUNK, dim=1).store((x.to(gl.float32) * scale[:, None]).to(dtype))
+        x = k8_r.load(layout)
+        kb_r.store((x.to(gl.float32) * scale[:, None]).to(dtype))
+
+    @gluon.jit
+    def _tile_update(k_c, k_r, qc_smem, qr_smem, p_smem, key_ok, m, l, acc, qk_scale, s_zero,
+                     head_o: gl.constexpr):
+        """Fold one tile of keys (in shared memory) into every head's running (max, sum, output^T)."""
+        s = warpgroup_mma(k_c, qc_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma(k_r, qr_smem.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+        s = gl.where(key_ok[:, None], s * qk_scale, -1.0e30)
+        m_new = gl.maximum(m, gl.max(s, axis=0))
+        alpha = gl.exp2(m - m_new)
+        p = gl.where(key_ok[:, None], gl.exp2(s - m_new[None, :]), 0.0)
+        l = l * alpha + gl.sum(p, axis=0)
+        p_smem.store(p.to(p_smem.dtype))
+        fence_async_shared()
+        acc = acc * gl.convert_layout(alpha, head_o)[None, :]
+        acc = warpgroup_mma(k_c.permute((1, 0)), p_smem, acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        return m_new, l, acc
 
     @gluon.jit(do_not_specialize=["stride_tb", "table_keys", "num_topk", "num_win", "global_span"])
     def _gluon_split_kernel(
@@ -96,8 +135,7 @@ if gluon is not None:
             IS_FP8: gl.constexpr, HAS_TOPK: gl.constexpr, HAS_WINDOW: gl.constexpr, RING: gl.constexpr,
             PREC: gl.constexpr, SLOTS: gl.constexpr, Q_RELOAD: gl.constexpr, UPCAST: gl.constexpr,
             num_warps: gl.constexpr):
-        gl.static_assert((SLOTS or not HAS_TOPK) and not IS_FP8,
-                         "the Gluon kernel reads resolved top-k slots or dense rows, 16-bit keys")
+        gl.static_assert(SLOTS or not HAS_TOPK, "the Gluon kernel reads resolved top-k slots or dense rows")
         split = gl.program_id(0)
         head_group = gl.program_id(1)
         b = gl.program_id(2)
@@ -131,10 +169,6 @@ if gluon is not None:
                                             gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_C], dtype), qc)
         qr_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_R],
                                             gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_R], dtype), qr)
-        c_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_C],
-                                           gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_C], dtype))
-        r_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_R],
-                                           gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_R], dtype))
         p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_H],
                                            gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], dtype))
 
@@ -161,49 +195,99 @@ if gluon is not None:
             win_row0 = win_ptr + b * stride_wb
             fresh_row = win_row0
 
-        # Prologue: tile 0's copies in flight, tile 1's slots in registers.
-        slot, flag = _tile_entries(v_start, global_span, num_topk, num_win, slots_row, flags_row, g_len,
-                                   block_size, BLOCK_N, HAS_TOPK, HAS_WINDOW, slot_layout)
-        _issue_tile(v_start, global_span, num_win, slot, flag, kv_ptr, stride_kv, win_row0, stride_wi,
-                    fresh_row, c_smem.index(0), r_smem.index(0), kv_lora, BLOCK_N, BLOCK_C, BLOCK_R, RING, c_layout)
-        cp.commit_group()
-        slot, flag = _tile_entries(v_start + BLOCK_N, global_span, num_topk, num_win, slots_row, flags_row, g_len,
-                                   block_size, BLOCK_N, HAS_TOPK, HAS_WINDOW, slot_layout)
-        for t in range(n_tiles):
-            start = v_start + t * BLOCK_N
-            # Tile t+1's copies go out before tile t's products (past the end: every row masked off).
-            nxt = start + BLOCK_N
-            live = nxt < v_end
-            _issue_tile(nxt, global_span, num_win, gl.where(live, slot, -1), gl.where(live, flag, 0),
-                        kv_ptr, stride_kv, win_row0, stride_wi, fresh_row, c_smem.index((t + 1) % 2),
-                        r_smem.index((t + 1) % 2), kv_lora, BLOCK_N, BLOCK_C, BLOCK_R, RING, c_layout)
+        if IS_FP8:
+            # FP8 global tiles: copied (double-buffered, as below) as bytes, then dequantized into one
+            # tile of the query's type that both products read. The window's rows are bf16 already:
+            # copied straight into that tile, one at a time (a split holds at most a few of them).
+            k8_layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (BLOCK_R // 16), BLOCK_R // 16],
+                                                       [num_warps, 1], [1, 0])
+            row8: gl.constexpr = gl.SliceLayout(1, k8_layout)
+            flat: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=1, order=[1, 0])
+            k8_c = gl.allocate_shared_memory(kv_ptr.dtype.element_ty, [2, BLOCK_N, BLOCK_C], flat)
+            k8_r = gl.allocate_shared_memory(kv_ptr.dtype.element_ty, [2, BLOCK_N, BLOCK_R], flat)
+            kb_c = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_C],
+                                             gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_C], dtype))
+            kb_r = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_R],
+                                             gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_R], dtype))
+            g_stop = gl.minimum(v_end, global_span)
+            slot, flag = _tile_entries(v_start, global_span, num_topk, num_win, slots_row, flags_row, g_len,
+                                       block_size, BLOCK_N, HAS_TOPK, HAS_WINDOW, row8)
+            slot = gl.where(v_start < g_stop, slot, -1)
+            scale = gl.load(scale_ptr + slot, mask=slot >= 0, other=0.0)
+            _copy_rows(kv_ptr + slot.to(gl.int64) * stride_kv, slot >= 0, kv_ptr, k8_c.index(0), k8_r.index(0),
+                       kv_lora, BLOCK_C, BLOCK_R, k8_layout)
             cp.commit_group()
-            # tile t's keys, read again in the scores' layout (cached: cheaper than a layout
-            # conversion, which is a shared-memory round trip and a barrier)
-            key_slot, key_flag = _tile_entries(start, global_span, num_topk, num_win, slots_row, flags_row, g_len,
-                                               block_size, BLOCK_N, HAS_TOPK, HAS_WINDOW, key_s)
-            key_ok = _tile_keys(start, global_span, key_slot, key_flag)
-            slot, flag = _tile_entries(nxt + BLOCK_N, global_span, num_topk, num_win, slots_row, flags_row, g_len,
+            slot, flag = _tile_entries(v_start + BLOCK_N, global_span, num_topk, num_win, slots_row, flags_row,
+                                       g_len, block_size, BLOCK_N, HAS_TOPK, HAS_WINDOW, row8)
+            for t in range(gl.cdiv(gl.maximum(g_stop - v_start, 0), BLOCK_N)):
+                start = v_start + t * BLOCK_N
+                nxt = gl.where(start + BLOCK_N < g_stop, slot, -1)
+                _copy_rows(kv_ptr + nxt.to(gl.int64) * stride_kv, nxt >= 0, kv_ptr, k8_c.index((t + 1) % 2),
+                           k8_r.index((t + 1) % 2), kv_lora, BLOCK_C, BLOCK_R, k8_layout)
+                cp.commit_group()
+                next_scale = gl.load(scale_ptr + nxt, mask=nxt >= 0, other=0.0)
+                key_slot, key_flag = _tile_entries(start, global_span, num_topk, num_win, slots_row, flags_row,
+                                                   g_len, block_size, BLOCK_N, HAS_TOPK, HAS_WINDOW, key_s)
+                slot, flag = _tile_entries(start + 2 * BLOCK_N, global_span, num_topk, num_win, slots_row,
+                                           flags_row, g_len, block_size, BLOCK_N, HAS_TOPK, HAS_WINDOW, row8)
+                cp.wait_group(1)
+                _dequantize(k8_c.index(t % 2), k8_r.index(t % 2), scale, kb_c, kb_r, BLOCK_C, 128, k8_layout)
+                fence_async_shared()
+                m, l, acc = _tile_update(kb_c, kb_r, qc_smem, qr_smem, p_smem, key_slot >= 0, m, l, acc, qk_scale,
+                                         s_zero, head_o)
+                scale = next_scale
+            cp.wait_group(0)
+            if HAS_WINDOW:
+                w_lo = gl.maximum(v_start, global_span)
+                for t in range(gl.cdiv(gl.maximum(v_end - w_lo, 0), BLOCK_N)):
+                    start = w_lo + t * BLOCK_N
+                    w_slot, w_flag = _tile_entries(start, global_span, num_topk, num_win, slots_row, flags_row,
+                                                   g_len, block_size, BLOCK_N, HAS_TOPK, HAS_WINDOW, slot_layout)
+                    w_row = _window_rows(start, global_span, num_win, win_row0, stride_wi, fresh_row, BLOCK_N, RING,
+                                         slot_layout)
+                    _copy_rows(w_row, w_flag != 0, win_row0, kb_c, kb_r, kv_lora, BLOCK_C, BLOCK_R, c_layout)
+                    cp.commit_group()
+                    key_slot, key_flag = _tile_entries(start, global_span, num_topk, num_win, slots_row, flags_row,
+                                                       g_len, block_size, BLOCK_N, HAS_TOPK, HAS_WINDOW, key_s)
+                    cp.wait_group(0)
+                    fence_async_shared()
+                    m, l, acc = _tile_update(kb_c, kb_r, qc_smem, qr_smem, p_smem, key_flag != 0, m, l, acc,
+                                             qk_scale, s_zero, head_o)
+        else:
+            c_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_C],
+                                               gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_C], dtype))
+            r_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_R],
+                                               gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_R], dtype))
+            # Prologue: tile 0's copies in flight, tile 1's slots in registers.
+            slot, flag = _tile_entries(v_start, global_span, num_topk, num_win, slots_row, flags_row, g_len,
                                        block_size, BLOCK_N, HAS_TOPK, HAS_WINDOW, slot_layout)
-            cp.wait_group(1)  # tile t has landed (this thread's copies; the barrier before the MMA does the rest)
-            fence_async_shared()
-            k_c = c_smem.index(t % 2)
-            k_r = r_smem.index(t % 2)
-            s = warpgroup_mma(k_c, qc_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            s = warpgroup_mma(k_r, qr_smem.permute((1, 0)), s, is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-            s = gl.where(key_ok[:, None], s * qk_scale, -1.0e30)
-            m_new = gl.maximum(m, gl.max(s, axis=0))
-            alpha = gl.exp2(m - m_new)
-            p = gl.where(key_ok[:, None], gl.exp2(s - m_new[None, :]), 0.0)
-            l = l * alpha + gl.sum(p, axis=0)
-            m = m_new
-            p_smem.store(p.to(dtype))
-            fence_async_shared()
-            acc = acc * gl.convert_layout(alpha, head_o)[None, :]
-            acc = warpgroup_mma(k_c.permute((1, 0)), p_smem, acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        cp.wait_group(0)
+            _issue_tile(v_start, global_span, num_win, slot, flag, kv_ptr, stride_kv, win_row0, stride_wi,
+                        fresh_row, c_smem.index(0), r_smem.index(0), kv_lora, BLOCK_N, BLOCK_C, BLOCK_R, RING,
+                        c_layout)
+            cp.commit_group()
+            slot, flag = _tile_entries(v_start + BLOCK_N, global_span, num_topk, num_win, slots_row, flags_row,
+                                       g_len, block_size, BLOCK_N, HAS_TOPK, HAS_WINDOW, slot_layout)
+            for t in range(n_tiles):
+                start = v_start + t * BLOCK_N
+                # Tile t+1's copies go out before tile t's products (past the end: every row masked off).
+                nxt = start + BLOCK_N
+                live = nxt < v_end
+                _issue_tile(nxt, global_span, num_win, gl.where(live, slot, -1), gl.where(live, flag, 0),
+                            kv_ptr, stride_kv, win_row0, stride_wi, fresh_row, c_smem.index((t + 1) % 2),
+                            r_smem.index((t + 1) % 2), kv_lora, BLOCK_N, BLOCK_C, BLOCK_R, RING, c_layout)
+                cp.commit_group()
+                # tile t's keys, read again in the scores' layout (cached: cheaper than a layout
+                # conversion, which is a shared-memory round trip and a barrier)
+                key_slot, key_flag = _tile_entries(start, global_span, num_topk, num_win, slots_row, flags_row,
+                                                   g_len, block_size, BLOCK_N, HAS_TOPK, HAS_WINDOW, key_s)
+                key_ok = _tile_keys(start, global_span, key_slot, key_flag)
+                slot, flag = _tile_entries(nxt + BLOCK_N, global_span, num_topk, num_win, slots_row, flags_row,
+                                           g_len, block_size, BLOCK_N, HAS_TOPK, HAS_WINDOW, slot_layout)
+                cp.wait_group(1)  # tile t landed (this thread's copies; the barrier before the MMA: the rest)
+                fence_async_shared()
+                m, l, acc = _tile_update(c_smem.index(t % 2), r_smem.index(t % 2), qc_smem, qr_smem, p_smem,
+                                         key_ok, m, l, acc, qk_scale, s_zero, head_o)
+            cp.wait_group(0)
 
         if RING:
             if (split == num_splits - 1) & (head_group == 0):

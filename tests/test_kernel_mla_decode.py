@@ -368,52 +368,57 @@ def _gluon_case(device, heads, g_lens, topk_n, w, seed):
 @pytest.mark.parametrize("heads", [16, 5])
 @pytest.mark.parametrize("num_warps", [4, 8])
 @pytest.mark.parametrize("num_splits", [1, 3, 7, None])
-def test_gluon_split_kernel(device, heads, num_warps, num_splits):
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gluon_split_kernel(device, heads, num_warps, num_splits, fp8):
     """The Gluon split kernel (kernels/mla_decode_gluon.py, Hopper only) against the reference:
     top-k entries that are -1, past the length or repeated, a ring window with masked entries
     read in place and written, splits holding global tiles, window tiles or both (200 top-k
-    entries: a partial last global tile). Elsewhere the same configuration runs the Triton
-    keys-as-rows kernel, which must give the same answer."""
+    entries: a partial last global tile); bf16 and FP8 global keys (the window stays bf16).
+    Elsewhere the same configuration runs the Triton kernels, which must give the same answer."""
     from kernels import _unusable
     g_lens, w = [150, 9, 300, 64], 100
     q, kv, table, lens, topk, ring, valid = _gluon_case(device, heads, g_lens, 200, w, seed=13)
+    kv_scale = None
+    if fp8:
+        kv, kv_scale = quantize_kv(kv)
     config = dict(block_n=64, num_warps=num_warps, num_stages=2, waves=1, min_tiles=1, keys_rows=True, gluon=True)
     on_hopper = device == "cuda" and torch.cuda.get_device_capability()[0] == 9
     assert mla_module.gluon_applies(q[..., :512], kv, config, True, 16, ring[0]) == on_hopper
     scale = 576 ** -0.5
     ring_out, ring_ref = ring[0].clone(), ring[0].clone()
-    out = mla_decode_triton(q, kv, None, table, lens, BS, scale, 512, topk_pos=topk, win_valid=valid,
+    out = mla_decode_triton(q, kv, kv_scale, table, lens, BS, scale, 512, topk_pos=topk, win_valid=valid,
                             ring=(ring_out,) + ring[1:], num_splits=num_splits, config=config)
-    ref = mla_decode_reference(q, kv, None, table, lens, BS, scale, 512, topk_pos=topk, win_valid=valid,
+    ref = mla_decode_reference(q, kv, kv_scale, table, lens, BS, scale, 512, topk_pos=topk, win_valid=valid,
                                ring=(ring_ref,) + ring[1:])
     assert "mla_decode_gluon" not in _unusable
     check(out, ref, torch.bfloat16)
     assert torch.equal(ring_out, ring_ref)
     # the window passed as rows (as prefill chunks pass it) gives the same
     win = torch.cat([ring[0][ring[1]], ring[2][:, None]], dim=1)
-    out_rows = mla_decode_triton(q, kv, None, table, lens, BS, scale, 512, topk_pos=topk, win_kv=win,
+    out_rows = mla_decode_triton(q, kv, kv_scale, table, lens, BS, scale, 512, topk_pos=topk, win_kv=win,
                                  win_valid=valid, num_splits=num_splits, config=config)
     check(out_rows, ref, torch.bfloat16)
     # no window at all
-    out_g = mla_decode_triton(q, kv, None, table, lens, BS, scale, 512, topk_pos=topk, num_splits=num_splits,
+    out_g = mla_decode_triton(q, kv, kv_scale, table, lens, BS, scale, 512, topk_pos=topk, num_splits=num_splits,
                               config=config)
-    check(out_g, mla_decode_reference(q, kv, None, table, lens, BS, scale, 512, topk_pos=topk), torch.bfloat16)
+    check(out_g, mla_decode_reference(q, kv, kv_scale, table, lens, BS, scale, 512, topk_pos=topk), torch.bfloat16)
     # dense rows (every position below the length, through the block table), with and without the ring
     ring_out, ring_ref = ring[0].clone(), ring[0].clone()
-    out_d = mla_decode_triton(q, kv, None, table, lens, BS, scale, 512, win_valid=valid,
+    out_d = mla_decode_triton(q, kv, kv_scale, table, lens, BS, scale, 512, win_valid=valid,
                               ring=(ring_out,) + ring[1:], num_splits=num_splits, config=config)
-    check(out_d, mla_decode_reference(q, kv, None, table, lens, BS, scale, 512, win_valid=valid,
+    check(out_d, mla_decode_reference(q, kv, kv_scale, table, lens, BS, scale, 512, win_valid=valid,
                                       ring=(ring_ref,) + ring[1:]), torch.bfloat16)
     assert torch.equal(ring_out, ring_ref)
-    check(mla_decode_triton(q, kv, None, table, lens, BS, scale, 512, num_splits=num_splits, config=config),
-          mla_decode_reference(q, kv, None, table, lens, BS, scale, 512), torch.bfloat16)
+    check(mla_decode_triton(q, kv, kv_scale, table, lens, BS, scale, 512, num_splits=num_splits, config=config),
+          mla_decode_reference(q, kv, kv_scale, table, lens, BS, scale, 512), torch.bfloat16)
     assert "mla_decode_gluon" not in _unusable
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_gluon_override_and_where_it_does_not_apply(device, monkeypatch):
-    """GLUON_OVERRIDE forces the Gluon kernel on or off whatever the configuration says; FP8 keys
-    and dense rows never take it (they run the Triton kernels, with the same answer)."""
+    """GLUON_OVERRIDE forces the Gluon kernel on or off whatever the configuration says; top-k
+    positions not resolved to slots, head groups over 16, rows off 16 bytes and window rows not of
+    the query's type never take it (they run the Triton kernels, with the same answer)."""
     q, kv, table, lens, topk, ring, valid = _gluon_case(device, 16, [70, 130], 128, 8, seed=14)
     on_hopper = device == "cuda" and torch.cuda.get_device_capability()[0] == 9
     plain = dict(block_n=64, num_warps=4, num_stages=2, waves=1, min_tiles=1, keys_rows=True)
@@ -425,7 +430,8 @@ def test_gluon_override_and_where_it_does_not_apply(device, monkeypatch):
     assert not mla_module.gluon_applies(q[..., :512], kv, plain, True, 16, None, kv[:, 1:])  # rows off 16 bytes
     assert not mla_module.gluon_applies(q[..., :512], kv, plain, True, 32, None)  # more than 16 heads a group
     kv8, kv_scale = quantize_kv(kv)
-    assert not mla_module.gluon_applies(q[..., :512], kv8, plain, True, 16, None)
+    assert mla_module.gluon_applies(q[..., :512], kv8, plain, True, 16, None) == on_hopper
+    assert not mla_module.gluon_applies(q[..., :512], kv8, plain, True, 16, kv.float())  # window rows not bf16
     scale = 576 ** -0.5
     ref = mla_decode_reference(q, kv, None, table, lens, BS, scale, 512, topk_pos=topk)
     check(mla_decode_triton(q, kv, None, table, lens, BS, scale, 512, topk_pos=topk, config=plain), ref,
