@@ -112,14 +112,14 @@ def tune_mla(batches, device, shapes=None) -> tuple[dict, list[dict]]:
             return mla_decode_triton(q, kv, scale, tables, lens, BLOCK, 192 ** -0.5, KV_LORA, topk_pos=topk_pos,
                                      win_valid=win_valid, ring=ring, config=cfg)
         ref = run(None)
-        space = [MLA_SPACE] + ([MLA_ROWS_SPACE] if not fp8 else []) + [MLA_GLUON_SPACE]
+        spaces = dict(heads_rows_us=MLA_SPACE, keys_rows_us=None if fp8 else MLA_ROWS_SPACE, gluon_us=MLA_GLUON_SPACE)
+        spaces = {name: space for name, space in spaces.items() if space is not None}
         fastest = []
-        best, us, base = best_of(run, space, ref, tol=3e-2 * ref.float().abs().max().item(), fastest=fastest)
+        best, us, base = best_of(run, list(spaces.values()), ref, tol=3e-2 * ref.float().abs().max().item(),
+                                 fastest=fastest)
         key = tune_key(b, HEADS, KV_LORA + ROPE, fp8, topk)
-        # the best heads-as-rows and keys-as-rows times, side by side
-        record("mla_decode", key, best, us, base, entries, rows, heads_rows_us=fastest[0],
-               keys_rows_us=fastest[1] if len(fastest) > 1 else None,
-               gluon_us=fastest[2] if len(fastest) > 2 else None)
+        # the best of each kernel form, side by side
+        record("mla_decode", key, best, us, base, entries, rows, **dict(zip(spaces, fastest)))
     return entries, rows
 
 

@@ -406,6 +406,14 @@ def mla_decode_triton(q, kv, kv_scale, block_tables, g_lens, block_size: int, sm
     waves, min_tiles = 2, 4
     if config is None and q.dtype != torch.float32:
         config = tuned_config(q.device, "mla_decode", tune_key(b, h, d, is_fp8, has_topk))
+    window_rows = (win_kv,) if has_window else ()
+    rows = (kv, *window_rows) + (() if ring is None else (fresh,))
+    gluon = gluon_applies(q, kv, config, bool((config or {}).get("slots", True)) or not has_topk, block_h,
+                          window_rows[0] if has_window else None, *rows)
+    if (config or {}).get("gluon") and not gluon:
+        # a Gluon entry where Gluon cannot run (another Triton, FP8 keys as rows spill): the built-in
+        # choice, not that entry's numbers
+        config = None
     if config:
         block_n, num_warps, num_stages = config["block_n"], config["num_warps"], config["num_stages"]
         waves, min_tiles = config["waves"], config["min_tiles"]
@@ -415,8 +423,7 @@ def mla_decode_triton(q, kv, kv_scale, block_tables, g_lens, block_size: int, sm
     q_reload = bool((config or {}).get("q_reload", False))
     # Keys as the rows of both products (kernels/mla_decode_rows.py); q_reload has no meaning there.
     split_kernel = _rows_split_kernel if (config or {}).get("keys_rows", False) else _split_kernel
-    if gluon_applies(q, kv, config, slots or not has_topk, block_h, win_kv, kv, *(() if win_kv is None else (win_kv,)),
-                     *(() if fresh is None else (fresh,))):
+    if gluon:
         split_kernel, block_n, num_warps = _gluon_split_kernel, 64, (config or {}).get("num_warps", 4)
     if slots:
         resolved = torch.empty(b, n_cap, dtype=torch.int32, device=q.device)

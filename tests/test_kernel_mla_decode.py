@@ -440,3 +440,30 @@ def test_gluon_override_and_where_it_does_not_apply(device, monkeypatch):
     assert not mla_module.gluon_applies(q[..., :512], kv, dict(plain, gluon=True), True, 16, None)
     check(mla_decode_triton(q, kv, None, table, lens, BS, scale, 512, topk_pos=topk, config=dict(plain, gluon=True)),
           ref, torch.bfloat16)
+
+
+class _LaunchSpy:
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gluon_entry_where_gluon_cannot_run_takes_the_built_in_choice(device, monkeypatch):
+    """A tuned Gluon entry (64-key tiles as rows) on a GPU or Triton where the Gluon kernel cannot
+    run must not run the Triton keys-as-rows kernel with that entry's numbers (with FP8 keys its
+    builds spill): the built-in choice runs instead, heads as rows."""
+    q, kv, table, lens, topk, ring, valid = _gluon_case(device, 16, [70, 130], 128, 8, seed=15)
+    kv8, kv_scale = quantize_kv(kv)
+    entry = dict(block_n=64, num_warps=4, num_stages=2, waves=1, min_tiles=4, keys_rows=True, gluon=True)
+    on_hopper = device == "cuda" and torch.cuda.get_device_capability()[0] == 9
+    heads, rows = _LaunchSpy(mla_module._split_kernel), _LaunchSpy(mla_module._rows_split_kernel)
+    monkeypatch.setattr(mla_module, "_split_kernel", heads)
+    monkeypatch.setattr(mla_module, "_rows_split_kernel", rows)
+    scale = 576 ** -0.5
+    out = mla_decode_triton(q, kv8, kv_scale, table, lens, BS, scale, 512, topk_pos=topk, config=entry)
+    check(out, mla_decode_reference(q, kv8, kv_scale, table, lens, BS, scale, 512, topk_pos=topk), torch.bfloat16)
+    assert rows.launches == 0 and heads.launches == (0 if on_hopper else 1)
