@@ -357,9 +357,12 @@ _SELECT_BLOCK = 1024
 _EMIT_SUMS = 1024
 
 
-def kth_scores(scores: torch.Tensor, k: int, method: str | None = None) -> torch.Tensor:
+def kth_scores(scores: torch.Tensor, k: int, method: str | None = None, span: int | None = None,
+               block: int | None = None, num_warps: int = 8) -> torch.Tensor:
     """[B] fp32: each row's k-th largest score (1 <= k <= width), by `method` 'radix' (four 8-bit
-    histogram passes over the scores' bits, no sort) or 'topk' (torch.topk); None picks by width."""
+    histogram passes over the scores' bits, no sort) or 'topk' (torch.topk); None picks by width.
+    span (positions a radix program counts), block (its loop step) and num_warps override the
+    built-in launch choice (bench.probe_radix times them)."""
     num_seqs, width = scores.shape
     method = method or ("radix" if width <= RADIX_MAX_WIDTH else "topk")
     if method == "topk":
@@ -369,13 +372,17 @@ def kth_scores(scores: torch.Tensor, k: int, method: str | None = None) -> torch
     rank = torch.empty_like(prefix)
     kth = torch.empty(num_seqs, device=scores.device, dtype=torch.float32)
     # Fixed block sizes (short rows are masked): one build per pass for every width.
-    block = _SELECT_BLOCK
-    span = max(block, min(4096, _next_pow2(width, 16)))
-    while span > block and num_seqs * triton.cdiv(width, span) < _RADIX_PROGRAMS:
-        span //= 2
+    block = block or _SELECT_BLOCK
+    if span is None:
+        span = max(block, min(4096, _next_pow2(width, 16)))
+        while span > block and num_seqs * triton.cdiv(width, span) < _RADIX_PROGRAMS:
+            span //= 2
+    if span % block:
+        raise ValueError(f"span {span} must be a multiple of block {block}")
     for p in range(4):
         _radix_pass_kernel[(num_seqs, triton.cdiv(width, span))](
-            scores, hist, prefix, scores.stride(0), width, num_seqs, span, PASS=p, BLOCK=block, num_warps=8)
+            scores, hist, prefix, scores.stride(0), width, num_seqs, span, PASS=p, BLOCK=block,
+            num_warps=num_warps)
         _radix_state_kernel[(num_seqs,)](hist, prefix, rank, kth, num_seqs, k, PASS=p, num_warps=1)
     return kth
 

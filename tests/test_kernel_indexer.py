@@ -230,6 +230,19 @@ def test_radix_select_over_several_pass_chunks(device, programs, monkeypatch):
             assert kth_scores(scores[row:row + 1], k, method).item() == want.item()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_radix_launch_overrides(device):
+    """span / block / warps given by the caller (bench.probe_radix) find the same k-th scores; a
+    span that is not a whole number of blocks is refused."""
+    g = torch.Generator().manual_seed(8)
+    scores = (1.0 + torch.randint(0, 500, (2, 3000), generator=g).float() / 1024).to(device)
+    want = scores.sort(dim=1, descending=True).values[:, 299]
+    for span, block, warps in ((512, 256, 4), (1024, 512, 8), (4096, 1024, 8)):
+        assert torch.equal(kth_scores(scores, 300, "radix", span, block, warps), want)
+    with pytest.raises(ValueError, match="multiple of block"):
+        kth_scores(scores, 300, "radix", span=768, block=512)
+
+
 def test_row_method_rejects_rows_wider_than_it_holds():
     import kernels.indexer as mod
     scores = torch.zeros(1, mod.ROW_MAX_WIDTH + 1, device=TRITON_DEVICE)
