@@ -34,8 +34,9 @@ MLA_SPACE = dict(block_n=(32, 64), num_warps=(4, 8), num_stages=(2, 3), waves=(1
 # of them fill shared memory), bf16 KV only (its FP8 builds spill about 0.9 KB a thread).
 MLA_ROWS_SPACE = dict(block_n=(64,), num_warps=(4, 8), num_stages=(2,), waves=(1, 2), min_tiles=(1, 4),
                       keys_rows=(True,))
-# The Gluon form of keys as rows (kernels/mla_decode_gluon.py), bf16 or FP8 KV.
-MLA_GLUON_SPACE = dict(MLA_ROWS_SPACE, gluon=(True,))
+# The Gluon form of keys as rows (kernels/mla_decode_gluon.py), bf16 or FP8 KV; top-k positions
+# resolved by their own launch first (slots) or inside the kernel.
+MLA_GLUON_SPACE = dict(MLA_ROWS_SPACE, gluon=(True,), slots=(True, False))
 SCORE_SPACE = dict(tile=(64, 128, 256, 512), num_warps=(2, 4, 8))
 
 

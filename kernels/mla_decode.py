@@ -317,18 +317,16 @@ def _rows_aligned(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0 and all(s % width == 0 for s in t.stride()[:-1])
 
 
-def gluon_applies(q, kv, config: dict | None, slots: bool, block_h: int, win_kv, *rows) -> bool:
+def gluon_applies(q, kv, config: dict | None, block_h: int, win_kv, *rows) -> bool:
     """Whether the Gluon split kernel (kernels/mla_decode_gluon.py) runs: asked for by the launch
     configuration (or GLUON_OVERRIDE), on a Hopper GPU, with a 16-bit query and keys of its type
-    or FP8 (window rows of its type),
-    global keys given as slots (top-k resolved, or dense rows: `slots`), one 16-head group, a
-    latent of at least 64 columns (the products' rows), and key rows (kv, window rows, fresh
-    latents: `rows`) that start on 16 bytes."""
+    or FP8 (window rows of its type), one 16-head group, a latent of at least 64 columns (the
+    products' rows), and key rows (kv, window rows, fresh latents: `rows`) that start on 16 bytes."""
     wanted = GLUON_OVERRIDE if GLUON_OVERRIDE is not None else bool((config or {}).get("gluon", False))
     if not wanted or _gluon_split_kernel is None or not q.is_cuda or "mla_decode_gluon" in _unusable:
         return False
     same_type = kv.dtype in (q.dtype, FP8_DTYPE) and (win_kv is None or win_kv.dtype == q.dtype)
-    return (q.dtype in (torch.bfloat16, torch.float16) and same_type and slots and block_h == 16
+    return (q.dtype in (torch.bfloat16, torch.float16) and same_type and block_h == 16
             and all(_rows_aligned(t) for t in rows)
             and q.shape[-1] >= 64 and _has_wgmma(q.device.index if q.device.index is not None else
                                                   torch.cuda.current_device()))
@@ -408,8 +406,7 @@ def mla_decode_triton(q, kv, kv_scale, block_tables, g_lens, block_size: int, sm
         config = tuned_config(q.device, "mla_decode", tune_key(b, h, d, is_fp8, has_topk))
     window_rows = (win_kv,) if has_window else ()
     rows = (kv, *window_rows) + (() if ring is None else (fresh,))
-    gluon = gluon_applies(q, kv, config, bool((config or {}).get("slots", True)) or not has_topk, block_h,
-                          window_rows[0] if has_window else None, *rows)
+    gluon = gluon_applies(q, kv, config, block_h, window_rows[0] if has_window else None, *rows)
     if (config or {}).get("gluon") and not gluon:
         # a Gluon entry where Gluon cannot run (another Triton, FP8 keys as rows spill): the built-in
         # choice, not that entry's numbers
@@ -419,6 +416,7 @@ def mla_decode_triton(q, kv, kv_scale, block_tables, g_lens, block_size: int, sm
         waves, min_tiles = config["waves"], config["min_tiles"]
     # Top-k positions resolved to slots first: 20% less time at batch 64 on the H200, the same at
     # batch 16 (bench.probe_mla). Reloading q per tile: within 1-4%, so off unless a config asks.
+    # The Gluon kernel resolves positions itself when its configuration says slots: false.
     slots = has_topk and bool((config or {}).get("slots", True))
     q_reload = bool((config or {}).get("q_reload", False))
     # Keys as the rows of both products (kernels/mla_decode_rows.py); q_reload has no meaning there.

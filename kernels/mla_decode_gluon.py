@@ -31,19 +31,35 @@ BLOCK_N = 64  # keys a tile: the row block of both products (a Hopper MMA wants 
 if gluon is not None:
 
     @gluon.jit
-    def _tile_entries(start, span, num_topk, num_win, slots_row, flags_row, g_len, block_size,
-                      BLOCK_N: gl.constexpr, HAS_TOPK: gl.constexpr, HAS_WINDOW: gl.constexpr,
-                      layout: gl.constexpr):
+    def _tile_entries(start, seq, BLOCK_N: gl.constexpr, HAS_TOPK: gl.constexpr, SLOTS: gl.constexpr,
+                      HAS_WINDOW: gl.constexpr, layout: gl.constexpr, KEYS_ONLY: gl.constexpr = False):
         """The tile at range position `start`: its slots (global tiles; -1 = no key) and window flags.
         Loaded one tile ahead of their copies, so their latency hides behind a tile's products.
-        With top-k, slots_row is the sequence's resolved slots; without, its block-table row."""
+        seq: the sequence's (top-k row, block-table row, window-flag row, length, top-k count, window
+        keys, global span, block size). The top-k row holds slots (SLOTS) or positions, resolved
+        here through the block table; dense (no top-k): positions 0..length-1 through the table.
+        KEYS_ONLY: only whether each entry is a key (slot 0 or -1), without the table read."""
+        slots_row, table_row, flags_row, g_len, num_topk, num_win, span, block_size = seq
         idx = start + gl.arange(0, BLOCK_N, layout=layout)
+        in_span = start < span
         if HAS_TOPK:
-            slot = gl.load(slots_row + idx, mask=(idx < num_topk) & (start < span), other=-1)
-        else:  # dense: positions 0..g_len-1 through the block table
-            ok = (idx < g_len) & (start < span)
-            block = gl.load(slots_row + idx // block_size, mask=ok, other=0)
-            slot = gl.where(ok, block * block_size + idx % block_size, -1)
+            pos = gl.load(slots_row + idx, mask=(idx < num_topk) & in_span, other=-1)
+            if SLOTS:
+                slot = pos
+            else:
+                ok = (pos >= 0) & (pos < g_len)
+                if KEYS_ONLY:
+                    slot = gl.where(ok, 0, -1)
+                else:
+                    block = gl.load(table_row + pos // block_size, mask=ok, other=0)
+                    slot = gl.where(ok, block * block_size + pos % block_size, -1)
+        else:
+            ok = (idx < g_len) & in_span
+            if KEYS_ONLY:
+                slot = gl.where(ok, 0, -1)
+            else:
+                block = gl.load(table_row + idx // block_size, mask=ok, other=0)
+                slot = gl.where(ok, block * block_size + idx % block_size, -1)
         if HAS_WINDOW:
             widx = idx - span
             flag = gl.load(flags_row + widx, mask=(widx >= 0) & (widx < num_win), other=0)
@@ -135,7 +151,6 @@ if gluon is not None:
             IS_FP8: gl.constexpr, HAS_TOPK: gl.constexpr, HAS_WINDOW: gl.constexpr, RING: gl.constexpr,
             PREC: gl.constexpr, SLOTS: gl.constexpr, Q_RELOAD: gl.constexpr, UPCAST: gl.constexpr,
             num_warps: gl.constexpr):
-        gl.static_assert(SLOTS or not HAS_TOPK, "the Gluon kernel reads resolved top-k slots or dense rows")
         split = gl.program_id(0)
         head_group = gl.program_id(1)
         b = gl.program_id(2)
@@ -181,13 +196,11 @@ if gluon is not None:
         v_start = split * keys_per_split
         v_end = gl.minimum(v_start + keys_per_split, global_span + num_win)
         n_tiles = gl.cdiv(gl.maximum(v_end - v_start, 0), BLOCK_N)
-        if HAS_TOPK:
-            slots_row = topk_ptr + b * stride_topk
-            g_len = 0
-        else:
-            slots_row = table_ptr + b * stride_tb
-            g_len = gl.minimum(gl.load(glen_ptr + b), table_keys)
+        slots_row = topk_ptr + b * stride_topk
+        table_row = table_ptr + b * stride_tb
+        g_len = gl.minimum(gl.load(glen_ptr + b), table_keys)
         flags_row = wvalid_ptr + b * stride_vb
+        seq = (slots_row, table_row, flags_row, g_len, num_topk, num_win, global_span, block_size)
         if RING:
             win_row0 = win_ptr + gl.load(ring_slot_ptr + b).to(gl.int64) * stride_wb
             fresh_row = fresh_ptr + b * stride_fb
@@ -210,15 +223,13 @@ if gluon is not None:
             kb_r = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_R],
                                              gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_R], dtype))
             g_stop = gl.minimum(v_end, global_span)
-            slot, flag = _tile_entries(v_start, global_span, num_topk, num_win, slots_row, flags_row, g_len,
-                                       block_size, BLOCK_N, HAS_TOPK, HAS_WINDOW, row8)
+            slot, flag = _tile_entries(v_start, seq, BLOCK_N, HAS_TOPK, SLOTS, HAS_WINDOW, row8)
             slot = gl.where(v_start < g_stop, slot, -1)
             scale = gl.load(scale_ptr + slot, mask=slot >= 0, other=0.0)
             _copy_rows(kv_ptr + slot.to(gl.int64) * stride_kv, slot >= 0, kv_ptr, k8_c.index(0), k8_r.index(0),
                        kv_lora, BLOCK_C, BLOCK_R, k8_layout)
             cp.commit_group()
-            slot, flag = _tile_entries(v_start + BLOCK_N, global_span, num_topk, num_win, slots_row, flags_row,
-                                       g_len, block_size, BLOCK_N, HAS_TOPK, HAS_WINDOW, row8)
+            slot, flag = _tile_entries(v_start + BLOCK_N, seq, BLOCK_N, HAS_TOPK, SLOTS, HAS_WINDOW, row8)
             for t in range(gl.cdiv(gl.maximum(g_stop - v_start, 0), BLOCK_N)):
                 start = v_start + t * BLOCK_N
                 nxt = gl.where(start + BLOCK_N < g_stop, slot, -1)
@@ -226,10 +237,8 @@ if gluon is not None:
                            k8_r.index((t + 1) % 2), kv_lora, BLOCK_C, BLOCK_R, k8_layout)
                 cp.commit_group()
                 next_scale = gl.load(scale_ptr + nxt, mask=nxt >= 0, other=0.0)
-                key_slot, key_flag = _tile_entries(start, global_span, num_topk, num_win, slots_row, flags_row,
-                                                   g_len, block_size, BLOCK_N, HAS_TOPK, HAS_WINDOW, key_s)
-                slot, flag = _tile_entries(start + 2 * BLOCK_N, global_span, num_topk, num_win, slots_row,
-                                           flags_row, g_len, block_size, BLOCK_N, HAS_TOPK, HAS_WINDOW, row8)
+                key_slot, key_flag = _tile_entries(start, seq, BLOCK_N, HAS_TOPK, SLOTS, HAS_WINDOW, key_s, True)
+                slot, flag = _tile_entries(start + 2 * BLOCK_N, seq, BLOCK_N, HAS_TOPK, SLOTS, HAS_WINDOW, row8)
                 cp.wait_group(1)
                 _dequantize(k8_c.index(t % 2), k8_r.index(t % 2), scale, kb_c, kb_r, BLOCK_C, 128, k8_layout)
                 fence_async_shared()
@@ -241,14 +250,12 @@ if gluon is not None:
                 w_lo = gl.maximum(v_start, global_span)
                 for t in range(gl.cdiv(gl.maximum(v_end - w_lo, 0), BLOCK_N)):
                     start = w_lo + t * BLOCK_N
-                    w_slot, w_flag = _tile_entries(start, global_span, num_topk, num_win, slots_row, flags_row,
-                                                   g_len, block_size, BLOCK_N, HAS_TOPK, HAS_WINDOW, slot_layout)
+                    w_slot, w_flag = _tile_entries(start, seq, BLOCK_N, HAS_TOPK, SLOTS, HAS_WINDOW, slot_layout)
                     w_row = _window_rows(start, global_span, num_win, win_row0, stride_wi, fresh_row, BLOCK_N, RING,
                                          slot_layout)
                     _copy_rows(w_row, w_flag != 0, win_row0, kb_c, kb_r, kv_lora, BLOCK_C, BLOCK_R, c_layout)
                     cp.commit_group()
-                    key_slot, key_flag = _tile_entries(start, global_span, num_topk, num_win, slots_row, flags_row,
-                                                       g_len, block_size, BLOCK_N, HAS_TOPK, HAS_WINDOW, key_s)
+                    key_slot, key_flag = _tile_entries(start, seq, BLOCK_N, HAS_TOPK, SLOTS, HAS_WINDOW, key_s, True)
                     cp.wait_group(0)
                     fence_async_shared()
                     m, l, acc = _tile_update(kb_c, kb_r, qc_smem, qr_smem, p_smem, key_flag != 0, m, l, acc,
@@ -259,14 +266,12 @@ if gluon is not None:
             r_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_R],
                                                gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_R], dtype))
             # Prologue: tile 0's copies in flight, tile 1's slots in registers.
-            slot, flag = _tile_entries(v_start, global_span, num_topk, num_win, slots_row, flags_row, g_len,
-                                       block_size, BLOCK_N, HAS_TOPK, HAS_WINDOW, slot_layout)
+            slot, flag = _tile_entries(v_start, seq, BLOCK_N, HAS_TOPK, SLOTS, HAS_WINDOW, slot_layout)
             _issue_tile(v_start, global_span, num_win, slot, flag, kv_ptr, stride_kv, win_row0, stride_wi,
                         fresh_row, c_smem.index(0), r_smem.index(0), kv_lora, BLOCK_N, BLOCK_C, BLOCK_R, RING,
                         c_layout)
             cp.commit_group()
-            slot, flag = _tile_entries(v_start + BLOCK_N, global_span, num_topk, num_win, slots_row, flags_row,
-                                       g_len, block_size, BLOCK_N, HAS_TOPK, HAS_WINDOW, slot_layout)
+            slot, flag = _tile_entries(v_start + BLOCK_N, seq, BLOCK_N, HAS_TOPK, SLOTS, HAS_WINDOW, slot_layout)
             for t in range(n_tiles):
                 start = v_start + t * BLOCK_N
                 # Tile t+1's copies go out before tile t's products (past the end: every row masked off).
@@ -278,11 +283,9 @@ if gluon is not None:
                 cp.commit_group()
                 # tile t's keys, read again in the scores' layout (cached: cheaper than a layout
                 # conversion, which is a shared-memory round trip and a barrier)
-                key_slot, key_flag = _tile_entries(start, global_span, num_topk, num_win, slots_row, flags_row,
-                                                   g_len, block_size, BLOCK_N, HAS_TOPK, HAS_WINDOW, key_s)
+                key_slot, key_flag = _tile_entries(start, seq, BLOCK_N, HAS_TOPK, SLOTS, HAS_WINDOW, key_s, True)
                 key_ok = _tile_keys(start, global_span, key_slot, key_flag)
-                slot, flag = _tile_entries(nxt + BLOCK_N, global_span, num_topk, num_win, slots_row, flags_row,
-                                           g_len, block_size, BLOCK_N, HAS_TOPK, HAS_WINDOW, slot_layout)
+                slot, flag = _tile_entries(nxt + BLOCK_N, seq, BLOCK_N, HAS_TOPK, SLOTS, HAS_WINDOW, slot_layout)
                 cp.wait_group(1)  # tile t landed (this thread's copies; the barrier before the MMA: the rest)
                 fence_async_shared()
                 m, l, acc = _tile_update(c_smem.index(t % 2), r_smem.index(t % 2), qc_smem, qr_smem, p_smem,

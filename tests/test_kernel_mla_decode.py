@@ -383,7 +383,7 @@ def test_gluon_split_kernel(device, heads, num_warps, num_splits, fp8):
         kv, kv_scale = quantize_kv(kv)
     config = dict(block_n=64, num_warps=num_warps, num_stages=2, waves=1, min_tiles=1, keys_rows=True, gluon=True)
     on_hopper = device == "cuda" and torch.cuda.get_device_capability()[0] == 9
-    assert mla_module.gluon_applies(q[..., :512], kv, config, True, 16, ring[0]) == on_hopper
+    assert mla_module.gluon_applies(q[..., :512], kv, config, 16, ring[0]) == on_hopper
     scale = 576 ** -0.5
     ring_out, ring_ref = ring[0].clone(), ring[0].clone()
     out = mla_decode_triton(q, kv, kv_scale, table, lens, BS, scale, 512, topk_pos=topk, win_valid=valid,
@@ -392,6 +392,12 @@ def test_gluon_split_kernel(device, heads, num_warps, num_splits, fp8):
                                ring=(ring_ref,) + ring[1:])
     assert "mla_decode_gluon" not in _unusable
     check(out, ref, torch.bfloat16)
+    assert torch.equal(ring_out, ring_ref)
+    # top-k positions resolved to slots inside the kernel (no resolve launch) give the same
+    ring_out = ring[0].clone()
+    out_pos = mla_decode_triton(q, kv, kv_scale, table, lens, BS, scale, 512, topk_pos=topk, win_valid=valid,
+                                ring=(ring_out,) + ring[1:], num_splits=num_splits, config=dict(config, slots=False))
+    check(out_pos, ref, torch.bfloat16)
     assert torch.equal(ring_out, ring_ref)
     # the window passed as rows (as prefill chunks pass it) gives the same
     win = torch.cat([ring[0][ring[1]], ring[2][:, None]], dim=1)
@@ -416,28 +422,27 @@ def test_gluon_split_kernel(device, heads, num_warps, num_splits, fp8):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_gluon_override_and_where_it_does_not_apply(device, monkeypatch):
-    """GLUON_OVERRIDE forces the Gluon kernel on or off whatever the configuration says; top-k
-    positions not resolved to slots, head groups over 16, rows off 16 bytes and window rows not of
-    the query's type never take it (they run the Triton kernels, with the same answer)."""
+    """GLUON_OVERRIDE forces the Gluon kernel on or off whatever the configuration says; head
+    groups over 16, rows off 16 bytes and window rows not of the query's type never take it (they
+    run the Triton kernels, with the same answer)."""
     q, kv, table, lens, topk, ring, valid = _gluon_case(device, 16, [70, 130], 128, 8, seed=14)
     on_hopper = device == "cuda" and torch.cuda.get_device_capability()[0] == 9
     plain = dict(block_n=64, num_warps=4, num_stages=2, waves=1, min_tiles=1, keys_rows=True)
-    assert not mla_module.gluon_applies(q[..., :512], kv, plain, True, 16, None)
+    assert not mla_module.gluon_applies(q[..., :512], kv, plain, 16, None)
     monkeypatch.setattr(mla_module, "GLUON_OVERRIDE", True)
-    assert mla_module.gluon_applies(q[..., :512], kv, plain, True, 16, None) == on_hopper
-    assert not mla_module.gluon_applies(q[..., :512], kv, plain, False, 16, None)  # top-k positions, not slots
-    assert mla_module.gluon_applies(q[..., :512], kv, plain, True, 16, None, kv) == on_hopper
-    assert not mla_module.gluon_applies(q[..., :512], kv, plain, True, 16, None, kv[:, 1:])  # rows off 16 bytes
-    assert not mla_module.gluon_applies(q[..., :512], kv, plain, True, 32, None)  # more than 16 heads a group
+    assert mla_module.gluon_applies(q[..., :512], kv, plain, 16, None) == on_hopper
+    assert mla_module.gluon_applies(q[..., :512], kv, plain, 16, None, kv) == on_hopper
+    assert not mla_module.gluon_applies(q[..., :512], kv, plain, 16, None, kv[:, 1:])  # rows off 16 bytes
+    assert not mla_module.gluon_applies(q[..., :512], kv, plain, 32, None)  # more than 16 heads a group
     kv8, kv_scale = quantize_kv(kv)
-    assert mla_module.gluon_applies(q[..., :512], kv8, plain, True, 16, None) == on_hopper
-    assert not mla_module.gluon_applies(q[..., :512], kv8, plain, True, 16, kv.float())  # window rows not bf16
+    assert mla_module.gluon_applies(q[..., :512], kv8, plain, 16, None) == on_hopper
+    assert not mla_module.gluon_applies(q[..., :512], kv8, plain, 16, kv.float())  # window rows not bf16
     scale = 576 ** -0.5
     ref = mla_decode_reference(q, kv, None, table, lens, BS, scale, 512, topk_pos=topk)
     check(mla_decode_triton(q, kv, None, table, lens, BS, scale, 512, topk_pos=topk, config=plain), ref,
           torch.bfloat16)
     monkeypatch.setattr(mla_module, "GLUON_OVERRIDE", False)
-    assert not mla_module.gluon_applies(q[..., :512], kv, dict(plain, gluon=True), True, 16, None)
+    assert not mla_module.gluon_applies(q[..., :512], kv, dict(plain, gluon=True), 16, None)
     check(mla_decode_triton(q, kv, None, table, lens, BS, scale, 512, topk_pos=topk, config=dict(plain, gluon=True)),
           ref, torch.bfloat16)
 
