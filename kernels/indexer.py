@@ -348,8 +348,11 @@ def indexer_scores_triton(q: torch.Tensor, w: torch.Tensor, index_keys: torch.Te
 # asked for: it took 85-93 us a layer at 8K for every batch size, several times the radix path.
 ROW_MAX_WIDTH = 16384
 RADIX_MAX_WIDTH = 131072
-# The radix passes want enough programs to fill the GPU: small batches split rows finer.
-_RADIX_PROGRAMS = 128
+# The radix passes want enough programs to fill the GPU: rows are split finer (down to one block
+# a program) until there are this many. 1024 against 128 (bench.probe_radix on the H200, all four
+# passes): batch 64 at 8K 33.2 -> 28.1 us, batch 16 at 128K 59.4 -> 55.9 us; batch 1 and 16 at 8K
+# reach one block a program either way.
+_RADIX_PROGRAMS = 1024
 _SELECT_BLOCK = 1024
 # Chunk counts the emit pass sums per step: a 1M-position row in one. At 512K, 64 a step made
 # eight dependent rounds of loads in each of a row's 512 programs: 74 us a layer on the H200,
