@@ -266,13 +266,13 @@ def unfused_gate():
 def mla_gluon(on: bool):
     """Force the Gluon MLA decode split kernel on or off where it applies. Returns a function
     that applies the change (time_changed's form), which returns the undo."""
-    from kernels import mla_decode as mla_module
+    from kernels import mla_decode_gluon
 
     def change():
-        saved, mla_module.GLUON_OVERRIDE = mla_module.GLUON_OVERRIDE, on
+        saved, mla_decode_gluon.GLUON_OVERRIDE = mla_decode_gluon.GLUON_OVERRIDE, on
 
         def undo():
-            mla_module.GLUON_OVERRIDE = saved
+            mla_decode_gluon.GLUON_OVERRIDE = saved
         return undo
     return change
 

@@ -19,13 +19,11 @@ which computes the same with keys as the rows of its products.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from kernels import _unusable, log, triton_ok
 from kernels.fp8_kv import FP8_DTYPE
-from kernels.mla_decode_gluon import _gluon_split_kernel
+from kernels.mla_decode_gluon import BLOCK_N as GLUON_BLOCK_N, _gluon_split_kernel, gluon_applies
 from kernels.mla_decode_rows import _global_tile, _rows_split_kernel
 from kernels.tuning import BATCH_BUCKETS, batch_bucket, tuned_config
 
@@ -36,9 +34,6 @@ except Exception:  # the reference path needs no Triton
     triton = None
 
 _LOG2E = 1.4426950408889634
-# None: the launch configuration decides whether the Gluon split kernel runs; True / False force it
-# where it applies (bench.forward --mla-gluon times the step both ways).
-GLUON_OVERRIDE: bool | None = None
 
 
 def mla_decode_reference(q, kv, kv_scale, block_tables, g_lens, block_size: int, sm_scale: float,
@@ -306,32 +301,6 @@ def _target_programs(device: torch.device, waves: int = 2) -> int:
     return 8
 
 
-@functools.cache
-def _has_wgmma(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] == 9
-
-
-def _rows_aligned(t: torch.Tensor) -> bool:
-    """Every row of t (its last dimension) starts on 16 bytes: the Gluon kernel copies 16 at a time."""
-    width = 16 // t.element_size()
-    return t.data_ptr() % 16 == 0 and all(s % width == 0 for s in t.stride()[:-1])
-
-
-def gluon_applies(q, kv, config: dict | None, block_h: int, win_kv, *rows) -> bool:
-    """Whether the Gluon split kernel (kernels/mla_decode_gluon.py) runs: asked for by the launch
-    configuration (or GLUON_OVERRIDE), on a Hopper GPU, with a 16-bit query and keys of its type
-    or FP8 (window rows of its type), one 16-head group, a latent of at least 64 columns (the
-    products' rows), and key rows (kv, window rows, fresh latents: `rows`) that start on 16 bytes."""
-    wanted = GLUON_OVERRIDE if GLUON_OVERRIDE is not None else bool((config or {}).get("gluon", False))
-    if not wanted or _gluon_split_kernel is None or not q.is_cuda or "mla_decode_gluon" in _unusable:
-        return False
-    same_type = kv.dtype in (q.dtype, FP8_DTYPE) and (win_kv is None or win_kv.dtype == q.dtype)
-    return (q.dtype in (torch.bfloat16, torch.float16) and same_type and block_h == 16
-            and all(_rows_aligned(t) for t in rows)
-            and q.shape[-1] >= 64 and _has_wgmma(q.device.index if q.device.index is not None else
-                                                  torch.cuda.current_device()))
-
-
 def tune_key(batch: int, heads: int, width: int, is_fp8: bool, has_topk: bool) -> str:
     """Shape key of kernels/tuned/<gpu>.json: KV type, sparse or dense, heads, latent width, batch bucket."""
     return f"{'fp8' if is_fp8 else 'bf16'}|{'topk' if has_topk else 'dense'}|h{heads}|d{width}|b{batch_bucket(batch)}"
@@ -422,7 +391,7 @@ def mla_decode_triton(q, kv, kv_scale, block_tables, g_lens, block_size: int, sm
     # Keys as the rows of both products (kernels/mla_decode_rows.py); q_reload has no meaning there.
     split_kernel = _rows_split_kernel if (config or {}).get("keys_rows", False) else _split_kernel
     if gluon:
-        split_kernel, block_n, num_warps = _gluon_split_kernel, 64, (config or {}).get("num_warps", 4)
+        split_kernel, block_n, num_warps = _gluon_split_kernel, GLUON_BLOCK_N, (config or {}).get("num_warps", 4)
     if slots:
         resolved = torch.empty(b, n_cap, dtype=torch.int32, device=q.device)
         _resolve_slots_kernel[(triton.cdiv(n_cap, 1024), b)](

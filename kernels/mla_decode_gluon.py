@@ -8,11 +8,20 @@ three 64-key stages do not fit in shared memory). Here the loop is written out: 
 tile t+1 (cp.async, into the other of two buffers) are issued before tile t's products, and the
 slots of tile t+2 are loaded while tile t computes, so the gather is in flight behind the MMAs.
 
-Limits (the wrapper uses it only there, the Triton kernels elsewhere): CUDA with Hopper MMAs,
-bf16/fp16 keys and query, top-k entries already resolved to slots or dense rows (positions read
-through the block table), at most 16 heads a program, rows aligned to 16 bytes.
+Global keys are top-k slots, top-k positions (resolved here through the block table) or dense
+rows; bf16/fp16 like the query, or FP8, which is dequantized into a bf16 tile in shared memory
+before the products (Hopper MMAs take FP8 only K-major, and the second product reads the tile
+transposed). Limits (the wrapper uses it only there, the Triton kernels elsewhere): Hopper MMAs,
+at most 16 heads a program, rows aligned to 16 bytes.
 """
 from __future__ import annotations
+
+import functools
+
+import torch
+
+from kernels import _unusable
+from kernels.fp8_kv import FP8_DTYPE
 
 try:
     from triton.experimental import gluon
@@ -20,12 +29,41 @@ try:
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
                                                                    warpgroup_mma_wait)
-    # Triton 3.6 (the GPU image's) names the cp.async copy async_copy_global_to_shared; later ones async_load
+    # Triton 3.6 names the cp.async copy async_copy_global_to_shared, later releases async_load
     _async_load = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
 except Exception:  # a Triton without Gluon, or without its Hopper ops
     gluon = None
 
 BLOCK_N = 64  # keys a tile: the row block of both products (a Hopper MMA wants 64 rows)
+# None: the launch configuration decides whether the Gluon split kernel runs; True / False force it
+# where it applies (bench.forward --mla-gluon times the step both ways).
+GLUON_OVERRIDE: bool | None = None
+
+
+@functools.cache
+def _has_wgmma(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] == 9
+
+
+def _rows_aligned(t: torch.Tensor) -> bool:
+    """Every row of t (its last dimension) starts on 16 bytes: the Gluon kernel copies 16 at a time."""
+    width = 16 // t.element_size()
+    return t.data_ptr() % 16 == 0 and all(s % width == 0 for s in t.stride()[:-1])
+
+
+def gluon_applies(q, kv, config: dict | None, block_h: int, win_kv, *rows) -> bool:
+    """Whether the Gluon split kernel runs: asked for by the launch
+    configuration (or GLUON_OVERRIDE), on a Hopper GPU, with a 16-bit query and keys of its type
+    or FP8 (window rows of its type), one 16-head group, a latent of at least 64 columns (the
+    products' rows), and key rows (kv, window rows, fresh latents: `rows`) that start on 16 bytes."""
+    wanted = GLUON_OVERRIDE if GLUON_OVERRIDE is not None else bool((config or {}).get("gluon", False))
+    if not wanted or gluon is None or not q.is_cuda or "mla_decode_gluon" in _unusable:
+        return False
+    same_type = kv.dtype in (q.dtype, FP8_DTYPE) and (win_kv is None or win_kv.dtype == q.dtype)
+    return (q.dtype in (torch.bfloat16, torch.float16) and same_type and block_h == 16
+            and all(_rows_aligned(t) for t in rows)
+            and q.shape[-1] >= 64 and _has_wgmma(q.device.index if q.device.index is not None else
+                                                  torch.cuda.current_device()))
 
 
 if gluon is not None:

@@ -10,6 +10,7 @@ if not torch.cuda.is_available():
 
 from kernels.fp8_kv import FP8_MAX, dequantize_kv, quantize_kv  # noqa: E402
 from kernels import mla_decode as mla_module  # noqa: E402
+from kernels import mla_decode_gluon  # noqa: E402
 from kernels.mla_decode import mla_decode, mla_decode_reference, mla_decode_triton  # noqa: E402
 
 triton = pytest.importorskip("triton")
@@ -429,7 +430,7 @@ def test_gluon_override_and_where_it_does_not_apply(device, monkeypatch):
     on_hopper = device == "cuda" and torch.cuda.get_device_capability()[0] == 9
     plain = dict(block_n=64, num_warps=4, num_stages=2, waves=1, min_tiles=1, keys_rows=True)
     assert not mla_module.gluon_applies(q[..., :512], kv, plain, 16, None)
-    monkeypatch.setattr(mla_module, "GLUON_OVERRIDE", True)
+    monkeypatch.setattr(mla_decode_gluon, "GLUON_OVERRIDE", True)
     assert mla_module.gluon_applies(q[..., :512], kv, plain, 16, None) == on_hopper
     assert mla_module.gluon_applies(q[..., :512], kv, plain, 16, None, kv) == on_hopper
     assert not mla_module.gluon_applies(q[..., :512], kv, plain, 16, None, kv[:, 1:])  # rows off 16 bytes
@@ -441,7 +442,7 @@ def test_gluon_override_and_where_it_does_not_apply(device, monkeypatch):
     ref = mla_decode_reference(q, kv, None, table, lens, BS, scale, 512, topk_pos=topk)
     check(mla_decode_triton(q, kv, None, table, lens, BS, scale, 512, topk_pos=topk, config=plain), ref,
           torch.bfloat16)
-    monkeypatch.setattr(mla_module, "GLUON_OVERRIDE", False)
+    monkeypatch.setattr(mla_decode_gluon, "GLUON_OVERRIDE", False)
     assert not mla_module.gluon_applies(q[..., :512], kv, dict(plain, gluon=True), 16, None)
     check(mla_decode_triton(q, kv, None, table, lens, BS, scale, 512, topk_pos=topk, config=dict(plain, gluon=True)),
           ref, torch.bfloat16)
