@@ -32,3 +32,18 @@ def test_keys_as_rows_builds_use_warpgroup_mmas(tmp_path):
     assert len(gluon) == 2 and all(row["wgmma"] > 0 and row["cp_async"] > 0 and row["mma_sync"] == 0
                                    and row["spill_store_bytes"] == 0 for row in gluon)
     assert all(2 * 64 * 576 * 2 / 1024 < row["shared_kb"] <= 227 for row in gluon)
+
+
+def test_gluon_fp8_build_fits(tmp_path):
+    """The Gluon kernel's FP8 form (byte tiles dequantized into a bf16 tile in shared memory) builds
+    for sm_90 with wgmma and cp.async, and at 8 warps without spills."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = tmp_path / "builds.jsonl"
+    r = subprocess.run([sys.executable, "-m", "bench.sm90_builds", "--fp8", "--json", str(out)], env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    gluon = [json.loads(line) for line in out.read_text().splitlines()]
+    gluon = [row for row in gluon if row["kernel"] == "_gluon_split_kernel"]
+    assert [row["kv"] for row in gluon] == ["fp8", "fp8"]
+    assert all(row["wgmma"] > 0 and row["cp_async"] > 0 and row["shared_kb"] <= 227 for row in gluon)
+    assert [row["spill_store_bytes"] for row in gluon if row["num_warps"] == 8] == [0]
