@@ -51,19 +51,26 @@ def _rows_aligned(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0 and all(s % width == 0 for s in t.stride()[:-1])
 
 
+def gluon_shapes_ok(q, kv, block_h: int, win_kv, *rows) -> bool:
+    """The inputs the Gluon split kernel takes: a 16-bit query (its latent part `q`) and keys of its
+    type or FP8, window rows of its type, one 16-head group, power-of-two latent (at least 64
+    columns, the products' rows) and rope widths (the copies read whole widths, the rope at least
+    16 bytes a row), and key rows (kv, window rows, fresh latents: `rows`) that start on 16 bytes."""
+    same_type = kv.dtype in (q.dtype, FP8_DTYPE) and (win_kv is None or win_kv.dtype == q.dtype)
+    kv_lora, rope = q.shape[-1], kv.shape[-1] - q.shape[-1]
+    widths_ok = kv_lora >= 64 and 16 <= rope <= 256 and not (kv_lora & (kv_lora - 1)) and not (rope & (rope - 1))
+    return (q.dtype in (torch.bfloat16, torch.float16) and same_type and block_h == 16 and widths_ok
+            and all(_rows_aligned(t) for t in rows))
+
+
 def gluon_applies(q, kv, config: dict | None, block_h: int, win_kv, *rows) -> bool:
-    """Whether the Gluon split kernel runs: asked for by the launch
-    configuration (or GLUON_OVERRIDE), on a Hopper GPU, with a 16-bit query and keys of its type
-    or FP8 (window rows of its type), one 16-head group, a latent of at least 64 columns (the
-    products' rows), and key rows (kv, window rows, fresh latents: `rows`) that start on 16 bytes."""
+    """Whether the Gluon split kernel runs: asked for by the launch configuration (or
+    GLUON_OVERRIDE), on a Hopper GPU, for inputs it takes (gluon_shapes_ok)."""
     wanted = GLUON_OVERRIDE if GLUON_OVERRIDE is not None else bool((config or {}).get("gluon", False))
     if not wanted or gluon is None or not q.is_cuda or "mla_decode_gluon" in _unusable:
         return False
-    same_type = kv.dtype in (q.dtype, FP8_DTYPE) and (win_kv is None or win_kv.dtype == q.dtype)
-    return (q.dtype in (torch.bfloat16, torch.float16) and same_type and block_h == 16
-            and all(_rows_aligned(t) for t in rows)
-            and q.shape[-1] >= 64 and _has_wgmma(q.device.index if q.device.index is not None else
-                                                  torch.cuda.current_device()))
+    return gluon_shapes_ok(q, kv, block_h, win_kv, *rows) and _has_wgmma(
+        q.device.index if q.device.index is not None else torch.cuda.current_device())
 
 
 if gluon is not None:

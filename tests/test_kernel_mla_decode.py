@@ -473,3 +473,26 @@ def test_gluon_entry_where_gluon_cannot_run_takes_the_built_in_choice(device, mo
     out = mla_decode_triton(q, kv8, kv_scale, table, lens, BS, scale, 512, topk_pos=topk, config=entry)
     check(out, mla_decode_reference(q, kv8, kv_scale, table, lens, BS, scale, 512, topk_pos=topk), torch.bfloat16)
     assert rows.launches == 0 and heads.launches == (0 if on_hopper else 1)
+
+
+def test_gluon_shapes():
+    """Which inputs the Gluon kernel takes (checked before any device test): the engine's decode
+    shapes (16 heads, 512 + 64 latents, bf16 or FP8 keys, bf16 ring and fresh rows) and no others."""
+    from kernels.fp8_kv import FP8_DTYPE
+    q = torch.zeros(4, 16, 512, dtype=torch.bfloat16)
+    kv, ring, fresh = (torch.zeros(64, 576, dtype=torch.bfloat16), torch.zeros(4, 128, 576, dtype=torch.bfloat16),
+                       torch.zeros(4, 576, dtype=torch.bfloat16))
+    ok = mla_decode_gluon.gluon_shapes_ok
+    assert ok(q, kv, 16, ring, kv, ring, fresh)
+    assert ok(q, kv.to(FP8_DTYPE), 16, ring, kv.to(FP8_DTYPE), ring, fresh)
+    assert ok(q, kv, 16, None, kv)  # no window
+    assert ok(q.half(), kv.half(), 16, None, kv.half())
+    assert not ok(q.float(), kv.float(), 16, None, kv.float())  # fp32 query
+    assert not ok(q, kv.half(), 16, None, kv.half())  # keys of another 16-bit type
+    assert not ok(q, kv, 16, ring.float(), kv, ring.float())  # window rows not of the query's type
+    assert not ok(q, kv, 32, None, kv)  # more than 16 heads a group
+    assert not ok(q[..., :448], kv, 16, None, kv)  # a latent of 448
+    assert not ok(q, kv[:, :520], 16, None, kv[:, :520])  # a rope of 8
+    assert not ok(q, kv, 16, None, kv[:, 1:])  # rows off 16 bytes
+    wide = torch.zeros(64, 580, dtype=torch.bfloat16)[:, :576]  # rows of 580: off 16 bytes after the first
+    assert not ok(q, wide, 16, None, wide)
