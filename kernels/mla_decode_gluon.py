@@ -182,6 +182,8 @@ if gluon is not None:
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         return m_new, l, acc
 
+    # The Triton split kernels' arguments, so that one launch site serves all three forms (PREC,
+    # Q_RELOAD and UPCAST mean nothing here).
     @gluon.jit(do_not_specialize=["stride_tb", "table_keys", "num_topk", "num_win", "global_span"])
     def _gluon_split_kernel(
             q_ptr, stride_qb, stride_qh, qr_ptr, stride_rb, stride_rh,
