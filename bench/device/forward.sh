@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU run 2: the engine on the `bench` model: decode step vs context and vs the roofline
-# (bf16 and FP8 KV), MoE share, CUDA graphs vs eager, Triton vs torch MoE GEMM, transformers
+# (bf16 and FP8 KV), MoE share, CUDA graphs vs eager, Triton vs torch MoE GEMM, the Gluon MLA
+# kernel on and off, transformers
 # generate, next-turn TTFT with bounded replay, and (2 GPUs) the same-host KV transport.
 # STEPS picks a subset, e.g. STEPS="fp8 b64 replay ipc"; "tune" first measures this GPU's launch
 # configs (kernels/tuned/<gpu>.json, about 4-5 minutes), which the later steps then use.
@@ -14,9 +15,9 @@ if on tune; then
   t 330 python3 -m bench.tune_kernels --json "$OUT/tune.json" > "$OUT/tune.log" 2>&1
   cp kernels/tuned/*.json "$OUT/" 2>/dev/null
 fi
-on b1 && t 90 python3 -m bench.forward --batch 1 --contexts 8192 --iters 10 --unfused-gate --unfused-small $PROF --json "$OUT/forward.jsonl" \
+on b1 && t 90 python3 -m bench.forward --batch 1 --contexts 8192 --iters 10 --unfused-gate --unfused-small --mla-gluon $PROF --json "$OUT/forward.jsonl" \
   > "$OUT/forward_b1.log" 2>&1
-on b64 && t 100 python3 -m bench.forward --batch 64 --contexts 8192 --moe-share --graphs-vs-eager --unfused-gate --unfused-small --moe-gemm triton grouped_mm \
+on b64 && t 100 python3 -m bench.forward --batch 64 --contexts 8192 --moe-share --graphs-vs-eager --unfused-gate --unfused-small --mla-gluon --moe-gemm triton grouped_mm \
   --iters 10 $PROF --json "$OUT/forward.jsonl" > "$OUT/forward_b64.log" 2>&1
 for kv in bf16 fp8; do
   on $kv && t 150 python3 -m bench.forward --batch 16 --contexts 8192 65536 131072 524288 \
