@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # GPU run 2: the engine on the `bench` model: decode step vs context and vs the roofline
 # (bf16 and FP8 KV), MoE share, CUDA graphs vs eager, Triton vs torch MoE GEMM, the Gluon MLA
-# kernel on and off, transformers
-# generate, next-turn TTFT with bounded replay, and (2 GPUs) the same-host KV transport.
+# kernel on and off, transformers generate, next-turn TTFT with bounded replay, and (2 GPUs) the
+# same-host KV transport.
 # STEPS picks a subset, e.g. STEPS="fp8 b64 replay ipc"; "tune" first measures this GPU's launch
 # configs (kernels/tuned/<gpu>.json, about 4-5 minutes), which the later steps then use.
 source bench/device/setup.sh
