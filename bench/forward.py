@@ -240,7 +240,7 @@ def unfused_small():
         t, k = slots.shape
         token_of = torch.div(torch.arange(t * k, device=x.device), k, rounding_mode="floor")
         out = self.expert_pairs(x, token_of, slots.flatten(), weights.flatten(), count=False)
-        return out if add is None else out + add
+        return out if add is None else out + (add() if callable(add) else add)
 
     swaps = [(layers_module, "silu_mul", silu_mul_reference), (moe_module, "silu_mul", silu_mul_reference),
              (model_module, "norm_rope_latent", latent), (MoE, "experts", experts)]
@@ -274,6 +274,15 @@ def mla_gluon(on: bool):
         def undo():
             mla_decode_gluon.GLUON_OVERRIDE = saved
         return undo
+    return change
+
+
+def overlap(engine: LLMEngine, on: bool):
+    """Side-stream branches in the captured step (EngineConfig.decode_overlap) on or off, in
+    time_changed's form."""
+    def change():
+        engine.runner.set_overlap(on)
+        return lambda: engine.runner.set_overlap(engine.cfg.decode_overlap)
     return change
 
 
@@ -333,6 +342,8 @@ def main(argv=None):
                          "pair tokens as separate launches, as before their fused kernels")
     ap.add_argument("--mla-gluon", action="store_true",
                     help="also time the step with the Gluon MLA decode kernel forced on and forced off")
+    ap.add_argument("--overlap", action="store_true",
+                    help="also time the step with its side-stream branches on and off (EngineConfig.decode_overlap)")
     ap.add_argument("--step-parts", action="store_true",
                     help="also time the host parts of a CUDA-graph step (inputs, replay, sampling) one by one")
     ap.add_argument("--json", default=None, help="append JSON lines here")
@@ -382,6 +393,10 @@ def main(argv=None):
             for on in (True, False):
                 ms = time_changed(engine, batch, args.iters, mla_gluon(on))
                 row[f"mla_gluon_{'on' if on else 'off'}_forward_ms"] = round(ms, 3)
+        if args.overlap:
+            for on in (True, False):
+                ms = time_changed(engine, batch, args.iters, overlap(engine, on))
+                row[f"overlap_{'on' if on else 'off'}_forward_ms"] = round(ms, 3)
         if args.step_parts:
             row.update(step_parts(engine, batch, args.iters))
         if args.profile:

@@ -174,6 +174,10 @@ class EngineConfig(BaseModel):
     moe_gemm: Literal["auto", "triton", "grouped_mm"] = Field(
         "auto", description="routed-expert GEMMs on GPU: the fused Triton SwiGLU kernel (kernels/moe_gemm.py; "
                             "auto, measured faster on H200) or torch's grouped GEMM")
+    decode_overlap: bool = Field(
+        True, description="in CUDA-graph decode steps, run the indexer's top-k beside the query projections "
+                          "and the shared experts beside the routed ones, on a second stream "
+                          "(engine/streams.py)")
     warmup: bool = Field(
         True, description="on GPU, run a few short requests at start so kernel compilation and the first "
                           "CUDA graph capture do not delay the first users")

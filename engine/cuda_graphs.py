@@ -19,6 +19,8 @@ import logging
 import numpy as np
 import torch
 
+from .streams import side_stream
+
 log = logging.getLogger(__name__)
 
 
@@ -135,6 +137,7 @@ class DecodeGraphs:
         # first, and keep the collector off until the capture ends.
         gc.collect()
         gc.disable()
+        side_stream(r.device)  # made before the capture, which forks onto it
         try:
             with torch.cuda.graph(graph, pool=self.pool):
                 logits = r.decode_forward(*inputs, sparse)

@@ -81,19 +81,23 @@ def build_token_batch(positions: torch.Tensor, starts: torch.Tensor, seq_of: tor
                        ring_rows=seq_of, fresh_index=fresh_index)
 
 
-def decode_attention(attn, q: tuple[torch.Tensor, torch.Tensor], idx_q: torch.Tensor | None,
-                     idx_w: torch.Tensor | None, latent: torch.Tensor | None, ctx) -> torch.Tensor:
+def decode_topk(attn, idx_q: torch.Tensor | None, idx_w: torch.Tensor | None, ctx) -> torch.Tensor | None:
+    """The indexer's top-k global positions of each row (idx_q [T, Hi, Di], idx_w [T, Hi] its
+    queries and unscaled head weights), or None where attention reads every global position."""
+    cfg, dec = attn.cfg, ctx.decode
+    if attn.indexer is None or not dec.sparse:
+        return None
+    scale = ctx.index_scale[attn.source] if ctx.index_scale is not None else None
+    return indexer_topk(idx_q, idx_w, ctx.index_keys[attn.source], dec.block_tables, dec.g_lens,
+                        dec.block_size, cfg.index_topk, key_scale=scale, w_scale=attn.indexer.n_heads ** -0.5)
+
+
+def decode_attention(attn, q: tuple[torch.Tensor, torch.Tensor], topk_pos: torch.Tensor | None,
+                     latent: torch.Tensor | None, ctx) -> torch.Tensor:
     """MLA over kernel rows. q = (q_lat [T, H, kv_lora], q_rope [T, H, rope]) the absorbed
-    queries, idx_q [T, Hi, Di] / idx_w [T, Hi]
-    the indexer's queries and unscaled head weights -> latent output [T, H, kv_lora]."""
+    queries, topk_pos the indexer's choice (decode_topk) -> latent output [T, H, kv_lora]."""
     cfg, dec = attn.cfg, ctx.decode
     kv, kv_scale = ctx.global_slab(attn.source)
-    topk_pos = None
-    if attn.indexer is not None and dec.sparse:
-        scale = ctx.index_scale[attn.source] if ctx.index_scale is not None else None
-        topk_pos = indexer_topk(idx_q, idx_w, ctx.index_keys[attn.source], dec.block_tables, dec.g_lens,
-                                dec.block_size, cfg.index_topk, key_scale=scale,
-                                w_scale=attn.indexer.n_heads ** -0.5)
     win_kv = ring = None
     if cfg.sliding_window is not None:
         if dec.fresh_index is None and ctx.window_kv.dtype == latent.dtype:

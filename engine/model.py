@@ -13,9 +13,10 @@ from kernels.latent import norm_rope_latent
 
 from .attention import AttentionContext, attend, index_topk_mask
 from .config import ModelConfig
-from .decode_attention import decode_attention
+from .decode_attention import decode_attention, decode_topk
 from .layers import MLP, DerivedWeight, RMSNorm, Rotary, fused_linear
 from .moe import MoE
+from .streams import Branch
 
 
 class Indexer(nn.Module):
@@ -58,6 +59,7 @@ class MLAttention(nn.Module):
         self.indexer = Indexer(cfg, self.is_source) if cfg.index_topk else None
         self.scale = cfg.qk_head_dim ** -0.5
         self._fused = DerivedWeight(track_writes=False)  # the x projections' concatenated weight, see project()
+        self.overlap = False  # EngineConfig.decode_overlap, set by the model runner
 
     def _x_projections(self) -> list[tuple[str, nn.Linear]]:
         """The projections that read the layer input x (all fused into one GEMM)."""
@@ -79,14 +81,6 @@ class MLAttention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         cfg, t = self.cfg, x.shape[0]
         xp = self.project(x)
-        q = xp["q"] if cfg.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(xp["q"]))
-        q = q.view(t, self.n_heads, cfg.qk_head_dim)
-        q_nope, q_rope = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
-        q_rope = self.rotary.apply(q_rope, *ctx.rope)
-        w_kv = self.kv_b_proj.weight.view(self.n_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
-        w_uk, w_uv = w_kv[:, :cfg.qk_nope_head_dim], w_kv[:, cfg.qk_nope_head_dim:]
-        q_lat = torch.einsum("thd,hdc->thc", q_nope, w_uk)
-
         latent = None
         if self.has_latent:
             # [norm(c_kv) | rope(k_rope)] in one launch on GPU (kernels/latent.py)
@@ -99,15 +93,33 @@ class MLAttention(nn.Module):
         if self.indexer is not None:
             idx_q = xp["idx_q"].view(t, self.indexer.n_heads, self.indexer.head_dim)
             idx_w = xp["idx_w"]  # head weights, scaled by 1/sqrt(heads) in fp32 where they are used
-        if ctx.decode is not None:  # the kernel takes the two query parts as they are
-            out = decode_attention(self, (q_lat, q_rope), idx_q, idx_w, latent, ctx)  # [T, H, kv_lora]
+        topk = None
+        if ctx.decode is not None:
+            # The indexer's top-k needs neither the queries below nor the latent; in a captured
+            # decode step it runs beside them (engine/streams.py). The keys it reads were written
+            # above, before the fork.
+            topk = Branch(self.overlap, decode_topk, self, idx_q, idx_w, ctx)
+
+        q = xp["q"] if cfg.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(xp["q"]))
+        q = q.view(t, self.n_heads, cfg.qk_head_dim)
+        q_nope, q_rope = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+        q_rope = self.rotary.apply(q_rope, *ctx.rope)
+        w_kv = self.kv_b_proj.weight.view(self.n_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        w_uk, w_uv = w_kv[:, :cfg.qk_nope_head_dim], w_kv[:, cfg.qk_nope_head_dim:]
+        q_lat = torch.einsum("thd,hdc->thc", q_nope, w_uk)
+
+        if topk is not None:  # the kernel takes the two query parts as they are
+            out = decode_attention(self, (q_lat, q_rope), topk.join(), latent, ctx)  # [T, H, kv_lora]
         else:
             if idx_w is not None:
                 idx_w = idx_w.float() * self.indexer.n_heads ** -0.5
             q_full = torch.cat([q_lat, q_rope], dim=-1)  # [T, H, D]
             out = self._attend_padded(q_full[ctx.q_index], idx_q, idx_w, latent, ctx)
-        out = torch.einsum("thc,hvc->thv", out.to(q_lat.dtype), w_uv).reshape(t, -1)
-        return self.o_proj(out)
+        # The value up-projection writes [T, H, V] in place (the batched GEMM takes the strided
+        # output), so o_proj's input needs no copy.
+        heads_out = torch.empty(t, self.n_heads, cfg.v_head_dim, dtype=q_lat.dtype, device=x.device)
+        torch.bmm(out.to(q_lat.dtype).transpose(0, 1), w_uv.transpose(1, 2), out=heads_out.transpose(0, 1))
+        return self.o_proj(heads_out.view(t, -1))
 
     def _attend_padded(self, q_full: torch.Tensor, idx_q: torch.Tensor | None, idx_w: torch.Tensor | None,
                        latent: torch.Tensor | None, ctx: AttentionContext) -> torch.Tensor:

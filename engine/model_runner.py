@@ -11,6 +11,7 @@ from .cuda_graphs import DecodeGraphs
 from .decode_attention import build_decode_batch, build_token_batch
 from .config import EngineConfig
 from .model import DeepseekForCausalLM
+from .moe import MoE
 from .sampling import Sampler
 from .scheduler import ScheduledBatch
 
@@ -84,10 +85,18 @@ class ModelRunner:
         self.kv = KVCache(model, cfg, self.device, self.dtype)
         for moe in model.moe_layers():
             moe.gemm = cfg.moe_gemm
+        self.set_overlap(cfg.decode_overlap)
         self.sampler = Sampler()
         # Graphs only without expert parallelism: its collectives run on the host's word.
         self.graphs = (DecodeGraphs(self, cfg.cuda_graph_max_batch)
                        if cfg.cuda_graphs and self.device.type == "cuda" else None)
+
+    def set_overlap(self, on: bool) -> None:
+        """Side-stream branches in decode graphs captured from now on (engine/streams.py)."""
+        for layer in self.model.model.layers:
+            layer.self_attn.overlap = on
+            if isinstance(layer.mlp, MoE):
+                layer.mlp.overlap = on
 
     def disable_graphs(self) -> None:
         """Expert parallelism attaches after construction; its steps cannot be replayed from graphs."""

@@ -18,6 +18,7 @@ from kernels.swiglu import silu_mul
 
 from .config import ModelConfig
 from .layers import MLP, DerivedWeight
+from .streams import Branch
 
 
 def route(logits: torch.Tensor, bias: torch.Tensor, cfg: ModelConfig, expert_map: "ExpertMap",
@@ -118,10 +119,14 @@ class MoE(nn.Module):
         self._identity = None
         self.gemm = "auto"  # EngineConfig.moe_gemm, set by the model runner
         self.layer_index = -1  # position among the model's MoE layers, set by the model
+        self.overlap = False  # EngineConfig.decode_overlap, set by the model runner
         self.register_buffer("slot_load", torch.zeros(num_slots, dtype=torch.long), persistent=False)
         self._gate_fp32 = DerivedWeight()  # router logits are computed in fp32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The shared experts need nothing from the router: in a captured decode step they run
+        # beside it and the routed experts, joined only where their output is added.
+        shared = Branch(self.overlap, self.shared_experts, x) if self.shared_experts is not None else None
         w = self.gate.weight
         if gate_fused_ok(x):
             # decode batches: partial fp32 logits in one launch, summed by the route kernel
@@ -129,14 +134,13 @@ class MoE(nn.Module):
         else:
             logits = F.linear(x.float(), self._gate_fp32.get([w], w.float))
         bias = self.gate.e_score_correction_bias
-        shared = self.shared_experts(x) if self.shared_experts is not None else None
         if self.ep is not None:
             # Slots are the group's (ep.maps); each rank counts the pairs it computes.
             ids, weights, _ = route(logits, bias, self.cfg, self._logical_map())
             out = self.ep.moe_forward(self, x, ids, weights)
-            return out if shared is None else out + shared
+            return out if shared is None else out + shared.join()
         _, weights, slots = route(logits, bias, self.cfg, self.expert_map, self.slot_load)
-        return self.experts(x, slots, weights, add=shared)
+        return self.experts(x, slots, weights, add=None if shared is None else shared.join)
 
     def _logical_map(self) -> "ExpertMap":
         if self._identity is None:
@@ -146,7 +150,8 @@ class MoE(nn.Module):
     def experts(self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor,
                 add: torch.Tensor | None = None) -> torch.Tensor:
         """Routed experts for tokens x [T, H] routed to local slots [T, k] with weights [T, k]
-        (already counted in slot_load by the router), plus `add` (the shared experts' output)."""
+        (already counted in slot_load by the router), plus `add` (the shared experts' output, or
+        a function returning it, called only when the sum needs it)."""
         # token-major pairs: the fused kernels derive each pair's token (p // k) themselves
         return self.expert_pairs(x, None, slots.flatten(), weights.flatten(), count=False, add=add)
 
@@ -177,7 +182,7 @@ class MoE(nn.Module):
             y = self._experts_loop(xs, counts)
         y = y * weight_of[order].to(y.dtype)[:, None]
         out = torch.zeros_like(x).index_add_(0, token_of, y.to(x.dtype))
-        return out if add is None else out + add
+        return out if add is None else out + (add() if callable(add) else add)
 
     def _experts_loop(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         y = torch.empty_like(xs)

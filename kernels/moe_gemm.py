@@ -362,7 +362,12 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     num_slots, two_i, _ = w13.shape
     inter = two_i // 2
     num_pairs = slot_of.numel()
+    if callable(add):
+        pending, add = add, None
+    else:
+        pending = None
     if num_pairs == 0 or num_tokens == 0:
+        add = pending() if pending is not None else add
         return torch.zeros_like(x) if add is None else add.clone()
     k = pairs_per_token(num_tokens, num_pairs) if token_of is None else 0
     cfg = config or pick_config(num_pairs, num_slots, w13.dtype)
@@ -397,6 +402,8 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
         hidden, inter, num_slots, out.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, DOT_FP32=dot_fp32,
         PAIRS_PER_TOKEN=k, num_warps=warps, num_stages=stages)
+    if pending is not None:
+        add = pending()
     if add is None:
         return out.to(x.dtype)
     if add.shape != out.shape or add.dtype != x.dtype:
@@ -415,9 +422,10 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, token_of
     """Routed experts over pairs: x [T, H], w13 [S, 2I, H], w2 [S, H, I], token_of / slot_of [P]
     int64 (token_of None: token-major pairs, P / T per token), weight_of [P] float -> [T, H] in
     x's dtype (see the module docstring for the sum); plus `add` [T, H] (the shared experts'
-    output) when given, as `out + add` would.
+    output) when given, as `out + add` would. `add` may be a function returning it, called
+    after the GEMMs are launched: a stream computing it meanwhile is waited for only then.
     Triton where it can run (CUDA, or CPU under TRITON_INTERPRET=1), the reference elsewhere."""
     if triton is not None and triton_ok(x):
         return fused_experts_triton(x, w13, w2, token_of, slot_of, weight_of, add=add)
     out = fused_experts_reference(x, w13, w2, token_of, slot_of, weight_of)
-    return out if add is None else out + add
+    return out if add is None else out + (add() if callable(add) else add)

@@ -136,6 +136,24 @@ def test_cuda_graphs_and_triton_kernels_on_gpu(tiny_v4_ckpt, kv_dtype):
     assert engine.runner.graphs is not None and engine.runner.graphs.graphs  # graphs were captured and used
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_side_stream_branches_in_decode_graphs(tiny_v4_ckpt, monkeypatch):
+    """Graphs captured with the indexer and the shared experts on a second stream compute what
+    the one-stream graphs compute, and the capture really forked."""
+    from engine import streams
+    forks = []
+    real = streams.side_stream
+    monkeypatch.setattr(streams, "side_stream", lambda device: forks.append(device) or real(device))
+    prompts = _prompts([3, 30, 45, 1, 70])
+    one, one_logits, _ = _run(tiny_v4_ckpt, prompts, device="cuda", decode_overlap=False)
+    assert not forks
+    two, two_logits, _ = _run(tiny_v4_ckpt, prompts, device="cuda", decode_overlap=True)
+    assert forks  # the shared experts fork in every MoE layer; the indexer where attention is sparse
+    assert one == two
+    for a, b in zip(one_logits, two_logits):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
 def test_block_table_array_follows_growth_and_replacement():
     from engine.model_runner import _table_array
     from engine.sequence import Sequence
