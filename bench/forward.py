@@ -236,10 +236,10 @@ def unfused_small():
         c = weight.shape[0]
         return torch.cat([rms_norm(kv[:, :c], weight, eps), apply_rope(kv[:, c:], cos, sin, interleave)], dim=-1)
 
-    def experts(self, x, slots, weights, add=None):
+    def experts(self, x, slots, weights, add=None, shared=None):
         t, k = slots.shape
         token_of = torch.div(torch.arange(t * k, device=x.device), k, rounding_mode="floor")
-        out = self.expert_pairs(x, token_of, slots.flatten(), weights.flatten(), count=False)
+        out = self.expert_pairs(x, token_of, slots.flatten(), weights.flatten(), count=False, shared=shared)
         return out if add is None else out + (add() if callable(add) else add)
 
     swaps = [(layers_module, "silu_mul", silu_mul_reference), (moe_module, "silu_mul", silu_mul_reference),
@@ -274,6 +274,17 @@ def mla_gluon(on: bool):
         def undo():
             mla_decode_gluon.GLUON_OVERRIDE = saved
         return undo
+    return change
+
+
+def shared_fusion(engine: LLMEngine, on: bool):
+    """The shared expert as one more slot of the fused MoE kernels (EngineConfig.fuse_shared_experts)
+    or a separate MLP, in time_changed's form."""
+    def change():
+        for moe in engine.runner.model.moe_layers():
+            moe.fuse_shared = on
+        return lambda: [setattr(m, "fuse_shared", engine.cfg.fuse_shared_experts)
+                        for m in engine.runner.model.moe_layers()]
     return change
 
 
@@ -342,6 +353,8 @@ def main(argv=None):
                          "pair tokens as separate launches, as before their fused kernels")
     ap.add_argument("--mla-gluon", action="store_true",
                     help="also time the step with the Gluon MLA decode kernel forced on and forced off")
+    ap.add_argument("--shared-fusion", action="store_true",
+                    help="also time the step with the shared expert fused into the MoE kernels and as its own MLP")
     ap.add_argument("--overlap", action="store_true",
                     help="also time the step with its side-stream branches on and off (EngineConfig.decode_overlap)")
     ap.add_argument("--step-parts", action="store_true",
@@ -393,6 +406,10 @@ def main(argv=None):
             for on in (True, False):
                 ms = time_changed(engine, batch, args.iters, mla_gluon(on))
                 row[f"mla_gluon_{'on' if on else 'off'}_forward_ms"] = round(ms, 3)
+        if args.shared_fusion:
+            for on in (True, False):
+                ms = time_changed(engine, batch, args.iters, shared_fusion(engine, on))
+                row[f"shared_fusion_{'on' if on else 'off'}_forward_ms"] = round(ms, 3)
         if args.overlap:
             for on in (True, False):
                 ms = time_changed(engine, batch, args.iters, overlap(engine, on))

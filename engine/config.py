@@ -174,6 +174,9 @@ class EngineConfig(BaseModel):
     moe_gemm: Literal["auto", "triton", "grouped_mm"] = Field(
         "auto", description="routed-expert GEMMs on GPU: the fused Triton SwiGLU kernel (kernels/moe_gemm.py; "
                             "auto, measured faster on H200) or torch's grouped GEMM")
+    fuse_shared_experts: bool = Field(
+        True, description="on GPU, compute the shared expert as one more slot of the routed experts' fused "
+                          "kernels (where it has their shape) instead of as a separate MLP")
     decode_overlap: bool = Field(
         True, description="in CUDA-graph decode steps, run the indexer's top-k beside the query projections "
                           "and the shared experts beside the routed ones, on a second stream "

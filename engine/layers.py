@@ -53,13 +53,11 @@ class DerivedWeight:
         return self._value
 
 
-def fused_linear(x: torch.Tensor, mods: list[nn.Linear], cache: DerivedWeight, split: bool = True):
-    """[m(x) for m in mods] from one GEMM over the mods' concatenated weights (and biases);
-    with split=False, the GEMM's output itself (the mods' outputs side by side).
-    The modules' parameters then become views of the concatenation, so it costs no memory
-    (a copy of every such weight would be gigabytes per GPU for DeepSeek-V3) and a later write
-    into one of them lands in it; a replaced one makes a new one. `cache` is a
-    DerivedWeight(track_writes=False)."""
+def fused_weight(mods: list[nn.Linear], cache: DerivedWeight) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The mods' weights (and biases) concatenated, cached in `cache` (a
+    DerivedWeight(track_writes=False)). The modules' parameters then become views of the
+    concatenation, so it costs no memory (a copy of every such weight would be gigabytes per GPU
+    for DeepSeek-V3) and a later write into one of them lands in it; a replaced one makes a new one."""
     def build():
         # Plain tensors even when the first call runs under inference mode: the parameters
         # must stay writable (weight loading, .to()) outside it.
@@ -77,7 +75,13 @@ def fused_linear(x: torch.Tensor, mods: list[nn.Linear], cache: DerivedWeight, s
                     m.bias.data = bias[rows]
                 start += m.out_features
         return weight, bias
-    weight, bias = cache.get([m.weight for m in mods], build)
+    return cache.get([m.weight for m in mods], build)
+
+
+def fused_linear(x: torch.Tensor, mods: list[nn.Linear], cache: DerivedWeight, split: bool = True):
+    """[m(x) for m in mods] from one GEMM over the mods' concatenated weights (fused_weight);
+    with split=False, the GEMM's output itself (the mods' outputs side by side)."""
+    weight, bias = fused_weight(mods, cache)
     out = F.linear(x, weight, bias)
     return list(out.split([m.out_features for m in mods], dim=-1)) if split else out
 
@@ -95,6 +99,10 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = fused_linear(x, [self.gate_proj, self.up_proj], self._gate_up, split=False)
         return self.down_proj(silu_mul(gate_up))  # one launch on GPU (kernels/swiglu.py)
+
+    def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate and up stacked [2I, H], down [H, I]): the layout of one routed-expert slot."""
+        return fused_weight([self.gate_proj, self.up_proj], self._gate_up)[0], self.down_proj.weight
 
 
 class Rotary:

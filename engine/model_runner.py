@@ -85,6 +85,7 @@ class ModelRunner:
         self.kv = KVCache(model, cfg, self.device, self.dtype)
         for moe in model.moe_layers():
             moe.gemm = cfg.moe_gemm
+            moe.fuse_shared = cfg.fuse_shared_experts
         self.set_overlap(cfg.decode_overlap)
         self.sampler = Sampler()
         # Graphs only without expert parallelism: its collectives run on the host's word.

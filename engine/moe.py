@@ -120,13 +120,17 @@ class MoE(nn.Module):
         self.gemm = "auto"  # EngineConfig.moe_gemm, set by the model runner
         self.layer_index = -1  # position among the model's MoE layers, set by the model
         self.overlap = False  # EngineConfig.decode_overlap, set by the model runner
+        self.fuse_shared = True  # EngineConfig.fuse_shared_experts, set by the model runner
         self.register_buffer("slot_load", torch.zeros(num_slots, dtype=torch.long), persistent=False)
         self._gate_fp32 = DerivedWeight()  # router logits are computed in fp32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The shared experts need nothing from the router: in a captured decode step they run
-        # beside it and the routed experts, joined only where their output is added.
-        shared = Branch(self.overlap, self.shared_experts, x) if self.shared_experts is not None else None
+        shared_slot = self._shared_slot(x)
+        shared = None
+        if self.shared_experts is not None and shared_slot is None:
+            # The shared experts need nothing from the router: in a captured decode step they run
+            # beside it and the routed experts, joined only where their output is added.
+            shared = Branch(self.overlap, self.shared_experts, x)
         w = self.gate.weight
         if gate_fused_ok(x):
             # decode batches: partial fp32 logits in one launch, summed by the route kernel
@@ -140,7 +144,21 @@ class MoE(nn.Module):
             out = self.ep.moe_forward(self, x, ids, weights)
             return out if shared is None else out + shared.join()
         _, weights, slots = route(logits, bias, self.cfg, self.expert_map, self.slot_load)
-        return self.experts(x, slots, weights, add=None if shared is None else shared.join)
+        return self.experts(x, slots, weights, add=None if shared is None else shared.join, shared=shared_slot)
+
+    def _fused_ok(self, x: torch.Tensor) -> bool:
+        return self.gemm != "grouped_mm" and triton_ok(x)
+
+    def _shared_slot(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The shared expert's weights, for the fused kernels to compute as one more slot (its
+        weight read in the routed experts' two launches, not in three launches of its own), where
+        they can: one shared expert of the routed experts' shape, no expert parallelism."""
+        if not self.fuse_shared or self.shared_experts is None or self.ep is not None or not self._fused_ok(x):
+            return None
+        w13, w2 = self.shared_experts.expert_weights()
+        if w13.shape != self.w13.shape[1:] or w2.shape != self.w2.shape[1:] or w13.dtype != self.w13.dtype:
+            return None
+        return w13, w2
 
     def _logical_map(self) -> "ExpertMap":
         if self._identity is None:
@@ -148,21 +166,25 @@ class MoE(nn.Module):
         return self._identity
 
     def experts(self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor,
-                add: torch.Tensor | None = None) -> torch.Tensor:
+                add=None, shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Routed experts for tokens x [T, H] routed to local slots [T, k] with weights [T, k]
         (already counted in slot_load by the router), plus `add` (the shared experts' output, or
-        a function returning it, called only when the sum needs it)."""
+        a function returning it, called only when the sum needs it), plus the `shared` expert
+        computed as one more slot (its weights from _shared_slot)."""
         # token-major pairs: the fused kernels derive each pair's token (p // k) themselves
-        return self.expert_pairs(x, None, slots.flatten(), weights.flatten(), count=False, add=add)
+        return self.expert_pairs(x, None, slots.flatten(), weights.flatten(), count=False, add=add, shared=shared)
 
     def expert_pairs(self, x: torch.Tensor, token_of: torch.Tensor | None, slot_of: torch.Tensor,
-                     weight_of: torch.Tensor, count: bool = True, add: torch.Tensor | None = None) -> torch.Tensor:
+                     weight_of: torch.Tensor, count: bool = True, add=None,
+                     shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Sum over (token, local slot, weight) pairs of weight * expert(x[token]), as [T, H]
         (token_of None: token-major pairs, as kernels/moe_gemm.py takes them), plus `add` when
         given (the fused path adds it in the same launch that rounds the fp32 sum).
         Pairs are sorted by slot: one grouped GEMM per projection where torch has it (no host
         sync, no per-expert launches), else one matmul pair per slot."""
-        fused = self.gemm != "grouped_mm" and triton_ok(x)
+        fused = self._fused_ok(x)
+        if shared is not None and not fused:
+            raise ValueError("a shared expert slot needs the fused kernels (see _shared_slot)")
         if count or not fused:
             # scatter_add, not bincount: bincount on CUDA reads the max back to the host (a sync per layer)
             counts = torch.zeros(self.w13.shape[0], dtype=torch.long, device=x.device).scatter_add_(
@@ -170,7 +192,7 @@ class MoE(nn.Module):
             if count:
                 self.slot_load += counts
         if fused:
-            return fused_experts(x, self.w13, self.w2, token_of, slot_of, weight_of, add=add)
+            return fused_experts(x, self.w13, self.w2, token_of, slot_of, weight_of, add=add, shared=shared)
         order = slot_of.argsort(stable=True)
         token_of = token_major(token_of, x, slot_of)[order]
         xs = x[token_of]

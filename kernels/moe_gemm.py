@@ -51,11 +51,17 @@ def token_major(token_of: torch.Tensor | None, x: torch.Tensor, slot_of: torch.T
 
 
 def fused_experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, token_of: torch.Tensor | None,
-                            slot_of: torch.Tensor, weight_of: torch.Tensor) -> torch.Tensor:
-    """The exact semantics: one matmul pair per slot, weighted sum in fp32, output in x's dtype."""
+                            slot_of: torch.Tensor, weight_of: torch.Tensor,
+                            shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """The exact semantics: one matmul pair per slot (and for the shared expert, weight 1),
+    weighted sum in fp32, output in x's dtype."""
     token_of = token_major(token_of, x, slot_of)
     num_slots = w13.shape[0]
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    if shared is not None:
+        s13, s2 = check_shared(shared, w13, w2)
+        gate, up = F.linear(x.to(s13.dtype), s13).chunk(2, dim=-1)
+        out += F.linear(F.silu(gate) * up, s2).float()
     order = slot_of.argsort(stable=True)
     counts = torch.zeros(num_slots, dtype=torch.long, device=x.device).scatter_add_(
         0, slot_of, torch.ones_like(slot_of))
@@ -195,28 +201,55 @@ def _place_kernel(slot_ptr, rank_ptr, counts_ptr, padded_start_ptr, row_pair_ptr
     tl.store(row_pair_ptr + rows, tl.full((BLOCK_T, BLOCK_M), -1, tl.int32), mask=t_ok[:, None] & pad)
 
 
-def _gate_up_kernel(x_ptr, w13_ptr, act_ptr, token_ptr, row_pair_ptr, tile_slot_ptr,
-                    H, I, num_slots, stride_xt,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, PAIRS_PER_TOKEN: tl.constexpr):
-    # One program: BLOCK_M padded rows (one slot) x BLOCK_N columns of both gate and up.
+def _tile_rows(token_ptr, row_pair_ptr, tile_slot_ptr, num_slots, num_tiles, num_tokens,
+               BLOCK_M: tl.constexpr, PAIRS_PER_TOKEN: tl.constexpr, SHARED: tl.constexpr):
+    """A tile's slot, whether it is one of the shared expert's tiles (after the routed ones: their
+    row j is token j, weight 1), its pairs (-1: none) and its rows' tokens."""
     tile = tl.program_id(0)
-    slot = tl.load(tile_slot_ptr + tile).to(tl.int64)
-    if slot >= num_slots:
-        return
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(row_pair_ptr + rows)
+    routed = tile < num_tiles
+    one = tl.arange(0, 1)  # a masked load of one value, as a vector (a scalar mask is not portable)
+    slot = tl.sum(tl.load(tile_slot_ptr + tile + one, mask=tile + one < num_tiles, other=0), axis=0).to(tl.int64)
+    pair = tl.load(row_pair_ptr + rows, mask=rows < num_tiles * BLOCK_M, other=-1)
     is_pair = pair >= 0
     if PAIRS_PER_TOKEN > 0:  # token-major pairs: no token tensor to read
         token = tl.where(is_pair, pair // PAIRS_PER_TOKEN, 0).to(tl.int64)
     else:
         token = tl.load(token_ptr + pair, mask=is_pair, other=0).to(tl.int64)
+    if SHARED:
+        is_shared = tile >= num_tiles
+        shared_token = (tile - num_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
+        token = tl.where(is_shared, shared_token, token).to(tl.int64)
+        is_pair = tl.where(is_shared, shared_token < num_tokens, is_pair)
+    else:
+        is_shared = tile < 0
+    skip = routed & (slot >= num_slots)
+    return slot, is_shared, skip, rows, pair, is_pair, token
+
+
+if triton is not None:  # called from the kernels below, so built with them
+    _tile_rows = triton.jit(_tile_rows)
+
+
+def _gate_up_kernel(x_ptr, w13_ptr, shared_w13_ptr, act_ptr, token_ptr, row_pair_ptr, tile_slot_ptr,
+                    H, I, num_slots, num_tiles, num_tokens, stride_xt,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, PAIRS_PER_TOKEN: tl.constexpr,
+                    SHARED: tl.constexpr):
+    # One program: BLOCK_M padded rows (one slot) x BLOCK_N columns of both gate and up.
+    slot, is_shared, skip, rows, pair, is_pair, token = _tile_rows(
+        token_ptr, row_pair_ptr, tile_slot_ptr, num_slots, num_tiles, num_tokens, BLOCK_M, PAIRS_PER_TOKEN, SHARED)
+    if skip:
+        return
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < I
     ks = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + token[:, None] * stride_xt + ks[None, :]
     # w13[slot] is [2I, H] row-major; read it as [BLOCK_K, BLOCK_N] tiles (k fastest in memory).
-    gate_ptrs = w13_ptr + slot * 2 * I * H + cols[None, :].to(tl.int64) * H + ks[:, None]
+    w_offs = cols[None, :].to(tl.int64) * H + ks[:, None]
+    gate_ptrs = w13_ptr + slot * 2 * I * H + w_offs
+    if SHARED:
+        gate_ptrs = tl.where(is_shared, shared_w13_ptr + w_offs, gate_ptrs)
     up_ptrs = gate_ptrs + I * H
     acc_gate = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
     acc_up = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
@@ -239,23 +272,24 @@ def _gate_up_kernel(x_ptr, w13_ptr, act_ptr, token_ptr, row_pair_ptr, tile_slot_
     tl.store(act_ptrs, act.to(act_ptr.dtype.element_ty), mask=col_ok[None, :])
 
 
-def _down_kernel(act_ptr, w2_ptr, out_ptr, token_ptr, weight_ptr, row_pair_ptr, tile_slot_ptr,
-                 H, I, num_slots, stride_ot,
+def _down_kernel(act_ptr, w2_ptr, shared_w2_ptr, out_ptr, token_ptr, weight_ptr, row_pair_ptr, tile_slot_ptr,
+                 H, I, num_slots, num_tiles, num_tokens, stride_ot,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, PAIRS_PER_TOKEN: tl.constexpr):
+                 PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, PAIRS_PER_TOKEN: tl.constexpr,
+                 SHARED: tl.constexpr):
     # One program: BLOCK_M padded rows (one slot) x BLOCK_N hidden columns, added into fp32 out.
-    tile = tl.program_id(0)
-    slot = tl.load(tile_slot_ptr + tile).to(tl.int64)
-    if slot >= num_slots:
+    slot, is_shared, skip, rows, pair, is_pair, token = _tile_rows(
+        token_ptr, row_pair_ptr, tile_slot_ptr, num_slots, num_tiles, num_tokens, BLOCK_M, PAIRS_PER_TOKEN, SHARED)
+    if skip:
         return
-    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(row_pair_ptr + rows)
-    is_pair = pair >= 0
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < H
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = act_ptr + rows[:, None].to(tl.int64) * I + ks[None, :]
-    w_ptrs = w2_ptr + slot * H * I + cols[None, :].to(tl.int64) * I + ks[:, None]
+    w_offs = cols[None, :].to(tl.int64) * I + ks[:, None]
+    w_ptrs = w2_ptr + slot * H * I + w_offs
+    if SHARED:
+        w_ptrs = tl.where(is_shared, shared_w2_ptr + w_offs, w_ptrs)
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
     for k0 in range(0, I, BLOCK_K):
         k_ok = ks + k0 < I
@@ -266,11 +300,9 @@ def _down_kernel(act_ptr, w2_ptr, out_ptr, token_ptr, weight_ptr, row_pair_ptr, 
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    if PAIRS_PER_TOKEN > 0:
-        token = tl.where(is_pair, pair // PAIRS_PER_TOKEN, 0).to(tl.int64)
-    else:
-        token = tl.load(token_ptr + pair, mask=is_pair, other=0).to(tl.int64)
-    route_weight = tl.load(weight_ptr + pair, mask=is_pair, other=0.0).to(tl.float32)
+    route_weight = tl.load(weight_ptr + pair, mask=pair >= 0, other=0.0).to(tl.float32)
+    if SHARED:
+        route_weight = tl.where(is_shared, 1.0, route_weight)
     acc = acc * route_weight[:, None]
     # A token's k pairs land in different tiles: combine them with fp32 atomics (order-free sum,
     # like index_add_ on CUDA) instead of a per-pair output buffer and a second pass.
@@ -356,20 +388,20 @@ def pick_config(num_pairs: int, num_slots: int, dtype: torch.dtype) -> MoEGemmCo
 
 def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, token_of: torch.Tensor | None,
                          slot_of: torch.Tensor, weight_of: torch.Tensor,
-                         config: MoEGemmConfig | None = None, add: torch.Tensor | None = None) -> torch.Tensor:
+                         config: MoEGemmConfig | None = None, add=None,
+                         shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """fused_experts through the two Triton kernels (no host sync; CUDA-graph capturable)."""
     num_tokens, hidden = x.shape
     num_slots, two_i, _ = w13.shape
     inter = two_i // 2
     num_pairs = slot_of.numel()
-    if callable(add):
-        pending, add = add, None
-    else:
-        pending = None
-    if num_pairs == 0 or num_tokens == 0:
+    pending, add = (add, None) if callable(add) else (None, add)
+    if num_tokens == 0 or (num_pairs == 0 and shared is None):
         add = pending() if pending is not None else add
         return torch.zeros_like(x) if add is None else add.clone()
-    k = pairs_per_token(num_tokens, num_pairs) if token_of is None else 0
+    if shared is not None:
+        shared = check_shared(shared, w13, w2)
+    k = pairs_per_token(num_tokens, num_pairs) if token_of is None and num_pairs else 0
     cfg = config or pick_config(num_pairs, num_slots, w13.dtype)
     # The slot counts and the fp32 output zeroed by one fill (the output 16-byte aligned).
     lead = triton.cdiv(num_slots, 4) * 4
@@ -377,8 +409,11 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     out = zeroed[lead:].view(num_tokens, hidden)
     aligned = align_pairs_triton(slot_of, num_slots, cfg.block_m, counts=zeroed[:num_slots].view(torch.int32))
     num_tiles = aligned.tile_slot.numel()
+    # The shared expert's rows follow the routed tiles, one per token (see _tile_rows).
+    tiles = num_tiles + (triton.cdiv(num_tokens, cfg.block_m) if shared is not None else 0)
     w13 = w13.contiguous()
     w2 = w2.contiguous()
+    shared_w13, shared_w2 = shared if shared is not None else (w13, w2)  # not read without SHARED
     xw = x.to(w13.dtype).contiguous()
     token_of = slot_of if token_of is None else token_of.contiguous()  # not read when k > 0
     weight_of = weight_of.contiguous()
@@ -388,20 +423,21 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     # fp32 operands get IEEE products like the reference's F.linear (TF32 would cost ~1e-3 relative).
     precision = "ieee" if dot_fp32 or w13.dtype == torch.float32 else "tf32"
 
-    act = torch.empty(num_tiles * cfg.block_m, inter, dtype=w2.dtype, device=x.device)
+    act = torch.empty(tiles * cfg.block_m, inter, dtype=w2.dtype, device=x.device)
+    plain = ("num_tiles", "num_tokens")
     block_n, block_k, warps, stages = cfg.gate_up
-    _jit(_gate_up_kernel)[(num_tiles, triton.cdiv(inter, block_n))](
-        xw, w13, act, token_of, aligned.row_pair, aligned.tile_slot,
-        hidden, inter, num_slots, xw.stride(0),
+    _jit(_gate_up_kernel, *plain)[(tiles, triton.cdiv(inter, block_n))](
+        xw, w13, shared_w13, act, token_of, aligned.row_pair, aligned.tile_slot,
+        hidden, inter, num_slots, num_tiles, num_tokens, xw.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, DOT_FP32=dot_fp32,
-        PAIRS_PER_TOKEN=k, num_warps=warps, num_stages=stages)
+        PAIRS_PER_TOKEN=k, SHARED=shared is not None, num_warps=warps, num_stages=stages)
 
     block_n, block_k, warps, stages = cfg.down
-    _jit(_down_kernel)[(num_tiles, triton.cdiv(hidden, block_n))](
-        act, w2, out, token_of, weight_of, aligned.row_pair, aligned.tile_slot,
-        hidden, inter, num_slots, out.stride(0),
+    _jit(_down_kernel, *plain)[(tiles, triton.cdiv(hidden, block_n))](
+        act, w2, shared_w2, out, token_of, weight_of, aligned.row_pair, aligned.tile_slot,
+        hidden, inter, num_slots, num_tiles, num_tokens, out.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, DOT_FP32=dot_fp32,
-        PAIRS_PER_TOKEN=k, num_warps=warps, num_stages=stages)
+        PAIRS_PER_TOKEN=k, SHARED=shared is not None, num_warps=warps, num_stages=stages)
     if pending is not None:
         add = pending()
     if add is None:
@@ -415,17 +451,31 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     return summed
 
 
+def check_shared(shared: tuple[torch.Tensor, torch.Tensor], w13: torch.Tensor,
+                 w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A shared expert (w13 [2I, H], w2 [H, I]) computed as one more slot: the routed experts'
+    shapes and dtype, rows contiguous."""
+    s13, s2 = shared
+    if s13.shape != w13.shape[1:] or s2.shape != w2.shape[1:] or s13.dtype != w13.dtype or s2.dtype != w2.dtype:
+        raise ValueError(f"shared expert {list(s13.shape)}, {list(s2.shape)} {s13.dtype} does not match the "
+                         f"routed experts' {list(w13.shape[1:])}, {list(w2.shape[1:])} {w13.dtype}")
+    return s13.contiguous(), s2.contiguous()
+
+
 # ---------------------------------------------------------------- dispatcher
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, token_of: torch.Tensor | None,
-                  slot_of: torch.Tensor, weight_of: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+                  slot_of: torch.Tensor, weight_of: torch.Tensor, add=None,
+                  shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Routed experts over pairs: x [T, H], w13 [S, 2I, H], w2 [S, H, I], token_of / slot_of [P]
     int64 (token_of None: token-major pairs, P / T per token), weight_of [P] float -> [T, H] in
-    x's dtype (see the module docstring for the sum); plus `add` [T, H] (the shared experts'
-    output) when given, as `out + add` would. `add` may be a function returning it, called
-    after the GEMMs are launched: a stream computing it meanwhile is waited for only then.
+    x's dtype (see the module docstring for the sum).
+    - `shared` (w13 [2I, H], w2 [H, I]): a shared expert every token passes through with weight 1,
+      summed with the routed ones in fp32 (its weight read once, in the same two launches).
+    - `add` [T, H]: added to the result as `out + add` would. It may be a function returning it,
+      called after the GEMMs are launched: a stream computing it meanwhile is waited for only then.
     Triton where it can run (CUDA, or CPU under TRITON_INTERPRET=1), the reference elsewhere."""
     if triton is not None and triton_ok(x):
-        return fused_experts_triton(x, w13, w2, token_of, slot_of, weight_of, add=add)
-    out = fused_experts_reference(x, w13, w2, token_of, slot_of, weight_of)
+        return fused_experts_triton(x, w13, w2, token_of, slot_of, weight_of, add=add, shared=shared)
+    out = fused_experts_reference(x, w13, w2, token_of, slot_of, weight_of, shared=shared)
     return out if add is None else out + (add() if callable(add) else add)

@@ -137,21 +137,24 @@ def test_cuda_graphs_and_triton_kernels_on_gpu(tiny_v4_ckpt, kv_dtype):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_side_stream_branches_in_decode_graphs(tiny_v4_ckpt, monkeypatch):
-    """Graphs captured with the indexer and the shared experts on a second stream compute what
-    the one-stream graphs compute, and the capture really forked."""
+def test_side_stream_branches_and_fused_shared_expert_in_decode_graphs(tiny_v4_ckpt, monkeypatch):
+    """Graphs captured with the indexer (and, unfused, the shared experts) on a second stream, and
+    with the shared expert fused into the MoE kernels, compute what one stream and a separate
+    shared MLP compute; and the captures really forked."""
     from engine import streams
     forks = []
     real = streams.side_stream
     monkeypatch.setattr(streams, "side_stream", lambda device: forks.append(device) or real(device))
     prompts = _prompts([3, 30, 45, 1, 70])
-    one, one_logits, _ = _run(tiny_v4_ckpt, prompts, device="cuda", decode_overlap=False)
+    base, base_logits, _ = _run(tiny_v4_ckpt, prompts, device="cuda", decode_overlap=False, fuse_shared_experts=False)
     assert not forks
-    two, two_logits, _ = _run(tiny_v4_ckpt, prompts, device="cuda", decode_overlap=True)
-    assert forks  # the shared experts fork in every MoE layer; the indexer where attention is sparse
-    assert one == two
-    for a, b in zip(one_logits, two_logits):
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    for kw in (dict(fuse_shared_experts=False), dict(decode_overlap=False), {}):
+        forks.clear()
+        out, logits, _ = _run(tiny_v4_ckpt, prompts, device="cuda", **kw)
+        assert bool(forks) == kw.get("decode_overlap", True), kw
+        assert out == base, kw
+        for a, b in zip(logits, base_logits):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
 def test_block_table_array_follows_growth_and_replacement():

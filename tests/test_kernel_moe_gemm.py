@@ -97,6 +97,33 @@ def test_add_is_rounded_sum_plus_add(device, dtype):
         fused_experts_triton(x, w13, w2, None, slot_of, weight_of, add=add[:, :8])
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens,topk,explicit", [(1, 2, False), (21, 3, False), (21, 3, True), (5, 0, True)])
+def test_shared_expert_as_one_more_slot(device, dtype, num_tokens, topk, explicit):
+    """The shared expert computed in the routed experts' launches (its tiles after theirs; 21
+    tokens leave a part-filled tile) against the reference: the routed sum plus the shared MLP.
+    topk 0: no routed pair at all, only the shared expert."""
+    hidden, inter, num_slots = 64, 32, 8
+    w13, w2 = make_weights(num_slots + 1, hidden, inter, dtype, device, seed=31)
+    shared = (w13[num_slots], w2[num_slots])
+    w13, w2 = w13[:num_slots], w2[:num_slots]
+    x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(32)).to(device, dtype)
+    token_of, slot_of, weight_of = make_routing(num_tokens, topk, list(range(num_slots)), device, seed=33)
+    token_arg = token_of if explicit else None
+    got = fused_experts_triton(x, w13, w2, token_arg, slot_of, weight_of, shared=shared)
+    want = fused_experts_reference(x, w13, w2, token_of, slot_of, weight_of, shared=shared)
+    torch.testing.assert_close(got.float(), want.float(), **TOLERANCE[dtype])
+    # the reference's shared part is the MLP itself
+    gate, up = torch.nn.functional.linear(x, shared[0]).float().chunk(2, dim=-1)
+    mlp = torch.nn.functional.linear((torch.nn.functional.silu(gate) * up).to(dtype), shared[1])
+    routed = fused_experts_reference(x, w13, w2, token_of, slot_of, weight_of)
+    torch.testing.assert_close(want.float(), (routed.float() + mlp.float()), **TOLERANCE[dtype])
+    assert (got.float() - routed.float()).abs().max() > 0.05  # the shared part was really added
+    with pytest.raises(ValueError, match="shared expert"):
+        fused_experts_triton(x, w13, w2, token_arg, slot_of, weight_of, shared=(shared[0][:, :8], shared[1]))
+
+
 SMALL_BLOCKS = MoEGemmConfig(16, (16, 16, 1, 2), (16, 16, 1, 2))
 
 
@@ -263,3 +290,38 @@ def test_module_keeps_engine_out():
     # kernels/ sits below engine/: importing engine or ray from here would invert the layering.
     source = open(moe_gemm.__file__).read()
     assert "import ray" not in source and "from engine" not in source and "import engine" not in source
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_moe_layer_shared_expert_fused_or_separate(device, monkeypatch):
+    """A DeepSeekMoE layer (engine/moe.py) gives the same output with its shared expert computed
+    as one more slot of the fused kernels as with it as a separate MLP, and counts the same load."""
+    from engine.config import preset
+    from engine.moe import MoE
+    monkeypatch.setenv("WIDEEP_CPU_KERNELS", "1")  # CPU tensors take the (interpreted) kernels only when asked
+    cfg = preset("tiny")
+    torch.manual_seed(41)
+    moe = MoE(cfg).to(device)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.3)
+    x = torch.randn(7, cfg.hidden_size, generator=torch.Generator().manual_seed(42)).to(device)
+    assert moe._shared_slot(x) is not None
+    with torch.no_grad():
+        fused = moe(x)
+        fused_load = moe.take_load()
+        moe.fuse_shared = False
+        assert moe._shared_slot(x) is None
+        separate = moe(x)
+        assert torch.equal(moe.take_load(), fused_load) and int(fused_load.sum()) == 7 * cfg.num_experts_per_tok
+        moe.fuse_shared = True
+        routed_only = moe.experts(x, *_route_of(moe, x))
+    torch.testing.assert_close(fused, separate, atol=1e-5, rtol=1e-5)
+    assert (fused - routed_only).abs().max() > 0.05
+
+
+def _route_of(moe, x):
+    from engine.moe import route
+    logits = torch.nn.functional.linear(x.float(), moe.gate.weight.float())
+    _, weights, slots = route(logits, moe.gate.e_score_correction_bias, moe.cfg, moe.expert_map)
+    return slots, weights
