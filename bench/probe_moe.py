@@ -1,0 +1,100 @@
+"""The fused MoE kernels' tile shapes, timed side by side on the decode shapes of the bench model
+(H=2048, I=768, 64 slots, top-6, plus the shared expert as one more slot). Each call is replayed
+from a CUDA graph and checked against the reference. The gate-up kernel's shapes are swept with
+the down kernel's built-in one, then the down kernel's with the best gate-up shape.
+
+    python -m bench.probe_moe --json moe.jsonl
+
+`--gate` also times the router's partial-logits kernel (kernels/routing.py) by how many parts
+it splits the hidden size into.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+
+from bench.kernel_moe_gemm import BENCH_MODEL, make_inputs, relative_error
+from bench.kernel_timing import graph_ms
+from kernels.moe_gemm import fused_experts_reference, fused_experts_triton, pick_config
+
+SHAPES = [(n, w, s) for n in (32, 64, 128) for w in (64, 128, 256) for s in (4, 8) if n * w <= 128 * 128 or s == 8]
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[64, 16, 1])
+    ap.add_argument("--stages", type=int, nargs="+", default=[3, 4, 5])
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--gate", action="store_true")
+    args = ap.parse_args(argv)
+    rows, best = [], None
+    if args.gate:
+        rows += gate_parts_times(args.tokens, args.iters)
+    for tokens in args.tokens:
+        x, w13, w2, _, slot_of, weight_of = make_inputs(dict(BENCH_MODEL, tokens=tokens), "cuda", torch.bfloat16)
+        g = torch.Generator().manual_seed(7)
+        shared = ((torch.randn(w13.shape[1:], generator=g) * 2048 ** -0.5).to(w13),
+                  (torch.randn(w2.shape[1:], generator=g) * 768 ** -0.5).to(w2))
+        want = fused_experts_reference(x, w13, w2, None, slot_of, weight_of, shared=shared)
+        built_in = pick_config(slot_of.numel(), w13.shape[0], w13.dtype)
+
+        def timed(cfg, label):
+            try:
+                return _timed(cfg, label)
+            except Exception as e:  # a shape past the shared memory (Triton's OutOfResources)
+                print(json.dumps(dict(tokens=tokens, sweep=label, config=cfg._asdict(), error=type(e).__name__)))
+                return float("inf")
+
+        def _timed(cfg, label):
+            err = relative_error(fused_experts_triton(x, w13, w2, None, slot_of, weight_of, cfg, shared=shared), want)
+            if err > 2e-2:
+                raise AssertionError(f"wrong result ({err:.3g}) with {cfg}")
+            us = graph_ms(lambda: fused_experts_triton(x, w13, w2, None, slot_of, weight_of, cfg, shared=shared),
+                          3, args.iters) * 1e3
+            rows.append(dict(tokens=tokens, sweep=label, block_m=cfg.block_m, gate_up=cfg.gate_up, down=cfg.down,
+                             us=round(us, 2)))
+            print(json.dumps(rows[-1]), flush=True)
+            return us
+
+        base = timed(built_in, "built-in")
+        if best is None:  # sweep at the first token count, check the winner at the others
+            candidates = []
+            for (n, k, warps), stages in itertools.product(SHAPES, args.stages):
+                cfg = built_in._replace(gate_up=(n, k, warps, stages))
+                candidates.append((timed(cfg, "gate_up"), cfg))
+            gate_up = min(candidates, key=lambda c: c[0])[1].gate_up
+            candidates = []
+            for (n, k, warps), stages in itertools.product(SHAPES, args.stages):
+                cfg = built_in._replace(gate_up=gate_up, down=(n, k, warps, stages))
+                candidates.append((timed(cfg, "down"), cfg))
+            best = min(candidates, key=lambda c: c[0])[1]
+        us = timed(best._replace(block_m=built_in.block_m), "best")
+        print(json.dumps(dict(tokens=tokens, built_in_us=round(base, 2), best_us=round(us, 2),
+                              best=best._asdict())), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+def gate_parts_times(token_counts: list[int], iters: int) -> list[dict]:
+    from kernels.routing import gate_parts_triton
+    rows = []
+    w = torch.randn(BENCH_MODEL["slots"], BENCH_MODEL["hidden"], device="cuda")
+    for tokens in token_counts:
+        x = torch.randn(tokens, BENCH_MODEL["hidden"], device="cuda", dtype=torch.bfloat16)
+        want = x.float() @ w.T
+        for parts in (4, 8, 16, 32):
+            got = gate_parts_triton(x, w, parts).sum(0)
+            torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)
+            us = graph_ms(lambda: gate_parts_triton(x, w, parts), 3, iters) * 1e3
+            rows.append(dict(kernel="gate_parts", tokens=tokens, parts=parts, us=round(us, 2)))
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
