@@ -179,29 +179,37 @@ if triton is not None:
             i = start + tl.arange(0, FILL)
             tl.store(row_out + i, tl.full([FILL], -1, tl.int32), mask=(i >= filled) & (i < topk))
 
-    @triton.jit(do_not_specialize=["num_seqs", "k"])
-    def _radix_state_kernel(hist_ptr, prefix_ptr, rank_ptr, kth_ptr, num_seqs, k, PASS: tl.constexpr):
-        """After the PASS-th histogram: the top 8 * (PASS + 1) bits of each row's k-th largest
-        key (`prefix`) and its rank among the keys sharing them (1 = the largest); after the
-        last pass, the k-th score itself. One program per row, so the passes and the emit
-        read a few words instead of re-deriving them in every program."""
-        seq = tl.program_id(0)
+    @triton.jit
+    def _radix_state(hist_ptr, state_ptr, seq, num_seqs, k, PASS: tl.constexpr):
+        """After the PASS-th histogram: the top 8 * (PASS + 1) bits of the row's k-th largest key
+        (`prefix`, int32 bits) and its rank among the keys sharing them (1 = the largest), from
+        that histogram and the state after the pass before (state[p] = (prefix, rank) of rows).
+        Every program of the next pass derives it (a 256-bin read), and its first program stores
+        it for the pass after: no launch of its own between passes."""
         if PASS == 0:
             prefix = tl.zeros([], dtype=tl.int32)
             rank = k
         else:
-            prefix = tl.load(prefix_ptr + seq)
-            rank = tl.load(rank_ptr + seq)
+            prefix = tl.load(state_ptr + ((PASS - 1) * 2) * num_seqs + seq)
+            rank = tl.load(state_ptr + ((PASS - 1) * 2 + 1) * num_seqs + seq)
         h = tl.load(hist_ptr + (PASS * num_seqs + seq) * 256 + tl.arange(0, 256))
         digit, rank = _pick_digit(h, rank)
-        prefix = (prefix << 8) | digit
-        tl.store(prefix_ptr + seq, prefix)
-        tl.store(rank_ptr + seq, rank)
-        if PASS == 3:
-            tl.store(kth_ptr + seq, _key_to_score(prefix.to(tl.uint32, bitcast=True)))
+        return (prefix << 8) | digit, rank
 
-    @triton.jit(do_not_specialize=["num_seqs", "span"])
-    def _radix_pass_kernel(scores_ptr, hist_ptr, prefix_ptr, stride_sb, width, num_seqs, span,
+    @triton.jit
+    def _keep_radix_state(state_ptr, seq, num_seqs, prefix, rank, PASS: tl.constexpr):
+        tl.store(state_ptr + (PASS * 2) * num_seqs + seq, prefix)
+        tl.store(state_ptr + (PASS * 2 + 1) * num_seqs + seq, rank)
+
+    @triton.jit(do_not_specialize=["num_seqs", "k"])
+    def _radix_kth_kernel(hist_ptr, state_ptr, kth_ptr, num_seqs, k):
+        """The k-th score of each row from the last histogram (kth_scores called on its own)."""
+        seq = tl.program_id(0)
+        prefix, _ = _radix_state(hist_ptr, state_ptr, seq, num_seqs, k, 3)
+        tl.store(kth_ptr + seq, _key_to_score(prefix.to(tl.uint32, bitcast=True)))
+
+    @triton.jit(do_not_specialize=["num_seqs", "span", "k"])
+    def _radix_pass_kernel(scores_ptr, hist_ptr, state_ptr, stride_sb, width, num_seqs, span, k,
                            PASS: tl.constexpr, BLOCK: tl.constexpr):
         """Histogram of the PASS-th byte (from the top) of the keys that match the k-th
         largest key in the bytes before it, over `span` positions of the row; counts are added
@@ -210,7 +218,10 @@ if triton is not None:
         seq = tl.program_id(0)
         start = tl.program_id(1) * span
         if PASS > 0:
-            prefix = tl.load(prefix_ptr + seq).to(tl.uint32, bitcast=True)
+            prefix, rank = _radix_state(hist_ptr, state_ptr, seq, num_seqs, k, PASS - 1)
+            if tl.program_id(1) == 0:
+                _keep_radix_state(state_ptr, seq, num_seqs, prefix, rank, PASS - 1)
+            prefix = prefix.to(tl.uint32, bitcast=True)
         counts = tl.zeros([256], dtype=tl.int32)
         for off in range(0, span, BLOCK):
             pos = start + off + tl.arange(0, BLOCK)
@@ -220,22 +231,28 @@ if triton is not None:
             match = pos < width
             if PASS > 0:
                 match = match & ((key >> (32 - 8 * PASS)) == prefix)
-            # Non-matching keys land in bin 0, which the state kernel never needs exactly: it
-            # reads only the counts of digits above the one it picks, and bin 0 is picked only
-            # when every higher bin together holds fewer than `rank` keys.
+            # Non-matching keys land in bin 0, which _pick_digit never needs exactly: it reads
+            # only the counts of digits above the one it picks, and bin 0 is picked only when
+            # every higher bin together holds fewer than `rank` keys.
             counts += tl.histogram(tl.where(match, digit, 0).to(tl.int32), 256)
         bins = tl.arange(0, 256)
         tl.atomic_add(hist_ptr + (PASS * num_seqs + seq) * 256 + bins, counts, mask=counts > 0, sem="relaxed")
 
-    @triton.jit(do_not_specialize=["stride_cb"])
-    def _count_chunk_kernel(scores_ptr, kth_ptr, lens_ptr, above_ptr, equal_ptr,
-                            stride_sb, stride_cb, width, CHUNK: tl.constexpr):
+    @triton.jit(do_not_specialize=["stride_cb", "num_seqs", "k"])
+    def _count_chunk_kernel(scores_ptr, kth_ptr, lens_ptr, above_ptr, equal_ptr, hist_ptr, state_ptr,
+                            stride_sb, stride_cb, width, num_seqs, k, CHUNK: tl.constexpr, RADIX: tl.constexpr):
         seq = tl.program_id(0)
         chunk = tl.program_id(1)
         pos = chunk * CHUNK + tl.arange(0, CHUNK)
         live = (pos < tl.load(lens_ptr + seq)) & (pos < width)
         s = tl.load(scores_ptr + seq * stride_sb + pos, mask=live, other=float("-inf"))
-        kth = tl.load(kth_ptr + seq)
+        if RADIX:  # the k-th score from the radix passes' last histogram; kept for the emit pass
+            prefix, _ = _radix_state(hist_ptr, state_ptr, seq, num_seqs, k, 3)
+            kth = _key_to_score(prefix.to(tl.uint32, bitcast=True))
+            if chunk == 0:
+                tl.store(kth_ptr + seq, kth)
+        else:
+            kth = tl.load(kth_ptr + seq)
         tl.store(above_ptr + seq * stride_cb + chunk, tl.sum((live & (s > kth)).to(tl.int32), axis=0))
         tl.store(equal_ptr + seq * stride_cb + chunk, tl.sum((live & (s == kth)).to(tl.int32), axis=0))
 
@@ -370,10 +387,19 @@ def kth_scores(scores: torch.Tensor, k: int, method: str | None = None, span: in
     method = method or ("radix" if width <= RADIX_MAX_WIDTH else "topk")
     if method == "topk":
         return torch.topk(scores, k, dim=1, sorted=False).values.amin(dim=1)
-    hist = torch.zeros(4, num_seqs, 256, device=scores.device, dtype=torch.int32)
-    prefix = torch.empty(num_seqs, device=scores.device, dtype=torch.int32)
-    rank = torch.empty_like(prefix)
+    hist, state = radix_passes(scores, k, span, block, num_warps)
     kth = torch.empty(num_seqs, device=scores.device, dtype=torch.float32)
+    _radix_kth_kernel[(num_seqs,)](hist, state, kth, num_seqs, k, num_warps=1)
+    return kth
+
+
+def radix_passes(scores: torch.Tensor, k: int, span: int | None = None, block: int | None = None,
+                 num_warps: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """The four histogram passes of the radix select: (hist [4, B, 256], state [3, 2, B]), from
+    which _radix_state derives the k-th score (kth_scores; the count pass of select_topk_triton)."""
+    num_seqs, width = scores.shape
+    hist = torch.zeros(4, num_seqs, 256, device=scores.device, dtype=torch.int32)
+    state = torch.empty(3, 2, num_seqs, device=scores.device, dtype=torch.int32)
     # Fixed block sizes (short rows are masked): one build per pass for every width.
     block = block or _SELECT_BLOCK
     if span is None:
@@ -384,10 +410,9 @@ def kth_scores(scores: torch.Tensor, k: int, method: str | None = None, span: in
         raise ValueError(f"span {span} must be a multiple of block {block}")
     for p in range(4):
         _radix_pass_kernel[(num_seqs, triton.cdiv(width, span))](
-            scores, hist, prefix, scores.stride(0), width, num_seqs, span, PASS=p, BLOCK=block,
+            scores, hist, state, scores.stride(0), width, num_seqs, span, k, PASS=p, BLOCK=block,
             num_warps=num_warps)
-        _radix_state_kernel[(num_seqs,)](hist, prefix, rank, kth, num_seqs, k, PASS=p, num_warps=1)
-    return kth
+    return hist, state
 
 
 def select_topk_triton(scores: torch.Tensor, g_lens: torch.Tensor, topk: int,
@@ -415,14 +440,20 @@ def select_topk_triton(scores: torch.Tensor, g_lens: torch.Tensor, topk: int,
         _select_row_kernel[(num_seqs,)](scores, g_lens, out, scores.stride(0), out.stride(0), width, k, topk,
                                         WIDTH=row, FILL=fill, num_warps=16 if row >= 8192 else 8 if row >= 2048 else 4)
         return out
-    kth = kth_scores(scores, k, method)
+    method = method or ("radix" if width <= RADIX_MAX_WIDTH else "topk")
+    if method == "radix":  # the count pass derives the k-th score from the last histogram
+        hist, state = radix_passes(scores, k)
+        kth = torch.empty(num_seqs, device=scores.device, dtype=torch.float32)
+    else:
+        kth = kth_scores(scores, k, method)
+        hist = state = kth  # not read
     chunk = chunk or _SELECT_BLOCK
     num_chunks = triton.cdiv(width, chunk)
     above = torch.empty(num_seqs, num_chunks, device=scores.device, dtype=torch.int32)
     equal = torch.empty_like(above)
     grid = (num_seqs, num_chunks)
-    _count_chunk_kernel[grid](scores, kth, g_lens, above, equal, scores.stride(0), above.stride(0), width,
-                              CHUNK=chunk, num_warps=4)
+    _count_chunk_kernel[grid](scores, kth, g_lens, above, equal, hist, state, scores.stride(0), above.stride(0),
+                              width, num_seqs, k, CHUNK=chunk, RADIX=method == "radix", num_warps=4)
     _emit_chunk_kernel[grid](scores, kth, g_lens, above, equal, out,
                              scores.stride(0), above.stride(0), out.stride(0), width, num_chunks, k, topk,
                              CHUNK=chunk, SUMS=_EMIT_SUMS, FILL=fill, num_warps=4)
