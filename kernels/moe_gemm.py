@@ -201,45 +201,40 @@ def _place_kernel(slot_ptr, rank_ptr, counts_ptr, padded_start_ptr, row_pair_ptr
     tl.store(row_pair_ptr + rows, tl.full((BLOCK_T, BLOCK_M), -1, tl.int32), mask=t_ok[:, None] & pad)
 
 
-def _align_one_kernel(slot_ptr, counts_ptr, row_pair_ptr, tile_slot_ptr, num_pairs, num_slots, num_tiles,
-                      BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr):
+def _align_one_kernel(slot_ptr, counts_ptr, padded_start_ptr, row_pair_ptr, tile_slot_ptr,
+                      num_pairs, num_slots, num_tiles,
+                      BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr):
     # The three passes of align_pairs_triton in one program, for the pair counts of decode steps
-    # (where each of them ran as a single program anyway): counts, padded starts, every pair's
-    # row (its rank within its slot, in pair order: a stable layout), the tiles' slots and padding.
+    # (where each of them ran as a single program anyway). counts must come zeroed. The barriers
+    # order this program's own global writes (counts, starts) before its reads of them.
+    pairs = tl.arange(0, BLOCK_P)
+    ok = pairs < num_pairs
+    slot = tl.load(slot_ptr + pairs, mask=ok, other=0)
+    rank = tl.atomic_add(counts_ptr + slot, 1, mask=ok)  # the old value: the pair's rank in its slot
+    tl.debug_barrier()
     idx = tl.arange(0, BLOCK_S)
     s_ok = idx < num_slots
-    counts = tl.zeros([BLOCK_S], dtype=tl.int32)
-    for p0 in range(0, num_pairs, BLOCK_P):
-        pairs = p0 + tl.arange(0, BLOCK_P)
-        slot = tl.load(slot_ptr + pairs, mask=pairs < num_pairs, other=-1)
-        counts += tl.sum((slot[:, None] == idx[None, :]).to(tl.int32), axis=0)
+    counts = tl.load(counts_ptr + idx, mask=s_ok, other=0, cache_modifier=".cg")
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     end = tl.cumsum(padded, axis=0)
-    start = end - padded
-    tl.store(counts_ptr + idx, counts, mask=s_ok)
-    before = start  # per slot: the row its next pair goes to
-    for p0 in range(0, num_pairs, BLOCK_P):
-        pairs = p0 + tl.arange(0, BLOCK_P)
-        ok = pairs < num_pairs
-        slot = tl.load(slot_ptr + pairs, mask=ok, other=-1)
-        hit = (slot[:, None] == idx[None, :]).to(tl.int32)
-        row = tl.sum(hit * (tl.cumsum(hit, axis=0) - 1 + before[None, :]), axis=1)
-        tl.store(row_pair_ptr + row, pairs, mask=ok)
-        before += tl.sum(hit, axis=0)
+    tl.store(padded_start_ptr + idx, end - padded, mask=s_ok)
+    tl.debug_barrier()
+    start = tl.load(padded_start_ptr + slot, mask=ok, other=0, cache_modifier=".cg")
+    tl.store(row_pair_ptr + start + rank, pairs, mask=ok)
     # A tile's slot: how many slots end at or before its first row (as searchsorted, right=True);
     # its rows past the slot's pairs are padding, and a tile past the last slot is all padding.
-    for t0 in range(0, num_tiles, BLOCK_P):
-        tiles = t0 + tl.arange(0, BLOCK_P)
+    for t0 in range(0, num_tiles, BLOCK_T):
+        tiles = t0 + tl.arange(0, BLOCK_T)
         t_ok = tiles < num_tiles
         first_row = tiles * BLOCK_M
         ended = tl.sum(((end[None, :] <= first_row[:, None]) & s_ok[None, :]).to(tl.int32), axis=1)
         tl.store(tile_slot_ptr + tiles, ended, mask=t_ok)
-        mine = idx[None, :] == ended[:, None]
-        t_count = tl.sum(tl.where(mine, counts[None, :], 0), axis=1)
-        t_start = tl.sum(tl.where(mine, start[None, :], 0), axis=1)
+        has_slot = t_ok & (ended < num_slots)
+        t_count = tl.load(counts_ptr + ended, mask=has_slot, other=0, cache_modifier=".cg")
+        t_start = tl.load(padded_start_ptr + ended, mask=has_slot, other=0, cache_modifier=".cg")
         rows = first_row[:, None] + tl.arange(0, BLOCK_M)[None, :]
         pad = rows - t_start[:, None] >= t_count[:, None]
-        tl.store(row_pair_ptr + rows, tl.full((BLOCK_P, BLOCK_M), -1, tl.int32), mask=t_ok[:, None] & pad)
+        tl.store(row_pair_ptr + rows, tl.full((BLOCK_T, BLOCK_M), -1, tl.int32), mask=t_ok[:, None] & pad)
 
 
 def _tile_rows(token_ptr, row_pair_ptr, tile_slot_ptr, num_slots, num_tiles, num_tokens,
@@ -396,8 +391,9 @@ def align_pairs_triton(slot_of: torch.Tensor, num_slots: int, block_m: int,
     if num_pairs <= ALIGN_ONE_PROGRAM_PAIRS and num_slots <= ALIGN_ONE_PROGRAM_SLOTS:
         block_s = triton.next_power_of_2(num_slots)
         _jit(_align_one_kernel, "num_pairs", "num_tiles")[(1,)](
-            slot_of, counts, row_pair, tile_slot, num_pairs, num_slots, num_tiles,
-            BLOCK_M=block_m, BLOCK_P=max(16, min(128, 8192 // block_s)), BLOCK_S=block_s, num_warps=4)
+            slot_of, counts, padded_start, row_pair, tile_slot, num_pairs, num_slots, num_tiles,
+            BLOCK_M=block_m, BLOCK_P=ALIGN_ONE_PROGRAM_PAIRS, BLOCK_S=block_s, BLOCK_T=max(16, 8192 // block_s),
+            num_warps=4)
         return AlignedPairs(row_pair, tile_slot, counts)
     block_p, block_t, block_s = 1024, 64, 128
     _jit(_count_kernel, "num_pairs")[(triton.cdiv(num_pairs, block_p),)](slot_of, counts, rank, num_pairs, BLOCK=block_p)

@@ -230,8 +230,6 @@ def test_align_triton_matches_reference(device, case, block_m):
     assert torch.equal(got.tile_slot.cpu(), want.tile_slot)
     assert torch.equal(got.counts.cpu(), want.counts)
     assert torch.equal(got.row_pair.cpu() >= 0, want.row_pair >= 0)
-    if slot_of.numel() <= moe_gemm.ALIGN_ONE_PROGRAM_PAIRS:  # the one-program layout is the stable one
-        assert torch.equal(got.row_pair.cpu(), want.row_pair)
 
 
 def test_max_tiles_is_worst_case():
