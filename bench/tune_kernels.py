@@ -1,13 +1,11 @@
-"""Measure every candidate launch configuration of the MLA decode and indexer scoring kernels (and
-the split-K decode GEMM against cuBLAS) on this GPU and write the fastest per shape to
-kernels/tuned/<gpu name>.json (kernels/tuning.py).
+"""Measure every candidate launch configuration of the MLA decode and indexer scoring kernels on
+this GPU and write the fastest per shape to kernels/tuned/<gpu name>.json (kernels/tuning.py).
 
     python -m bench.tune_kernels                      # on the GPU to tune; prints a table
     python -m bench.tune_kernels --quick --dry-run    # fewer shapes, nothing written
 
 Shapes are the `bench` model's: 16 query heads over 512 + 64 latents (top-2048 and dense rows,
-a 129-entry window read from the ring as decode reads it), 8 x 64 indexer heads, the attention's
-input, query and output projections at 1, 16 and 64 rows. Each
+a 129-entry window read from the ring as decode reads it), 8 x 64 indexer heads. Each
 candidate runs in a CUDA graph (so small batches time the GPU, not the host launching) and
 must agree with the built-in configuration's output; one that fails to build or disagrees is
 skipped. Every entry keeps its time and the built-in configuration's, so the file shows what
@@ -29,8 +27,6 @@ from kernels import tuning
 from kernels.fp8_kv import quantize_kv
 from kernels.indexer import _score_launch, score_tune_key
 from kernels.mla_decode import mla_decode_triton, tune_key
-from kernels.skinny_gemm import Workspace, skinny_linear
-from kernels.skinny_gemm import tune_key as skinny_key
 
 HEADS, KV_LORA, ROPE, BLOCK, TOPK, WINDOW = 16, 512, 64, 64, 2048, 129
 MLA_SPACE = dict(block_n=(32, 64), num_warps=(4, 8), num_stages=(2, 3), waves=(1, 2, 4), min_tiles=(1, 2, 4))
@@ -42,12 +38,6 @@ MLA_ROWS_SPACE = dict(block_n=(64,), num_warps=(4, 8), num_stages=(2,), waves=(1
 # resolved by their own launch first (slots) or inside the kernel.
 MLA_GLUON_SPACE = dict(MLA_ROWS_SPACE, gluon=(True,), slots=(True, False))
 SCORE_SPACE = dict(tile=(64, 128, 256, 512), num_warps=(2, 4, 8))
-
-
-SKINNY_SPACE = dict(block_n=(16, 32, 64), block_k=(128, 256), split=(1, 2, 4, 8), num_warps=(4,), num_stages=(3,))
-# (N, K) of the bench model's decode projections: the fused input projections of a KV-source layer
-# and of another layer, q_b_proj, o_proj.
-SKINNY_SHAPES = ((1928, 2048), (1864, 2048), (3072, 768), (2048, 2048))
 
 
 def candidates(space: dict) -> list[dict]:
@@ -168,32 +158,6 @@ def tune_score(device, shapes=None) -> tuple[dict, list[dict]]:
     return entries, rows
 
 
-def tune_skinny(device, shapes=None) -> tuple[dict, list[dict]]:
-    """skinny_linear against F.linear (cuBLAS) per (rows, N, K): an entry means skinny_linear won.
-    Each timing cycles through copies of the weight worth 128 MB, so none is read from the L2
-    cache, as a decode step reads it; times are per call."""
-    entries, rows = {}, []
-    for (n, k), m in itertools.product(SKINNY_SHAPES, (1, 16, 64)):
-        key = skinny_key(m, n, k)
-        if not wanted(key, shapes):
-            continue
-        copies = max(4, -(-(128 << 20) // (n * k * 2)))
-        gen = torch.Generator().manual_seed(n + k)
-        weights = [((torch.randn(n, k, generator=gen) * k ** -0.5).to(device, torch.bfloat16), Workspace(n, device))
-                   for _ in range(copies)]
-        x = torch.randn(m, k, generator=gen).to(device, torch.bfloat16)
-        reference = torch.nn.functional.linear(x, weights[-1][0])
-
-        def run(cfg):
-            for w, ws in weights:
-                out = torch.nn.functional.linear(x, w) if cfg is None else skinny_linear(x, w, **cfg, ws=ws)
-            return out
-        best, us, base = best_of(run, SKINNY_SPACE, reference, 0.05)
-        record("skinny_gemm", key, dict(best, skinny=True) if best else None, us / copies, base / copies,
-               entries, rows)
-    return entries, rows
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="batches 1 and 64 only")
@@ -216,8 +180,7 @@ def main(argv=None) -> int:
     old = json.loads(path.read_text()) if args.shapes and path.exists() else {}
     rows = []
     for name, tune in (("mla_decode", lambda: tune_mla(batches, device, args.shapes)),
-                       ("indexer_score", lambda: tune_score(device, args.shapes)),
-                       ("skinny_gemm", lambda: tune_skinny(device, args.shapes))):
+                       ("indexer_score", lambda: tune_score(device, args.shapes))):
         entries, kernel_rows = tune()
         # with --shapes: the untuned shapes keep their entries, a tuned one loses its old entry
         kept = {k: v for k, v in old.get(name, {}).items() if not wanted(k, args.shapes)}

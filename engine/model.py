@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 from kernels.latent import norm_rope_latent
-from kernels.skinny_gemm import linear
 
 from .attention import AttentionContext, attend, index_topk_mask
 from .config import ModelConfig
@@ -101,7 +100,7 @@ class MLAttention(nn.Module):
             # above, before the fork.
             topk = Branch(self.overlap, decode_topk, self, idx_q, idx_w, ctx)
 
-        q = xp["q"] if cfg.q_lora_rank is None else linear(self.q_a_layernorm(xp["q"]), self.q_b_proj.weight)
+        q = xp["q"] if cfg.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(xp["q"]))
         q = q.view(t, self.n_heads, cfg.qk_head_dim)
         q_nope, q_rope = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
         q_rope = self.rotary.apply(q_rope, *ctx.rope)
@@ -120,7 +119,7 @@ class MLAttention(nn.Module):
         # output), so o_proj's input needs no copy.
         heads_out = torch.empty(t, self.n_heads, cfg.v_head_dim, dtype=q_lat.dtype, device=x.device)
         torch.bmm(out.to(q_lat.dtype).transpose(0, 1), w_uv.transpose(1, 2), out=heads_out.transpose(0, 1))
-        return linear(heads_out.view(t, -1), self.o_proj.weight, self.o_proj.bias)
+        return self.o_proj(heads_out.view(t, -1))
 
     def _attend_padded(self, q_full: torch.Tensor, idx_q: torch.Tensor | None, idx_w: torch.Tensor | None,
                        latent: torch.Tensor | None, ctx: AttentionContext) -> torch.Tensor:
