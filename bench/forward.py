@@ -224,7 +224,7 @@ def without_moe(engine: LLMEngine):
 def unfused_small():
     """The decode layer's small steps as they ran before their fused kernels, for a time side by
     side: silu then a multiply (torch), the latent's norm, rope and concatenation as three
-    launches, the routed experts' pair tokens built as arange // k, their fp32 sum cast and then
+    launches, the query's norm and a source layer's cache writes as launches of their own, the routed experts' pair tokens built as arange // k, their fp32 sum cast and then
     added to the shared experts' output (two launches). Returns the undo."""
     from engine import layers as layers_module
     from engine import model as model_module
@@ -236,6 +236,14 @@ def unfused_small():
         c = weight.shape[0]
         return torch.cat([rms_norm(kv[:, :c], weight, eps), apply_rope(kv[:, c:], cos, sin, interleave)], dim=-1)
 
+    def latent_and_query(kv, weight, eps, cos, sin, interleave, q, q_weight, q_eps, write=None):
+        out = latent(kv, weight, eps, cos, sin, interleave)
+        if write is not None:
+            slots, slab, key, key_slab = write
+            slab[slots] = out
+            key_slab[slots] = key.to(key_slab.dtype)
+        return out, rms_norm(q, q_weight, q_eps)
+
     def experts(self, x, slots, weights, add=None, shared=None):
         t, k = slots.shape
         token_of = torch.div(torch.arange(t * k, device=x.device), k, rounding_mode="floor")
@@ -243,7 +251,8 @@ def unfused_small():
         return out if add is None else out + (add() if callable(add) else add)
 
     swaps = [(layers_module, "silu_mul", silu_mul_reference), (moe_module, "silu_mul", silu_mul_reference),
-             (model_module, "norm_rope_latent", latent), (MoE, "experts", experts)]
+             (model_module, "norm_rope_latent", latent), (model_module, "latent_and_query", latent_and_query),
+             (MoE, "experts", experts)]
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in swaps]
     for obj, name, new in swaps:
         setattr(obj, name, new)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.latent import norm_rope_latent
+from kernels.latent import latent_and_query, norm_rope_latent
 
 from .attention import AttentionContext, attend, index_topk_mask
 from .config import ModelConfig
@@ -81,12 +81,20 @@ class MLAttention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         cfg, t = self.cfg, x.shape[0]
         xp = self.project(x)
-        latent = None
+        latent = q_low = None
+        written = False
         if self.has_latent:
-            # [norm(c_kv) | rope(k_rope)] in one launch on GPU (kernels/latent.py)
+            # [norm(c_kv) | rope(k_rope)] in one launch on GPU (kernels/latent.py), with the
+            # query's low-rank norm and, at decode, a source layer's cache write in the same one
             norm = self.kv_a_layernorm
-            latent = norm_rope_latent(xp["kv"], norm.weight, norm.eps, *ctx.rope, self.rotary.interleave)
-        if self.is_source:
+            if cfg.q_lora_rank is not None:
+                write = ctx.direct_write(self.source, xp.get("idx_k")) if self.is_source else None
+                latent, q_low = latent_and_query(xp["kv"], norm.weight, norm.eps, *ctx.rope, self.rotary.interleave,
+                                                 xp["q"], self.q_a_layernorm.weight, self.q_a_layernorm.eps, write)
+                written = write is not None
+            else:
+                latent = norm_rope_latent(xp["kv"], norm.weight, norm.eps, *ctx.rope, self.rotary.interleave)
+        if self.is_source and not written:
             ctx.write_global(self.source, latent, xp.get("idx_k"))
 
         idx_q = idx_w = None
@@ -100,7 +108,10 @@ class MLAttention(nn.Module):
             # above, before the fork.
             topk = Branch(self.overlap, decode_topk, self, idx_q, idx_w, ctx)
 
-        q = xp["q"] if cfg.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(xp["q"]))
+        if cfg.q_lora_rank is None:
+            q = xp["q"]
+        else:
+            q = self.q_b_proj(q_low if q_low is not None else self.q_a_layernorm(xp["q"]))
         q = q.view(t, self.n_heads, cfg.qk_head_dim)
         q_nope, q_rope = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
         q_rope = self.rotary.apply(q_rope, *ctx.rope)

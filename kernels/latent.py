@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from . import kernel_or_reference, triton_ok
-from .rmsnorm import rms_norm_reference
+from .rmsnorm import rms_norm, rms_norm_reference
 from .rope import apply_rope_reference
 
 try:
@@ -39,19 +39,26 @@ def latent_reference(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: to
 if triton is not None:
     @triton.jit
     def _latent_kernel(kv_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, C, stride_kv, stride_c, stride_s, eps,
+                       q_ptr, q_w_ptr, q_out_ptr, QC, stride_q, q_eps,
+                       slot_ptr, slab_ptr, key_ptr, key_slab_ptr, KD, stride_key,
                        HALF: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                       INTERLEAVE: tl.constexpr):
+                       INTERLEAVE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_KEY: tl.constexpr):
         tok = tl.program_id(0).to(tl.int64)
         DTYPE: tl.constexpr = out_ptr.dtype.element_ty
         row = kv_ptr + tok * stride_kv
         out_row = out_ptr + tok * (C + 2 * HALF)
+        if BLOCK_KEY > 0:  # the global slab's row of this token (every token writes one)
+            slab_row = slab_ptr + tl.load(slot_ptr + tok).to(tl.int64) * (C + 2 * HALF)
         # The norm, rounded as kernels/rmsnorm.py rounds it.
         cols = tl.arange(0, BLOCK_C)
         ok = cols < C
         x = tl.load(row + cols, mask=ok, other=0.0).to(tl.float32)
         y = cast_rne(x * _rstd(tl.sum(x * x, axis=0), C, eps), DTYPE).to(tl.float32)
         w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-        tl.store(out_row + cols, cast_rne(w * y, DTYPE), mask=ok)
+        normed = cast_rne(w * y, DTYPE)
+        tl.store(out_row + cols, normed, mask=ok)
+        if BLOCK_KEY > 0:
+            tl.store(slab_row + cols, normed, mask=ok)
         # The rope key, as kernels/rope.py rotates it (halves out in both layouts).
         i = tl.arange(0, BLOCK_HALF)
         i_ok = i < HALF
@@ -63,13 +70,31 @@ if triton is not None:
         else:
             x1 = tl.load(row + C + i, mask=i_ok, other=0.0).to(tl.float32)
             x2 = tl.load(row + C + HALF + i, mask=i_ok, other=0.0).to(tl.float32)
-        tl.store(out_row + C + i, cast_rne(x1 * c - x2 * s, DTYPE), mask=i_ok)
-        tl.store(out_row + C + HALF + i, cast_rne(x2 * c + x1 * s, DTYPE), mask=i_ok)
+        r1 = cast_rne(x1 * c - x2 * s, DTYPE)
+        r2 = cast_rne(x2 * c + x1 * s, DTYPE)
+        tl.store(out_row + C + i, r1, mask=i_ok)
+        tl.store(out_row + C + HALF + i, r2, mask=i_ok)
+        if BLOCK_KEY > 0:
+            tl.store(slab_row + C + i, r1, mask=i_ok)
+            tl.store(slab_row + C + HALF + i, r2, mask=i_ok)
+            # the indexer key beside it, copied as it is
+            d = tl.arange(0, BLOCK_KEY)
+            d_ok = d < KD
+            key = tl.load(key_ptr + tok * stride_key + d, mask=d_ok, other=0.0)
+            key_row = key_slab_ptr + tl.load(slot_ptr + tok).to(tl.int64) * KD
+            tl.store(key_row + d, key.to(key_slab_ptr.dtype.element_ty), mask=d_ok)
+        if BLOCK_Q > 0:  # the query's low-rank part, normed as kernels/rmsnorm.py does
+            qc = tl.arange(0, BLOCK_Q)
+            q_ok = qc < QC
+            xq = tl.load(q_ptr + tok * stride_q + qc, mask=q_ok, other=0.0).to(tl.float32)
+            yq = cast_rne(xq * _rstd(tl.sum(xq * xq, axis=0), QC, q_eps), DTYPE).to(tl.float32)
+            wq = tl.load(q_w_ptr + qc, mask=q_ok, other=0.0).to(tl.float32)
+            tl.store(q_out_ptr + tok * QC + qc, cast_rne(wq * yq, DTYPE), mask=q_ok)
 
 
 def latent_triton(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                  interleave: bool) -> torch.Tensor:
-    """The Triton kernel; see `norm_rope_latent` for the contract."""
+                  interleave: bool, q_norm: tuple | None = None, write: tuple | None = None):
+    """The Triton kernel; see `norm_rope_latent` (and `latent_and_query` for q_norm and write)."""
     if triton is None:
         raise RuntimeError("triton is not available")
     if kv.dim() != 2:
@@ -86,20 +111,42 @@ def latent_triton(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch
     if cos.shape != (t, half) or sin.shape != (t, half) or cos.dtype != torch.float32 or sin.dtype != torch.float32:
         raise ValueError(f"cos and sin must be float32 [{t}, {half}]")
     out = torch.empty(t, d, dtype=kv.dtype, device=kv.device)
+    q, q_weight, q_eps = q_norm if q_norm is not None else (None, None, 0.0)
+    q_out = None
+    if q is not None:
+        if q.dim() != 2 or q.shape[0] != t or q_weight.shape != (q.shape[1],) or q.dtype != kv.dtype \
+                or q_weight.dtype != kv.dtype or q.shape[1] > MAX_KV_LORA or q.stride(-1) != 1:
+            raise ValueError(f"q_norm needs q [{t}, Q] (unit stride) and weight [Q] in {kv.dtype}, Q <= {MAX_KV_LORA}")
+        q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    slots = slab = key = key_slab = None
+    if write is not None:
+        slots, slab, key, key_slab = write
+        if slab.dim() != 2 or slab.shape[1] != d or slab.dtype != kv.dtype or not slab.is_contiguous() \
+                or slots.shape != (t,) or key.dim() != 2 or key.shape[0] != t or key.stride(-1) != 1 \
+                or key_slab.dim() != 2 or key_slab.shape[1] != key.shape[1] or not key_slab.is_contiguous():
+            raise ValueError("write needs slots [T], a contiguous [S, C + R] slab in kv's dtype, index keys "
+                             "[T, Di] (unit stride) and a contiguous [S, Di] index slab")
     if t == 0:
-        return out
+        return (out, q_out) if q_norm is not None else out
     if kv.stride(-1) != 1:
         kv = kv.contiguous()
     cos = cos if cos.stride(-1) == 1 else cos.contiguous()
     sin = sin if sin.stride(-1) == 1 else sin.contiguous()
     block_c = triton.next_power_of_2(c)
+    block_q = triton.next_power_of_2(q.shape[1]) if q is not None else 0
     _latent_kernel[(t,)](
         kv, weight.contiguous(), cos, sin, out, c, kv.stride(0), cos.stride(0), sin.stride(0), float(eps),
+        q if q is not None else kv, q_weight.contiguous() if q is not None else weight, q_out if q is not None else out,
+        q.shape[1] if q is not None else 0, q.stride(0) if q is not None else 0, float(q_eps),
+        slots if write is not None else kv, slab if write is not None else out, key if write is not None else kv,
+        key_slab if write is not None else out, key.shape[1] if write is not None else 0,
+        key.stride(0) if write is not None else 0,
         HALF=half, BLOCK_C=block_c, BLOCK_HALF=triton.next_power_of_2(half), INTERLEAVE=bool(interleave),
-        num_warps=max(1, min(8, block_c // 512)),
+        BLOCK_Q=block_q, BLOCK_KEY=triton.next_power_of_2(key.shape[1]) if write is not None else 0,
+        num_warps=max(1, min(8, max(block_c, block_q) // 512)),
         enable_fp_fusion=False,  # the rounding the interpreter (and so the CPU tests) sees
     )
-    return out
+    return (out, q_out) if q_norm is not None else out
 
 
 def norm_rope_latent(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
@@ -119,4 +166,36 @@ def norm_rope_latent(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: to
                                interleave)
 
 
-__all__ = ["latent_reference", "latent_triton", "norm_rope_latent"]
+def latent_and_query(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                     interleave: bool, q: torch.Tensor, q_weight: torch.Tensor, q_eps: float,
+                     write: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm_rope_latent(kv, ...), rms_norm(q, q_weight, q_eps)) in one launch on GPU: an
+    attention layer's latent and its query's low-rank part, both read from the input GEMM.
+    `write` = (slots [T], slab [S, C + R], index_key [T, Di], index_slab [S, Di]): also store
+    each token's latent at slab[slots] and its indexer key at index_slab[slots] (a KV-source
+    layer's cache write at decode, in kv's dtype; the slots of padding rows may repeat).
+    Falls back to the references (and torch writes) where the kernel does not apply."""
+    use_kernel = (triton is not None and triton_ok(kv) and kv.dim() == 2 and kv.dtype in _KERNEL_DTYPES
+                  and weight.dtype == kv.dtype and weight.shape[0] <= MAX_KV_LORA
+                  and (kv.shape[1] - weight.shape[0]) % 2 == 0 and kv.shape[1] > weight.shape[0]
+                  and cos.dtype == sin.dtype == torch.float32 and q.dtype == q_weight.dtype == kv.dtype
+                  and q.shape[-1] <= MAX_KV_LORA and q.stride(-1) == 1 and not torch.is_grad_enabled()
+                  and (write is None or (write[1].dtype == kv.dtype and write[1].is_contiguous()
+                                         and write[3].is_contiguous() and write[2].stride(-1) == 1)))
+    fn = kernel_or_reference if use_kernel else (lambda name, kernel, reference, *args: reference(*args))
+    return fn("latent_and_query", latent_triton, latent_and_query_reference, kv, weight, eps, cos, sin, interleave,
+              (q, q_weight, q_eps), write)
+
+
+def latent_and_query_reference(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                               sin: torch.Tensor, interleave: bool, q_norm: tuple,
+                               write: tuple | None) -> tuple[torch.Tensor, torch.Tensor]:
+    latent = norm_rope_latent(kv, weight, eps, cos, sin, interleave)
+    if write is not None:
+        slots, slab, key, key_slab = write
+        slab[slots] = latent.to(slab.dtype)
+        key_slab[slots] = key.to(key_slab.dtype)
+    return latent, rms_norm(*q_norm)
+
+
+__all__ = ["latent_reference", "latent_triton", "norm_rope_latent", "latent_and_query", "latent_and_query_reference"]

@@ -10,7 +10,9 @@ triton = pytest.importorskip("triton")
 from engine.layers import RMSNorm, Rotary  # noqa: E402
 from kernels import latent as latent_module  # noqa: E402
 from kernels import swiglu as swiglu_module  # noqa: E402
-from kernels.latent import latent_reference, latent_triton, norm_rope_latent  # noqa: E402
+from kernels.latent import (  # noqa: E402
+    latent_and_query, latent_and_query_reference, latent_reference, latent_triton, norm_rope_latent,
+)
 from kernels.swiglu import silu_mul, silu_mul_reference, silu_mul_triton  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -130,3 +132,42 @@ def test_latent_empty_errors_and_dispatch(device, monkeypatch):
     # A weight of another dtype (the reference promotes) stays on the reference.
     assert norm_rope_latent(kv, w.float(), 1e-6, cos, sin, True).dtype == torch.float32
     assert calls == [1]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("write", [False, True])
+def test_latent_and_query_in_one_launch(device, dtype, write, monkeypatch):
+    """The latent, the query's low-rank norm and (a source layer at decode) the cache writes of the
+    latent and the indexer key, from one input-projection row: against the references and torch
+    writes; slots of padding rows may repeat."""
+    g = torch.Generator().manual_seed(5)
+    t, qc, c, rope, kd, num_slots = 6, 48, 32, 8, 16, 20
+    proj = (torch.randn(t, qc + c + rope + kd, generator=g) * 3).to(dtype).to(device)
+    q, kv, key = proj[:, :qc], proj[:, qc:qc + c + rope], proj[:, qc + c + rope:]
+    w = (torch.randn(c, generator=g) * 0.5 + 1).to(dtype).to(device)
+    qw = (torch.randn(qc, generator=g) * 0.5 + 1).to(dtype).to(device)
+    _, cos, sin = rope_tables(t, rope, False, device=device)
+    slots = torch.tensor([3, 7, 0, 19, 5, 5], device=device)
+    slabs = [(torch.zeros(num_slots, c + rope, dtype=dtype, device=device),
+              torch.zeros(num_slots, kd, dtype=dtype, device=device)) for _ in range(2)]
+    writes = [(slots, slab, key, key_slab) if write else None for slab, key_slab in slabs]
+    latent, q_low = latent_triton(kv, w, 1e-6, cos, sin, False, (q, qw, 1e-5), writes[0])
+    want_latent, want_q = latent_and_query_reference(kv, w, 1e-6, cos, sin, False, (q, qw, 1e-5), writes[1])
+    within_ulp(latent, want_latent)
+    within_ulp(q_low, want_q)
+    if write:
+        (slab, key_slab), (ref_slab, _) = slabs
+        assert torch.equal(slab[slots[:4]], latent[:4]) and torch.equal(key_slab[slots[:4]], key[:4])
+        # the two rows of slot 5 (padding) write in either order
+        assert any(torch.equal(slab[5], latent[r]) and torch.equal(key_slab[5], key[r]) for r in (4, 5))
+        assert torch.equal(slab.ne(0).any(1), ref_slab.ne(0).any(1))  # no other row was written
+    # the dispatcher: the kernel where it applies, the references elsewhere (CPU without the opt-in)
+    monkeypatch.delenv("WIDEEP_CPU_KERNELS", raising=False)
+    got = latent_and_query(kv, w, 1e-6, cos, sin, False, q, qw, 1e-5)
+    if device == "cpu":
+        assert torch.equal(got[0], want_latent) and torch.equal(got[1], want_q)
+    with pytest.raises(ValueError, match="q_norm"):
+        latent_triton(kv, w, 1e-6, cos, sin, False, (q[:2], qw, 1e-5))
+    with pytest.raises(ValueError, match="write needs"):
+        latent_triton(kv, w, 1e-6, cos, sin, False, (q, qw, 1e-5), (slots, slabs[0][0][:, :4], key, slabs[0][1]))
