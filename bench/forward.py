@@ -224,8 +224,9 @@ def without_moe(engine: LLMEngine):
 def unfused_small():
     """The decode layer's small steps as they ran before their fused kernels, for a time side by
     side: silu then a multiply (torch), the latent's norm, rope and concatenation as three
-    launches, the query's norm and a source layer's cache writes as launches of their own, the routed experts' pair tokens built as arange // k, their fp32 sum cast and then
-    added to the shared experts' output (two launches). Returns the undo."""
+    launches, the query's norm and a source layer's cache writes as launches of their own, the
+    routed experts' pair tokens built as arange // k, their fp32 sum cast and then added to the
+    shared experts' output (two launches). Returns the undo."""
     from engine import layers as layers_module
     from engine import model as model_module
     from kernels.rmsnorm import rms_norm
