@@ -125,6 +125,8 @@ class MoE(nn.Module):
         self._gate_fp32 = DerivedWeight()  # router logits are computed in fp32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, H]: in x's dtype, or from the fused kernels the fp32 sum before its rounding, which
+        the decoder layer's next add_rms_norm does (one launch fewer)."""
         shared_slot = self._shared_slot(x)
         shared = None
         if self.shared_experts is not None and shared_slot is None:
@@ -144,7 +146,9 @@ class MoE(nn.Module):
             out = self.ep.moe_forward(self, x, ids, weights)
             return out if shared is None else out + shared.join()
         _, weights, slots = route(logits, bias, self.cfg, self.expert_map, self.slot_load)
-        return self.experts(x, slots, weights, add=None if shared is None else shared.join, shared=shared_slot)
+        # The sum may come back in fp32: the decoder layer's next norm rounds it (add_rms_norm).
+        return self.experts(x, slots, weights, add=None if shared is None else shared.join, shared=shared_slot,
+                            fp32_out=True)
 
     def _fused_ok(self, x: torch.Tensor) -> bool:
         return self.gemm != "grouped_mm" and triton_ok(x)
@@ -166,17 +170,19 @@ class MoE(nn.Module):
         return self._identity
 
     def experts(self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor,
-                add=None, shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                add=None, shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+                fp32_out: bool = False) -> torch.Tensor:
         """Routed experts for tokens x [T, H] routed to local slots [T, k] with weights [T, k]
         (already counted in slot_load by the router), plus `add` (the shared experts' output, or
         a function returning it, called only when the sum needs it), plus the `shared` expert
-        computed as one more slot (its weights from _shared_slot)."""
+        computed as one more slot (its weights from _shared_slot). `fp32_out`: see fused_experts."""
         # token-major pairs: the fused kernels derive each pair's token (p // k) themselves
-        return self.expert_pairs(x, None, slots.flatten(), weights.flatten(), count=False, add=add, shared=shared)
+        return self.expert_pairs(x, None, slots.flatten(), weights.flatten(), count=False, add=add, shared=shared,
+                                 fp32_out=fp32_out)
 
     def expert_pairs(self, x: torch.Tensor, token_of: torch.Tensor | None, slot_of: torch.Tensor,
                      weight_of: torch.Tensor, count: bool = True, add=None,
-                     shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                     shared: tuple[torch.Tensor, torch.Tensor] | None = None, fp32_out: bool = False) -> torch.Tensor:
         """Sum over (token, local slot, weight) pairs of weight * expert(x[token]), as [T, H]
         (token_of None: token-major pairs, as kernels/moe_gemm.py takes them), plus `add` when
         given (the fused path adds it in the same launch that rounds the fp32 sum).
@@ -192,7 +198,8 @@ class MoE(nn.Module):
             if count:
                 self.slot_load += counts
         if fused:
-            return fused_experts(x, self.w13, self.w2, token_of, slot_of, weight_of, add=add, shared=shared)
+            return fused_experts(x, self.w13, self.w2, token_of, slot_of, weight_of, add=add, shared=shared,
+                                 fp32_out=fp32_out)
         order = slot_of.argsort(stable=True)
         token_of = token_major(token_of, x, slot_of)[order]
         xs = x[token_of]

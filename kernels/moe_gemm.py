@@ -438,7 +438,7 @@ def pick_config(num_pairs: int, num_slots: int, dtype: torch.dtype) -> MoEGemmCo
 def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, token_of: torch.Tensor | None,
                          slot_of: torch.Tensor, weight_of: torch.Tensor,
                          config: MoEGemmConfig | None = None, add=None,
-                         shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                         shared: tuple[torch.Tensor, torch.Tensor] | None = None, fp32_out: bool = False) -> torch.Tensor:
     """fused_experts through the two Triton kernels (no host sync; CUDA-graph capturable)."""
     num_tokens, hidden = x.shape
     num_slots, two_i, _ = w13.shape
@@ -490,7 +490,7 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     if pending is not None:
         add = pending()
     if add is None:
-        return out.to(x.dtype)
+        return out if fp32_out else out.to(x.dtype)
     if add.shape != out.shape or add.dtype != x.dtype:
         raise ValueError(f"add must be [{num_tokens}, {hidden}] {x.dtype}, got {list(add.shape)} {add.dtype}")
     summed = torch.empty(add.shape, dtype=add.dtype, device=add.device)  # written as contiguous
@@ -515,16 +515,19 @@ def check_shared(shared: tuple[torch.Tensor, torch.Tensor], w13: torch.Tensor,
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, token_of: torch.Tensor | None,
                   slot_of: torch.Tensor, weight_of: torch.Tensor, add=None,
-                  shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                  shared: tuple[torch.Tensor, torch.Tensor] | None = None, fp32_out: bool = False) -> torch.Tensor:
     """Routed experts over pairs: x [T, H], w13 [S, 2I, H], w2 [S, H, I], token_of / slot_of [P]
     int64 (token_of None: token-major pairs, P / T per token), weight_of [P] float -> [T, H] in
     x's dtype (see the module docstring for the sum).
     - `shared` (w13 [2I, H], w2 [H, I]): a shared expert every token passes through with weight 1,
       summed with the routed ones in fp32 (its weight read once, in the same two launches).
+    - `fp32_out`: without `add`, the Triton path may return the fp32 sum unrounded, for a consumer
+      that rounds it itself (add_rms_norm does, in its own launch); other paths round.
     - `add` [T, H]: added to the result as `out + add` would. It may be a function returning it,
       called after the GEMMs are launched: a stream computing it meanwhile is waited for only then.
     Triton where it can run (CUDA, or CPU under TRITON_INTERPRET=1), the reference elsewhere."""
     if triton is not None and triton_ok(x):
-        return fused_experts_triton(x, w13, w2, token_of, slot_of, weight_of, add=add, shared=shared)
+        return fused_experts_triton(x, w13, w2, token_of, slot_of, weight_of, add=add, shared=shared,
+                                    fp32_out=fp32_out)
     out = fused_experts_reference(x, w13, w2, token_of, slot_of, weight_of, shared=shared)
     return out if add is None else out + (add() if callable(add) else add)

@@ -34,7 +34,10 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 
 def add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(h), h) for h = x + residual in x's dtype."""
+    """(rms_norm(h), h) for h = x + residual in x's dtype; an fp32 x with a 16-bit residual (an
+    unrounded sum, e.g. the routed experts') is rounded to the residual's dtype first."""
+    if x.dtype != residual.dtype and x.dtype == torch.float32:
+        x = x.to(residual.dtype)
     h = x + residual
     return rms_norm_reference(h, weight, eps), h
 
@@ -64,13 +67,16 @@ if triton is not None:
         row = tl.program_id(0).to(tl.int64)
         x_row = x_ptr + row * stride_x
         out_row = out_ptr + row * D
-        X_DTYPE: tl.constexpr = x_ptr.dtype.element_ty
+        # x's dtype, or with a residual h's: an fp32 x (an unrounded sum) is rounded to it first
+        X_DTYPE: tl.constexpr = h_ptr.dtype.element_ty
         OUT_DTYPE: tl.constexpr = out_ptr.dtype.element_ty
         cols = tl.arange(0, BLOCK_D)
         if NUM_CHUNKS == 1:
             ok = cols < D
             x = tl.load(x_row + cols, mask=ok, other=0.0).to(tl.float32)
             if HAS_RESIDUAL:
+                if x_ptr.dtype.element_ty != X_DTYPE:
+                    x = cast_rne(x, X_DTYPE).to(tl.float32)
                 # h = x + residual rounded to x's dtype, as torch's add; the norm reads h.
                 r = tl.load(res_ptr + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32)
                 h = cast_rne(x + r, X_DTYPE)
@@ -141,14 +147,14 @@ def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.T
     if triton is None:
         raise RuntimeError("triton is not available")
     d = x.shape[-1]
-    if residual.shape != x.shape or residual.dtype != x.dtype:
+    if residual.shape != x.shape or not _residual_dtype_ok(x, residual):
         raise ValueError(f"residual must match x: {tuple(residual.shape)} {residual.dtype} vs {tuple(x.shape)} {x.dtype}")
     if weight.shape != (d,) or d > MAX_BLOCK_D:
         raise ValueError(f"weight must be [{d}] and rows at most {MAX_BLOCK_D} wide")
     if x.dtype not in _KERNEL_DTYPES or weight.dtype not in _KERNEL_DTYPES:
         raise ValueError(f"the kernel takes float32/bfloat16/float16, got x {x.dtype}, weight {weight.dtype}")
-    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
-    h = torch.empty_like(x)
+    out = torch.empty(x.shape, dtype=torch.promote_types(residual.dtype, weight.dtype), device=x.device)
+    h = torch.empty_like(residual)
     if out.numel() == 0:
         return out, h
     rows, res = x.reshape(-1, d), residual.reshape(-1, d)
@@ -179,13 +185,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return kernel_or_reference("rms_norm", rms_norm_triton, rms_norm_reference, x, weight, eps)
 
 
+def _residual_dtype_ok(x: torch.Tensor, residual: torch.Tensor) -> bool:
+    return residual.dtype == x.dtype or (x.dtype == torch.float32 and residual.dtype in (torch.bfloat16,
+                                                                                        torch.float16))
+
+
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(h, weight, eps), h) for h = x + residual (same shape and dtype, added in that
-    dtype as torch does): the residual stream's add and the next norm in one launch. Same
-    dispatch as `rms_norm`; rows wider than MAX_BLOCK_D take the reference."""
+    dtype as torch does): the residual stream's add and the next norm in one launch. x may also
+    be an fp32 sum on a 16-bit residual: it is rounded to the residual's dtype first, in the same
+    launch (so the routed experts need no cast of their own). Same dispatch as `rms_norm`; rows
+    wider than MAX_BLOCK_D take the reference."""
     use_kernel = (triton is not None and triton_ok(x) and x.dtype in _KERNEL_DTYPES
-                  and weight.dtype in _KERNEL_DTYPES and residual.dtype == x.dtype
+                  and weight.dtype in _KERNEL_DTYPES and _residual_dtype_ok(x, residual)
                   and residual.shape == x.shape and x.shape[-1] <= MAX_BLOCK_D
                   and not (torch.is_grad_enabled() and (x.requires_grad or residual.requires_grad
                                                         or weight.requires_grad)))

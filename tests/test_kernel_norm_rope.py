@@ -307,3 +307,26 @@ def test_a_kernel_that_cannot_run_here_falls_back_once(monkeypatch, caplog):
     monkeypatch.setattr(kernels, "_unusable", set())
     with pytest.raises(ValueError):  # argument errors are the caller's, not a reason to fall back
         mod.rms_norm(x, w, 1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_add_rms_norm_rounds_an_fp32_sum_first(device, dtype, monkeypatch):
+    """An fp32 x (the routed experts' unrounded sum) on a 16-bit residual: exactly what rounding x
+    to the residual's dtype and then calling add_rms_norm gives, in one launch."""
+    from kernels.rmsnorm import add_rms_norm, add_rms_norm_reference, add_rms_norm_triton
+    g = torch.Generator().manual_seed(9)
+    x = (torch.randn(5, 96, generator=g) * 4).to(device)
+    residual = torch.randn(5, 96, generator=g).to(dtype).to(device)
+    w = (torch.randn(96, generator=g) * 0.3 + 1).to(dtype).to(device)
+    want = add_rms_norm_triton(x.to(dtype), residual, w, 1e-6)
+    got = add_rms_norm_triton(x, residual, w, 1e-6)
+    assert got[1].dtype == dtype and got[0].dtype == dtype
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    ref = add_rms_norm_reference(x, residual, w, 1e-6)
+    assert torch.equal(ref[1], want[1])
+    within_ulp(got[0], ref[0])
+    monkeypatch.setenv("WIDEEP_CPU_KERNELS", "1")
+    assert torch.equal(add_rms_norm(x, residual, w, 1e-6)[1], want[1])
+    with pytest.raises(ValueError, match="residual must match"):
+        add_rms_norm_triton(x.to(dtype), residual.float(), w, 1e-6)
