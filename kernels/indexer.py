@@ -85,11 +85,17 @@ if triton is not None:
     def _score_tile_kernel(q_ptr, w_ptr, keys_ptr, scale_ptr, table_ptr, lens_ptr, out_ptr,
                            stride_qb, stride_qh, stride_qd, stride_wb, stride_wh,
                            stride_ks, stride_kd, stride_tb, stride_tm, stride_ob,
-                           num_heads, head_dim, width, block_size, w_scale,
+                           num_heads, head_dim, width, block_size, w_scale, zero_ptr,
                            HEADS: tl.constexpr, DIM: tl.constexpr, TILE: tl.constexpr,
-                           PRECISION: tl.constexpr, UPCAST: tl.constexpr, SCALED: tl.constexpr):
+                           PRECISION: tl.constexpr, UPCAST: tl.constexpr, SCALED: tl.constexpr,
+                           ZERO: tl.constexpr):
         seq = tl.program_id(0)
         pos = tl.program_id(1) * TILE + tl.arange(0, TILE)
+        if ZERO:  # the radix passes' histograms of this row, zeroed here instead of by a launch
+            if tl.program_id(1) == 0:
+                for p in tl.static_range(4):
+                    bins = (p * tl.num_programs(0) + seq) * 256 + tl.arange(0, 256)
+                    tl.store(zero_ptr + bins, tl.zeros([256], dtype=tl.int32))
         g_len = tl.load(lens_ptr + seq)
         live = pos < g_len
         # Past g_len the table may be garbage: the masked load never reads it.
@@ -312,7 +318,9 @@ def score_tune_key(num_heads: int, head_dim: int, fp8: bool) -> str:
 
 def _score_launch(q, w, index_keys, block_tables, g_lens, block_size,
                   tile: int | None = None, num_warps: int | None = None,
-                  key_scale: torch.Tensor | None = None, w_scale: float = 1.0) -> torch.Tensor:
+                  key_scale: torch.Tensor | None = None, w_scale: float = 1.0,
+                  zero: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, width] fp32 scores; `zero` (int32 [4, B, 256], the radix histograms) is zeroed too."""
     num_seqs, num_heads, head_dim = q.shape
     width = block_tables.shape[1] * block_size
     out = torch.empty(num_seqs, width, device=q.device, dtype=torch.float32)
@@ -343,9 +351,9 @@ def _score_launch(q, w, index_keys, block_tables, g_lens, block_size,
         q.stride(0), q.stride(1), q.stride(2), w.stride(0), w.stride(1),
         index_keys.stride(0), index_keys.stride(1), block_tables.stride(0), block_tables.stride(1),
         out.stride(0),
-        num_heads, head_dim, width, block_size, float(w_scale),
+        num_heads, head_dim, width, block_size, float(w_scale), zero if zero is not None else g_lens,
         HEADS=heads, DIM=dim, TILE=tile, PRECISION="ieee" if fp32 else "tf32", UPCAST=upcast, SCALED=scaled,
-        num_warps=num_warps,
+        ZERO=zero is not None, num_warps=num_warps,
     )
     return out
 
@@ -394,11 +402,13 @@ def kth_scores(scores: torch.Tensor, k: int, method: str | None = None, span: in
 
 
 def radix_passes(scores: torch.Tensor, k: int, span: int | None = None, block: int | None = None,
-                 num_warps: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+                 num_warps: int = 8, hist: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The four histogram passes of the radix select: (hist [4, B, 256], state [3, 2, B]), from
-    which _radix_state derives the k-th score (kth_scores; the count pass of select_topk_triton)."""
+    which _radix_state derives the k-th score (kth_scores; the count pass of select_topk_triton).
+    `hist`: histograms already zeroed (the scoring launch can do it)."""
     num_seqs, width = scores.shape
-    hist = torch.zeros(4, num_seqs, 256, device=scores.device, dtype=torch.int32)
+    if hist is None:
+        hist = torch.zeros(4, num_seqs, 256, device=scores.device, dtype=torch.int32)
     state = torch.empty(3, 2, num_seqs, device=scores.device, dtype=torch.int32)
     # Fixed block sizes (short rows are masked): one build per pass for every width.
     block = block or _SELECT_BLOCK
@@ -416,7 +426,8 @@ def radix_passes(scores: torch.Tensor, k: int, span: int | None = None, block: i
 
 
 def select_topk_triton(scores: torch.Tensor, g_lens: torch.Tensor, topk: int,
-                       chunk: int | None = None, method: str | None = None) -> torch.Tensor:
+                       chunk: int | None = None, method: str | None = None,
+                       hist: torch.Tensor | None = None) -> torch.Tensor:
     """Positions [B, topk] int32 of the top-k scores of each row (the reference's tie rule),
     -1 past min(g_len, topk); in no particular order.
 
@@ -424,7 +435,7 @@ def select_topk_triton(scores: torch.Tensor, g_lens: torch.Tensor, topk: int,
     Otherwise the k-th largest score of each row comes from kth_scores (`method` 'radix' or
     'topk'), and two passes over chunks of the row keep every position scoring above it and fill
     the remaining places with the latest positions scoring exactly it. Dead positions (past
-    g_len) score -inf.
+    g_len) score -inf. `hist`: the radix passes' histograms, already zeroed (radix_passes).
     """
     num_seqs, width = scores.shape
     out = torch.empty(num_seqs, topk, device=scores.device, dtype=torch.int32)
@@ -442,7 +453,7 @@ def select_topk_triton(scores: torch.Tensor, g_lens: torch.Tensor, topk: int,
         return out
     method = method or ("radix" if width <= RADIX_MAX_WIDTH else "topk")
     if method == "radix":  # the count pass derives the k-th score from the last histogram
-        hist, state = radix_passes(scores, k)
+        hist, state = radix_passes(scores, k, hist=hist)
         kth = torch.empty(num_seqs, device=scores.device, dtype=torch.float32)
     else:
         kth = kth_scores(scores, k, method)
@@ -465,8 +476,13 @@ def indexer_topk_triton(q: torch.Tensor, w: torch.Tensor, index_keys: torch.Tens
                         block_size: int, topk: int, key_scale: torch.Tensor | None = None,
                         w_scale: float = 1.0) -> torch.Tensor:
     """Same position set as indexer_topk_reference, in no particular order."""
-    scores = _score_launch(q, w, index_keys, block_tables, g_lens, block_size, key_scale=key_scale, w_scale=w_scale)
-    return select_topk_triton(scores, g_lens, topk)
+    num_seqs, width = q.shape[0], block_tables.shape[1] * block_size
+    hist = None
+    if 0 < min(topk, width) and width <= RADIX_MAX_WIDTH:  # the radix select's histograms, zeroed by the scoring
+        hist = torch.empty(4, num_seqs, 256, device=q.device, dtype=torch.int32)
+    scores = _score_launch(q, w, index_keys, block_tables, g_lens, block_size, key_scale=key_scale, w_scale=w_scale,
+                           zero=hist)
+    return select_topk_triton(scores, g_lens, topk, hist=hist)
 
 
 def indexer_topk(q: torch.Tensor, w: torch.Tensor, index_keys: torch.Tensor,
