@@ -225,8 +225,8 @@ def unfused_small():
     """The decode layer's small steps as they ran before their fused kernels, for a time side by
     side: silu then a multiply (torch), the latent's norm, rope and concatenation as three
     launches, the query's norm and a source layer's cache writes as launches of their own, the
-    routed experts' pair tokens built as arange // k, their fp32 sum cast and then added to the
-    shared experts' output (two launches). Returns the undo."""
+    routed experts' pair tokens built as arange // k, their fp32 sum cast (and added to the shared
+    experts' output where that is separate) in launches of their own. Returns the undo."""
     from engine import layers as layers_module
     from engine import model as model_module
     from kernels.rmsnorm import rms_norm
@@ -245,7 +245,7 @@ def unfused_small():
             key_slab[slots] = key.to(key_slab.dtype)
         return out, rms_norm(q, q_weight, q_eps)
 
-    def experts(self, x, slots, weights, add=None, shared=None):
+    def experts(self, x, slots, weights, add=None, shared=None, fp32_out=False):
         t, k = slots.shape
         token_of = torch.div(torch.arange(t * k, device=x.device), k, rounding_mode="floor")
         out = self.expert_pairs(x, token_of, slots.flatten(), weights.flatten(), count=False, shared=shared)
