@@ -15,9 +15,10 @@ if on tune; then
   t 330 python3 -m bench.tune_kernels --json "$OUT/tune.json" > "$OUT/tune.log" 2>&1
   cp kernels/tuned/*.json "$OUT/" 2>/dev/null
 fi
-on b1 && t 90 python3 -m bench.forward --batch 1 --contexts 8192 --iters 10 --unfused-gate --unfused-small --mla-gluon $PROF --json "$OUT/forward.jsonl" \
+on b1 && t 90 python3 -m bench.forward --batch 1 --contexts 8192 --iters 10 --unfused-gate --unfused-small --mla-gluon --shared-fusion --overlap $PROF --json "$OUT/forward.jsonl" \
   > "$OUT/forward_b1.log" 2>&1
-on b64 && t 100 python3 -m bench.forward --batch 64 --contexts 8192 --moe-share --graphs-vs-eager --unfused-gate --unfused-small --mla-gluon --moe-gemm triton grouped_mm \
+on b64 && t 100 python3 -m bench.forward --batch 64 --contexts 8192 --moe-share --graphs-vs-eager --unfused-gate --unfused-small --mla-gluon --shared-fusion --overlap \
+  --moe-gemm triton grouped_mm \
   --iters 10 $PROF --json "$OUT/forward.jsonl" > "$OUT/forward_b64.log" 2>&1
 for kv in bf16 fp8; do
   on $kv && t 150 python3 -m bench.forward --batch 16 --contexts 8192 65536 131072 524288 \
