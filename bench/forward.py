@@ -287,6 +287,42 @@ def mla_gluon(on: bool):
     return change
 
 
+def mla_override(fields: dict):
+    """The tuned MLA decode configuration with `fields` replaced (e.g. {"slots": true}), in
+    time_changed's form: a table choice checked inside the whole step."""
+    from kernels import mla_decode
+
+    def change():
+        real = mla_decode.tuned_config
+
+        def patched(device, kernel, key):
+            cfg = real(device, kernel, key)
+            return dict(cfg, **fields) if cfg is not None and kernel == "mla_decode" else cfg
+        mla_decode.tuned_config = patched
+
+        def undo():
+            mla_decode.tuned_config = real
+        return undo
+    return change
+
+
+def gate_parts(parts: int):
+    """The router's partial logits split into `parts` slices of the hidden size, in
+    time_changed's form."""
+    import functools
+
+    from kernels.routing import gate_parts_triton
+
+    def change():
+        real = moe_module.gate_parts_triton
+        moe_module.gate_parts_triton = functools.partial(gate_parts_triton, parts=parts)
+
+        def undo():
+            moe_module.gate_parts_triton = real
+        return undo
+    return change
+
+
 def shared_fusion(engine: LLMEngine, on: bool):
     """The shared expert as one more slot of the fused MoE kernels (EngineConfig.fuse_shared_experts)
     or a separate MLP, in time_changed's form."""
@@ -363,6 +399,11 @@ def main(argv=None):
                          "pair tokens as separate launches, as before their fused kernels")
     ap.add_argument("--mla-gluon", action="store_true",
                     help="also time the step with the Gluon MLA decode kernel forced on and forced off")
+    ap.add_argument("--mla-override", type=json.loads, nargs="+", default=[],
+                    help='also time the step with these fields replaced in the tuned MLA configuration, '
+                         'e.g. \'{"slots": true}\'')
+    ap.add_argument("--gate-parts", type=int, nargs="+", default=[],
+                    help="also time the step with the router's partial logits in this many parts")
     ap.add_argument("--shared-fusion", action="store_true",
                     help="also time the step with the shared expert fused into the MoE kernels and as its own MLP")
     ap.add_argument("--overlap", action="store_true",
@@ -416,6 +457,11 @@ def main(argv=None):
             for on in (True, False):
                 ms = time_changed(engine, batch, args.iters, mla_gluon(on))
                 row[f"mla_gluon_{'on' if on else 'off'}_forward_ms"] = round(ms, 3)
+        for fields in args.mla_override:
+            ms = time_changed(engine, batch, args.iters, mla_override(fields))
+            row[f"mla_{json.dumps(fields, sort_keys=True)}_forward_ms"] = round(ms, 3)
+        for parts in args.gate_parts:
+            row[f"gate_parts_{parts}_forward_ms"] = round(time_changed(engine, batch, args.iters, gate_parts(parts)), 3)
         if args.shared_fusion:
             for on in (True, False):
                 ms = time_changed(engine, batch, args.iters, shared_fusion(engine, on))
