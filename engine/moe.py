@@ -160,7 +160,8 @@ class MoE(nn.Module):
         if not self.fuse_shared or self.shared_experts is None or self.ep is not None or not self._fused_ok(x):
             return None
         w13, w2 = self.shared_experts.expert_weights()
-        if w13.shape != self.w13.shape[1:] or w2.shape != self.w2.shape[1:] or w13.dtype != self.w13.dtype:
+        if (w13.shape, w2.shape, w13.dtype, w2.dtype) != (self.w13.shape[1:], self.w2.shape[1:], self.w13.dtype,
+                                                          self.w2.dtype):
             return None
         return w13, w2
 
