@@ -318,6 +318,11 @@ def test_moe_layer_shared_expert_fused_or_separate(device, monkeypatch):
         routed_only = moe.experts(x, *_route_of(moe, x))
     torch.testing.assert_close(fused, separate, atol=1e-5, rtol=1e-5)
     assert (fused - routed_only).abs().max() > 0.05
+    # Two shared experts make one MLP twice as wide as a routed slot: it stays a separate MLP.
+    wide = MoE(preset("tiny", n_shared_experts=2)).to(device)
+    assert wide._shared_slot(x) is None
+    with torch.no_grad():
+        assert wide(x).shape == x.shape
 
 
 def _route_of(moe, x):
