@@ -334,6 +334,20 @@ def shared_fusion(engine: LLMEngine, on: bool):
     return change
 
 
+def select_method(method: str | None):
+    """The indexer's top-k selection by `method` ('fused': one launch; 'multi': the radix
+    passes, count and emit as separate launches, torch.topk past 128K), in time_changed's form."""
+    from kernels import indexer
+
+    def change():
+        saved, indexer.SELECT_METHOD = indexer.SELECT_METHOD, method
+
+        def undo():
+            indexer.SELECT_METHOD = saved
+        return undo
+    return change
+
+
 def overlap(engine: LLMEngine, on: bool):
     """Side-stream branches in the captured step (EngineConfig.decode_overlap) on or off, in
     time_changed's form."""
@@ -408,6 +422,8 @@ def main(argv=None):
                     help="also time the step with the shared expert fused into the MoE kernels and as its own MLP")
     ap.add_argument("--overlap", action="store_true",
                     help="also time the step with its side-stream branches on and off (EngineConfig.decode_overlap)")
+    ap.add_argument("--select", action="store_true",
+                    help="also time the step with the indexer's top-k selected in one launch and in several")
     ap.add_argument("--step-parts", action="store_true",
                     help="also time the host parts of a CUDA-graph step (inputs, replay, sampling) one by one")
     ap.add_argument("--json", default=None, help="append JSON lines here")
@@ -470,6 +486,9 @@ def main(argv=None):
             for on in (True, False):
                 ms = time_changed(engine, batch, args.iters, overlap(engine, on))
                 row[f"overlap_{'on' if on else 'off'}_forward_ms"] = round(ms, 3)
+        if args.select:
+            for name, method in (("fused", "fused"), ("multi", None)):
+                row[f"select_{name}_forward_ms"] = round(time_changed(engine, batch, args.iters, select_method(method)), 3)
         if args.step_parts:
             row.update(step_parts(engine, batch, args.iters))
         if args.profile:

@@ -36,9 +36,11 @@ def time_ms(fn, device: str, warmup: int, iters: int, flush: torch.Tensor | None
     return statistics.median(times)
 
 
-def graph_ms(fn, warmup: int, iters: int) -> float | None:
+def graph_ms(fn, warmup: int, iters: int, repeat: int = 1) -> float | None:
     """GPU time alone: fn captured in a CUDA graph and replayed (eager timings of small shapes
-    mostly measure the host launching kernels). None when fn cannot be captured."""
+    mostly measure the host launching kernels). None when fn cannot be captured. `repeat`
+    captures fn that many times back to back and returns the time of one: a call of a few
+    microseconds is otherwise lost under the replay's own cost."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # compile and allocate outside the capture
@@ -48,10 +50,11 @@ def graph_ms(fn, warmup: int, iters: int) -> float | None:
     graph = torch.cuda.CUDAGraph()
     try:
         with torch.cuda.graph(graph):
-            fn()
+            for _ in range(repeat):
+                fn()
     except RuntimeError:
         return None
-    return time_ms(graph.replay, "cuda", warmup, iters)
+    return time_ms(graph.replay, "cuda", warmup, iters) / repeat
 
 
 def markdown(rows: list[dict], cols: list[str] | None = None) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from . import triton_ok
+from .row_select import select_rows
 from .tuning import tuned_config
 
 try:
@@ -76,6 +77,7 @@ def indexer_topk_reference(q: torch.Tensor, w: torch.Tensor, index_keys: torch.T
 
 
 if triton is not None:
+    from .row_select import _key_to_score, _order_key, _pick_digit
 
     # Integer arguments that are 1 or a multiple of 16 get their own build unless listed in
     # do_not_specialize; block-table widths and chunk counts change as contexts grow, so they
@@ -123,26 +125,6 @@ if triton is not None:
             score = score * tl.load(scale_ptr + slot, mask=live, other=1.0)
         score = tl.where(live, score, float("-inf"))
         tl.store(out_ptr + seq * stride_ob + pos, score, mask=pos < width)
-
-    @triton.jit
-    def _order_key(s):
-        """fp32 -> uint32 whose unsigned order is the float order (-inf lowest)."""
-        bits = s.to(tl.uint32, bitcast=True)
-        return tl.where((bits >> 31) != 0, ~bits, bits | 0x80000000)
-
-    @triton.jit
-    def _pick_digit(h, rank):
-        """Histogram h [256] of one byte of the keys still in the running: the byte of the
-        rank-th largest of them, and that key's rank among the keys sharing the byte."""
-        d = tl.arange(0, 256)
-        from_top = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h  # keys with digit >= d
-        digit = tl.max(tl.where(from_top >= rank, d, -1), axis=0)
-        return digit, rank - tl.sum(tl.where(d > digit, h, 0), axis=0)
-
-    @triton.jit
-    def _key_to_score(key):
-        bits = tl.where((key >> 31) != 0, key ^ 0x80000000, ~key)
-        return bits.to(tl.float32, bitcast=True)
 
     @triton.jit
     def _select_row_kernel(scores_ptr, lens_ptr, out_ptr, stride_sb, stride_ob, width, k, topk,
@@ -378,6 +360,9 @@ RADIX_MAX_WIDTH = 131072
 # passes): batch 64 at 8K 33.2 -> 28.1 us, batch 16 at 128K 59.4 -> 55.9 us; batch 1 and 16 at 8K
 # reach one block a program either way.
 _RADIX_PROGRAMS = 1024
+# 'fused' (kernels/row_select.py) for every width; None falls back to the multi-launch radix
+# passes up to RADIX_MAX_WIDTH and torch.topk above (bench.forward --select compares them).
+SELECT_METHOD: str | None = "fused"
 _SELECT_BLOCK = 1024
 # Chunk counts the emit pass sums per step: a 1M-position row in one. At 512K, 64 a step made
 # eight dependent rounds of loads in each of a row's 512 programs: 74 us a layer on the H200,
@@ -425,13 +410,21 @@ def radix_passes(scores: torch.Tensor, k: int, span: int | None = None, block: i
     return hist, state
 
 
+def default_select(width: int) -> str:
+    """The selection method a row of `width` positions gets when none is asked for."""
+    if SELECT_METHOD is not None:
+        return SELECT_METHOD
+    return "radix" if width <= RADIX_MAX_WIDTH else "topk"
+
+
 def select_topk_triton(scores: torch.Tensor, g_lens: torch.Tensor, topk: int,
                        chunk: int | None = None, method: str | None = None,
                        hist: torch.Tensor | None = None) -> torch.Tensor:
     """Positions [B, topk] int32 of the top-k scores of each row (the reference's tie rule),
     -1 past min(g_len, topk); in no particular order.
 
-    `method` 'row' does all of it in one program per row (rows up to ROW_MAX_WIDTH).
+    `method` 'fused' (the default, SELECT_METHOD) does all of it in one launch
+    (kernels/row_select.py); 'row' in one program per row (rows up to ROW_MAX_WIDTH).
     Otherwise the k-th largest score of each row comes from kth_scores (`method` 'radix' or
     'topk'), and two passes over chunks of the row keep every position scoring above it and fill
     the remaining places with the latest positions scoring exactly it. Dead positions (past
@@ -451,7 +444,11 @@ def select_topk_triton(scores: torch.Tensor, g_lens: torch.Tensor, topk: int,
         _select_row_kernel[(num_seqs,)](scores, g_lens, out, scores.stride(0), out.stride(0), width, k, topk,
                                         WIDTH=row, FILL=fill, num_warps=16 if row >= 8192 else 8 if row >= 2048 else 4)
         return out
-    method = method or ("radix" if width <= RADIX_MAX_WIDTH else "topk")
+    method = method or default_select(width)
+    if method == "fused":
+        return select_rows(scores, g_lens, out, k)
+    if method not in ("radix", "topk"):
+        raise ValueError(f"unknown selection method {method!r}; known: fused, radix, topk, row")
     if method == "radix":  # the count pass derives the k-th score from the last histogram
         hist, state = radix_passes(scores, k, hist=hist)
         kth = torch.empty(num_seqs, device=scores.device, dtype=torch.float32)
@@ -478,7 +475,7 @@ def indexer_topk_triton(q: torch.Tensor, w: torch.Tensor, index_keys: torch.Tens
     """Same position set as indexer_topk_reference, in no particular order."""
     num_seqs, width = q.shape[0], block_tables.shape[1] * block_size
     hist = None
-    if 0 < min(topk, width) and width <= RADIX_MAX_WIDTH:  # the radix select's histograms, zeroed by the scoring
+    if 0 < min(topk, width) and default_select(width) == "radix":  # the radix select's histograms, zeroed by the scoring
         hist = torch.empty(4, num_seqs, 256, device=q.device, dtype=torch.int32)
     scores = _score_launch(q, w, index_keys, block_tables, g_lens, block_size, key_scale=key_scale, w_scale=w_scale,
                            zero=hist)

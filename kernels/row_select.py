@@ -1,0 +1,224 @@
+"""The indexer's top-k selection in one launch: radix select, count and emit, with the programs
+that share a row meeting at a barrier between phases instead of at a kernel boundary.
+
+The multi-launch selection in kernels/indexer.py (four histogram passes, a count pass and an
+emit pass) spends most of its time at short contexts on six dependent launches of a few
+microseconds each, not on the 32 KB a row it reads. Here each row is split over `parts`
+programs (a span of positions each) that run six phases:
+
+    0-3  histogram of one byte (from the top) of the order keys that still match the k-th
+         largest key's bytes so far, added into the row's histogram of that byte;
+    4    count, in the program's span, the scores above the k-th and equal to it;
+    5    emit the span's positions: above the k-th at their rank among the row's, then the
+         latest positions equal to it into the places left (the reference's tie rule).
+
+Between phases the row's programs wait on a counter (`_row_barrier`). They can only all be
+running together if the programs that wait were not started before their partners could be:
+each program takes its (row, part) from a ticket counter in the order it started, so the
+programs a waiting one depends on were started no later than it was. A row has at most
+MAX_PARTS programs of four warps, far fewer than one GPU holds at once.
+
+The Triton interpreter runs programs one after another, where a barrier would never open; there
+(and on request, `phased=True`) each phase is its own launch of the same kernel, and the phase
+code is the same.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except Exception:  # a CPU-only install without triton: kernels/indexer.py uses the reference
+    triton = None
+    tl = None
+
+# Programs a row is split over, at most; also the width of the per-part count arrays (one build).
+MAX_PARTS = 64
+# Positions a program loads per step: spans are whole multiples of it (one build for every width).
+BLOCK = 512
+# The row split aims at this many programs in all, so small batches still fill the GPU.
+TARGET_PROGRAMS = 512
+_HIST = 4 * 256
+_PHASES = 6
+
+if triton is not None:
+
+    @triton.jit
+    def _order_key(s):
+        """fp32 -> uint32 whose unsigned order is the float order (-inf lowest)."""
+        bits = s.to(tl.uint32, bitcast=True)
+        return tl.where((bits >> 31) != 0, ~bits, bits | 0x80000000)
+
+    @triton.jit
+    def _pick_digit(h, rank):
+        """Histogram h [256] of one byte of the keys still in the running: the byte of the
+        rank-th largest of them, and that key's rank among the keys sharing the byte."""
+        d = tl.arange(0, 256)
+        from_top = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h  # keys with digit >= d
+        digit = tl.max(tl.where(from_top >= rank, d, -1), axis=0)
+        return digit, rank - tl.sum(tl.where(d > digit, h, 0), axis=0)
+
+    @triton.jit
+    def _key_to_score(key):
+        bits = tl.where((key >> 31) != 0, key ^ 0x80000000, ~key)
+        return bits.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _row_barrier(sync_ptr, target):
+        """Wait until the row's counter reaches `target`, after adding this program's arrival.
+        The CTA barrier before the release orders every thread's writes of the phase (the
+        histogram atomics, the counts) before the arrival; the acquire and the barrier after
+        order the next phase's reads after every partner's arrival."""
+        tl.debug_barrier()
+        tl.atomic_add(sync_ptr, 1, sem="release")
+        while tl.atomic_add(sync_ptr, 0, sem="acquire") < target:
+            pass
+        tl.debug_barrier()
+
+    @triton.jit
+    def _hist_digit(hist_ptr, prefix, rank, PASS: tl.constexpr):
+        # .cg: the histogram was read before this phase's partners finished adding into it, and
+        # L1 is not coherent between SMs.
+        h = tl.load(hist_ptr + PASS * 256 + tl.arange(0, 256), cache_modifier=".cg")
+        digit, rank = _pick_digit(h, rank)
+        return (prefix << 8) | digit.to(tl.uint32), rank
+
+    @triton.jit(do_not_specialize=["num_seqs", "parts", "span", "k", "topk"])
+    def _select_kernel(scores_ptr, lens_ptr, out_ptr, ws_ptr, stride_sb, stride_ob, stride_wb,
+                       width, num_seqs, parts, span, k, topk,
+                       FIRST: tl.constexpr, LAST: tl.constexpr, BLOCK: tl.constexpr,
+                       PARTS: tl.constexpr, FILL: tl.constexpr):
+        """Phases FIRST..LAST of the selection (see the module docstring). ws [B, row] int32,
+        zeroed: per row the four byte histograms, the per-part above and equal counts, the
+        barrier counter; ws[0, -1] the ticket counter."""
+        if FIRST == LAST:
+            ticket = tl.program_id(0)
+        else:
+            ticket = tl.atomic_add(ws_ptr + stride_wb - 1, 1)
+        seq = ticket // parts
+        part = ticket % parts
+        row_ws = ws_ptr + seq * stride_wb
+        hist_ptr = row_ws
+        above_ptr = row_ws + 4 * 256
+        equal_ptr = above_ptr + PARTS
+        sync_ptr = equal_ptr + PARTS
+        row_scores = scores_ptr + seq * stride_sb
+        start = part * span
+        g_len = tl.load(lens_ptr + seq)
+
+        # The k-th largest key's bytes known when phase FIRST starts (a launch of its own
+        # re-reads them; within one launch they are carried from phase to phase).
+        prefix = tl.zeros([], dtype=tl.uint32)
+        rank = k
+        for p in tl.static_range(4):
+            if p < FIRST:
+                prefix, rank = _hist_digit(hist_ptr, prefix, rank, p)
+
+        for phase in tl.static_range(FIRST, LAST + 1):
+            if phase > FIRST:
+                _row_barrier(sync_ptr, parts * (phase - FIRST))
+                if phase <= 4:
+                    prefix, rank = _hist_digit(hist_ptr, prefix, rank, phase - 1)
+            if phase < 4:
+                counts = tl.zeros([256], dtype=tl.int32)
+                for off in range(0, span, BLOCK):
+                    pos = start + off + tl.arange(0, BLOCK)
+                    in_row = pos < width
+                    key = _order_key(tl.load(row_scores + pos, mask=in_row, other=float("-inf")))
+                    match = in_row
+                    if phase > 0:
+                        match = match & ((key >> (32 - 8 * phase)) == prefix)
+                    # Keys that do not match land in bin 0, which _pick_digit never needs exactly
+                    # (kernels/indexer.py, _radix_pass_kernel).
+                    digit = (key >> (24 - 8 * phase)) & 0xFF
+                    counts += tl.histogram(tl.where(match, digit, 0).to(tl.int32), 256)
+                bins = tl.arange(0, 256)
+                tl.atomic_add(hist_ptr + phase * 256 + bins, counts, mask=counts > 0, sem="relaxed")
+            elif phase == 4:
+                kth = _key_to_score(prefix)
+                n_above = tl.zeros([], dtype=tl.int32)
+                n_equal = tl.zeros([], dtype=tl.int32)
+                for off in range(0, span, BLOCK):
+                    pos = start + off + tl.arange(0, BLOCK)
+                    live = (pos < g_len) & (pos < width)
+                    s = tl.load(row_scores + pos, mask=live, other=float("-inf"))
+                    n_above += tl.sum((live & (s > kth)).to(tl.int32), axis=0)
+                    n_equal += tl.sum((live & (s == kth)).to(tl.int32), axis=0)
+                tl.store(above_ptr + part, n_above)
+                tl.store(equal_ptr + part, n_equal)
+            else:
+                kth = _key_to_score(prefix)
+                c = tl.arange(0, PARTS)
+                c_ok = c < parts
+                above = tl.load(above_ptr + c, mask=c_ok, other=0, cache_modifier=".cg")
+                equal = tl.load(equal_ptr + c, mask=c_ok, other=0, cache_modifier=".cg")
+                total_above = tl.sum(above, axis=0)
+                ties_wanted = k - total_above
+                ranked = tl.sum(tl.where(c < part, above, 0), axis=0)  # above-k-th positions emitted before
+                later_ties = tl.sum(tl.where(c >= part, equal, 0), axis=0)  # ties from this span on
+                row_out = out_ptr + seq * stride_ob
+                for off in range(0, span, BLOCK):
+                    pos = start + off + tl.arange(0, BLOCK)
+                    live = (pos < g_len) & (pos < width)
+                    s = tl.load(row_scores + pos, mask=live, other=float("-inf"))
+                    is_above = live & (s > kth)
+                    tl.store(row_out + ranked + tl.cumsum(is_above.to(tl.int32), axis=0) - 1, pos, mask=is_above)
+                    ranked += tl.sum(is_above.to(tl.int32), axis=0)
+                    # later_ties: ties at this block's positions and after; each tie's own count
+                    # of later ties decides whether it gets one of the places left.
+                    is_tie = (live & (s == kth)).to(tl.int32)
+                    after = later_ties - tl.cumsum(is_tie, axis=0)
+                    take = (is_tie != 0) & (after < ties_wanted)
+                    tl.store(row_out + total_above + after, pos, mask=take)
+                    later_ties -= tl.sum(is_tie, axis=0)
+                if part == 0:
+                    filled = total_above + tl.minimum(ties_wanted, tl.sum(equal, axis=0))
+                    for fill_start in range(0, topk, FILL):
+                        i = fill_start + tl.arange(0, FILL)
+                        tl.store(row_out + i, tl.full([FILL], -1, tl.int32), mask=(i >= filled) & (i < topk))
+
+
+def split_row(num_seqs: int, width: int, span: int | None = None) -> tuple[int, int]:
+    """(parts, span): a row's programs and the positions each covers (a multiple of BLOCK)."""
+    if span is None:
+        want_parts = max(1, min(MAX_PARTS, -(-TARGET_PROGRAMS // max(num_seqs, 1))))
+        span = BLOCK * max(1, -(-width // (want_parts * BLOCK)))
+    if span <= 0 or span % BLOCK:
+        raise ValueError(f"span {span} must be a positive multiple of {BLOCK}")
+    parts = -(-width // span)
+    if parts > MAX_PARTS:
+        raise ValueError(f"span {span} splits a {width}-position row into {parts} parts; at most {MAX_PARTS}")
+    return parts, span
+
+
+def one_launch_ok(device: torch.device) -> bool:
+    """The barrier form needs every program of a row running at once: a real GPU, not the
+    interpreter."""
+    return device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+
+
+def select_rows(scores: torch.Tensor, g_lens: torch.Tensor, out: torch.Tensor, k: int,
+                phased: bool | None = None, span: int | None = None) -> torch.Tensor:
+    """Write into out [B, topk] int32 the positions of each row's k highest scores (equal
+    scores: latest position first; positions >= g_len never), -1 after them. scores [B, width]
+    fp32 with -inf past g_len; g_lens int32 on the scores' device; 1 <= k <= width.
+    `phased` runs each phase as its own launch (the default off a GPU); `span` overrides the
+    positions a program covers (a multiple of BLOCK)."""
+    num_seqs, width = scores.shape
+    topk = out.shape[1]
+    parts, span = split_row(num_seqs, width, span)
+    if phased is None:
+        phased = not one_launch_ok(scores.device)
+    # One zeroed block a row (histograms, counts, barrier), plus the ticket at the very end.
+    ws = torch.zeros(num_seqs, _HIST + 2 * MAX_PARTS + 2, device=scores.device, dtype=torch.int32)
+    fill = min(1024, max(16, triton.next_power_of_2(topk)))
+    phases = [(p, p) for p in range(_PHASES)] if phased else [(0, _PHASES - 1)]
+    for first, last in phases:
+        _select_kernel[(num_seqs * parts,)](
+            scores, g_lens, out, ws, scores.stride(0), out.stride(0), ws.stride(0),
+            width, num_seqs, parts, span, k, topk,
+            FIRST=first, LAST=last, BLOCK=BLOCK, PARTS=MAX_PARTS, FILL=fill, num_warps=4)
+    return out
