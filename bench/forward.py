@@ -334,16 +334,21 @@ def shared_fusion(engine: LLMEngine, on: bool):
     return change
 
 
-def select_method(method: str | None):
-    """The indexer's top-k selection by `method` ('fused': one launch; 'multi': the radix
-    passes, count and emit as separate launches, torch.topk past 128K), in time_changed's form."""
-    from kernels import indexer
+def select_method(method: str | None, solo: tuple[int, int, int] | None = None):
+    """The indexer's top-k selection by `method` ('fused': one launch; None: the radix passes,
+    count and emit as separate launches, torch.topk past 128K), in time_changed's form. `solo`
+    (max width, block, warps): rows up to that width walked by one program each."""
+    from kernels import indexer, row_select
 
     def change():
-        saved, indexer.SELECT_METHOD = indexer.SELECT_METHOD, method
+        saved = indexer.SELECT_METHOD, row_select.SOLO_MAX_WIDTH, row_select.SOLO_BLOCK, row_select.SOLO_WARPS
+        indexer.SELECT_METHOD = method
+        if solo is not None:
+            row_select.SOLO_MAX_WIDTH, row_select.SOLO_BLOCK, row_select.SOLO_WARPS = solo
 
         def undo():
-            indexer.SELECT_METHOD = saved
+            (indexer.SELECT_METHOD, row_select.SOLO_MAX_WIDTH, row_select.SOLO_BLOCK,
+             row_select.SOLO_WARPS) = saved
         return undo
     return change
 
@@ -424,6 +429,8 @@ def main(argv=None):
                     help="also time the step with its side-stream branches on and off (EngineConfig.decode_overlap)")
     ap.add_argument("--select", action="store_true",
                     help="also time the step with the indexer's top-k selected in one launch and in several")
+    ap.add_argument("--select-solo", type=lambda v: tuple(int(x) for x in v.split(",")), nargs="*",
+                    default=[(1024, 8)], help="with --select: one program a row, these BLOCK,WARPS choices")
     ap.add_argument("--step-parts", action="store_true",
                     help="also time the host parts of a CUDA-graph step (inputs, replay, sampling) one by one")
     ap.add_argument("--json", default=None, help="append JSON lines here")
@@ -487,8 +494,11 @@ def main(argv=None):
                 ms = time_changed(engine, batch, args.iters, overlap(engine, on))
                 row[f"overlap_{'on' if on else 'off'}_forward_ms"] = round(ms, 3)
         if args.select:
-            for name, method in (("fused", "fused"), ("multi", None)):
-                row[f"select_{name}_forward_ms"] = round(time_changed(engine, batch, args.iters, select_method(method)), 3)
+            choices = [("split", "fused", (0, 1024, 8)), ("multi", None, None)]
+            choices += [(f"solo_b{b}_w{w}", "fused", (1 << 20, b, w)) for b, w in args.select_solo]
+            for name, method, solo in choices:
+                ms = time_changed(engine, batch, args.iters, select_method(method, solo))
+                row[f"select_{name}_forward_ms"] = round(ms, 3)
         if args.step_parts:
             row.update(step_parts(engine, batch, args.iters))
         if args.profile:
