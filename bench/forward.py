@@ -334,21 +334,20 @@ def shared_fusion(engine: LLMEngine, on: bool):
     return change
 
 
-def select_method(method: str | None, solo: tuple[int, int, int] | None = None):
-    """The indexer's top-k selection by `method` ('fused': one launch; None: the radix passes,
-    count and emit as separate launches, torch.topk past 128K), in time_changed's form. `solo`
-    (max width, block, warps): rows up to that width walked by one program each."""
+def select_method(fused_max_width: int, programs: int | None = None):
+    """The indexer's top-k selected in one launch for rows up to `fused_max_width` positions
+    and by the radix passes, count and emit as separate launches above (torch.topk past 128K),
+    in time_changed's form. `programs`: split rows over about this many programs in all
+    (row_select.TARGET_PROGRAMS)."""
     from kernels import indexer, row_select
 
     def change():
-        saved = indexer.SELECT_METHOD, row_select.SOLO_MAX_WIDTH, row_select.SOLO_BLOCK, row_select.SOLO_WARPS
-        indexer.SELECT_METHOD = method
-        if solo is not None:
-            row_select.SOLO_MAX_WIDTH, row_select.SOLO_BLOCK, row_select.SOLO_WARPS = solo
+        saved = indexer.FUSED_MAX_WIDTH, row_select.TARGET_PROGRAMS
+        indexer.FUSED_MAX_WIDTH = fused_max_width
+        row_select.TARGET_PROGRAMS = programs or row_select.TARGET_PROGRAMS
 
         def undo():
-            (indexer.SELECT_METHOD, row_select.SOLO_MAX_WIDTH, row_select.SOLO_BLOCK,
-             row_select.SOLO_WARPS) = saved
+            indexer.FUSED_MAX_WIDTH, row_select.TARGET_PROGRAMS = saved
         return undo
     return change
 
@@ -428,9 +427,10 @@ def main(argv=None):
     ap.add_argument("--overlap", action="store_true",
                     help="also time the step with its side-stream branches on and off (EngineConfig.decode_overlap)")
     ap.add_argument("--select", action="store_true",
-                    help="also time the step with the indexer's top-k selected in one launch and in several")
-    ap.add_argument("--select-solo", type=lambda v: tuple(int(x) for x in v.split(",")), nargs="*",
-                    default=[(1024, 8)], help="with --select: one program a row, these BLOCK,WARPS choices")
+                    help="also time the step with the indexer's top-k selected in one launch and in several "
+                         "(radix passes up to 128K, torch.topk past it)")
+    ap.add_argument("--select-programs", type=int, nargs="*", default=[],
+                    help="with --select: split rows over about this many programs in all")
     ap.add_argument("--step-parts", action="store_true",
                     help="also time the host parts of a CUDA-graph step (inputs, replay, sampling) one by one")
     ap.add_argument("--json", default=None, help="append JSON lines here")
@@ -494,10 +494,10 @@ def main(argv=None):
                 ms = time_changed(engine, batch, args.iters, overlap(engine, on))
                 row[f"overlap_{'on' if on else 'off'}_forward_ms"] = round(ms, 3)
         if args.select:
-            choices = [("split", "fused", (0, 1024, 8)), ("multi", None, None)]
-            choices += [(f"solo_b{b}_w{w}", "fused", (1 << 20, b, w)) for b, w in args.select_solo]
-            for name, method, solo in choices:
-                ms = time_changed(engine, batch, args.iters, select_method(method, solo))
+            choices = [("fused", 1 << 30, None), ("multi", 0, None)]
+            choices += [(f"fused_p{n}", 1 << 30, n) for n in args.select_programs]
+            for name, width, programs in choices:
+                ms = time_changed(engine, batch, args.iters, select_method(width, programs))
                 row[f"select_{name}_forward_ms"] = round(ms, 3)
         if args.step_parts:
             row.update(step_parts(engine, batch, args.iters))

@@ -8,7 +8,7 @@ process; the kernel's choice is checked against the reference's on those inputs:
 `agree` is the fraction of the reference's positions the kernel also chose, and `worst_gap`
 how far (in score) the kernel's weakest pick falls below the reference's k-th score, which
 stays ~0 when the only disagreements are near-ties rounded differently. select_<method>_ms
-time the selection alone by each method ('row' only up to its widest row), 16 calls in one CUDA
+time the selection alone by each method (kernels/indexer.py select_topk_triton), 16 calls in one CUDA
 graph on GPU, so that each call's launches and gaps count as they do in the decode step.
 
     python -m bench.kernel_indexer --device cuda --json bench/results/kernel_indexer.json
@@ -72,7 +72,7 @@ def run(device: str = "cuda", quick: bool = False) -> list[dict]:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     from kernels.indexer import (
         indexer_scores_reference, indexer_scores_triton, indexer_topk_reference, indexer_topk_triton,
-        select_topk_triton, ROW_MAX_WIDTH)
+        select_topk_triton)
 
     if quick:
         topk, cases, iters, warmup = 64, [(256, 1), (256, 4), (1024, 1), (1024, 4)], 3, 1
@@ -104,9 +104,7 @@ def run(device: str = "cuda", quick: bool = False) -> list[dict]:
         cuda = device.startswith("cuda")
         # Each selection method side by side, as the decode step runs it (in a CUDA graph on GPU).
         by_method = {}
-        for method in ("fused", "row", "radix", "topk"):
-            if method == "row" and context > ROW_MAX_WIDTH:
-                continue
+        for method in ("fused", "radix", "topk"):
             fn = lambda m=method: select_topk_triton(scores, lens, topk, method=m)  # noqa: E731
             by_method[f"select_{method}_ms"] = round(graph_ms(fn, 3, iters, repeat=16) if cuda else time_ms(fn, device, warmup, iters), 4)
         del scores
@@ -135,7 +133,7 @@ def run(device: str = "cuda", quick: bool = False) -> list[dict]:
 
 
 COLUMNS = ["context", "batch", "topk", "ref_ms", "ref_batch", "triton_ms", "score_ms", "select_ms",
-           "select_fused_ms", "select_row_ms", "select_radix_ms", "select_topk_ms", "speedup", "ref_graph_ms", "triton_graph_ms", "graph_speedup", "score_GBps", "agree",
+           "select_fused_ms", "select_radix_ms", "select_topk_ms", "speedup", "ref_graph_ms", "triton_graph_ms", "graph_speedup", "score_GBps", "agree",
            "worst_gap", "score_max_err"]
 
 

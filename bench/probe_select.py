@@ -1,6 +1,6 @@
-"""The indexer's top-k selection, side by side: the multi-launch radix passes, the one-launch
-select with rows split over programs that meet at barriers, and one program a row (span =
-the row) for several loop steps and warp counts. Each call is captured 16 times in one CUDA
+"""The indexer's top-k selection, side by side: the multi-launch radix passes, and the one-launch
+select with rows split over programs that meet at barriers (the built-in split and spans of
+256-2048 positions). Each call is captured 16 times in one CUDA
 graph (bench.kernel_timing.graph_ms), so launches and the gaps between them count as they do
 in the decode step; every choice must pick the reference's positions.
 
@@ -15,12 +15,12 @@ import torch
 
 from bench.kernel_timing import graph_ms
 from kernels.indexer import select_topk_reference, select_topk_triton
-from kernels.row_select import select_rows
+from kernels.row_select import MAX_PARTS, select_rows
 
 TOPK = 2048
 BATCHES = (1, 16, 64)
 WIDTHS = (8192, 10240, 16384, 32768)
-SOLO = ((512, 4), (1024, 4), (1024, 8), (2048, 8), (2048, 16), (4096, 16))
+SPLIT = ((256, 256), (512, 256), (512, 512), (1024, 512), (2048, 512))
 
 
 def main(argv=None) -> None:
@@ -42,10 +42,10 @@ def main(argv=None) -> None:
             k = min(TOPK, width)
             choices = {"radix": lambda: select_topk_triton(scores, g_lens, TOPK, method="radix"),
                        "split": lambda: select_rows(scores, g_lens, out, k)}
-            for block, warps in SOLO:
-                span = block * -(-width // block)
-                choices[f"solo_b{block}_w{warps}"] = (
-                    lambda s=span, b=block, w=warps: select_rows(scores, g_lens, out, k, span=s, block=b, num_warps=w))
+            for span, block in SPLIT:
+                if span < width and -(-width // span) <= MAX_PARTS:
+                    choices[f"split_s{span}_b{block}"] = (
+                        lambda s=span, b=block: select_rows(scores, g_lens, out, k, span=s, block=b))
             for name, fn in choices.items():
                 got = fn()
                 if not torch.equal(got.sort(dim=1).values, want):

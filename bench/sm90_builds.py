@@ -71,6 +71,27 @@ def build(fn, block_n: int, warps: int, stages: int, fp8: bool = False) -> dict:
                  attrs=attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
     ptx = kernel.asm["ptx"]
+    return dict(kernel=fn.__name__, block_n=block_n, num_warps=warps, num_stages=stages, kv="fp8" if fp8 else "bf16",
+                **_ptxas_info(ptx), shared_kb=round(kernel.metadata.shared / 1024, 1), wgmma=ptx.count("wgmma.mma_async"),
+                mma_sync=ptx.count("mma.sync"), cp_async=ptx.count("cp.async.cg") + ptx.count("cp.async.ca"),
+                triton=triton.__version__)
+
+
+def build_select(first: int, last: int) -> dict:
+    """The indexer's one-launch top-k select (kernels/row_select.py): phases first..last."""
+    from kernels.row_select import BLOCK, MAX_PARTS, _select_kernel
+    fn = _select_kernel
+    consts = dict(FIRST=first, LAST=last, BLOCK=BLOCK, PARTS=MAX_PARTS, FILL=1024)
+    signature = {name: "constexpr" if name in consts else "*fp32" if name == "scores_ptr"
+                 else "*i32" if name.endswith("_ptr") else "i32" for name in fn.arg_names}
+    src = ASTSource(fn=fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
+                    attrs={})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    info = _ptxas_info(kernel.asm["ptx"])
+    return dict(kernel=fn.__name__, phases=f"{first}-{last}", **info, triton=triton.__version__)
+
+
+def _ptxas_info(ptx: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "k.ptx"
         path.write_text(ptx)
@@ -80,18 +101,24 @@ def build(fn, block_n: int, warps: int, stages: int, fp8: bool = False) -> dict:
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info)
     if regs is None:
         raise RuntimeError(f"ptxas gave no register count:\n{info[-2000:]}")
-    return dict(kernel=fn.__name__, block_n=block_n, num_warps=warps, num_stages=stages, kv="fp8" if fp8 else "bf16",
-                registers=int(regs.group(1)), spill_store_bytes=int(spills.group(1)) if spills else 0,
-                shared_kb=round(kernel.metadata.shared / 1024, 1), wgmma=ptx.count("wgmma.mma_async"),
-                mma_sync=ptx.count("mma.sync"), cp_async=ptx.count("cp.async.cg") + ptx.count("cp.async.ca"),
-                triton=triton.__version__)
+    return dict(registers=int(regs.group(1)), spill_store_bytes=int(spills.group(1)) if spills else 0)
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fp8", action="store_true", help="FP8 KV instead of bf16")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--select", action="store_true",
+                    help="instead: the indexer's one-launch top-k select, in one launch and phase by phase")
     args = ap.parse_args(argv)
+    if args.select:
+        rows = [build_select(0, 5)] + [build_select(p, p) for p in range(6)]
+        for r in rows:
+            print(json.dumps(r))
+        if args.json:
+            with open(args.json, "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in rows)
+        return
     rows = [build(fn, n, w, s, args.fp8) for fn, n, w, s in BUILDS + GLUON_BUILDS]
     print("| kernel | KV | tile, warps, stages | registers | spill bytes | shared KB | wgmma | mma.sync |")
     print("|---|---|---|---|---|---|---|---|")

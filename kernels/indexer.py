@@ -127,47 +127,6 @@ if triton is not None:
         tl.store(out_ptr + seq * stride_ob + pos, score, mask=pos < width)
 
     @triton.jit
-    def _select_row_kernel(scores_ptr, lens_ptr, out_ptr, stride_sb, stride_ob, width, k, topk,
-                           WIDTH: tl.constexpr, FILL: tl.constexpr):
-        """The whole selection of one row in one program, for rows that fit in registers: the
-        radix select of the k-th score (four 8-bit histograms, no atomics) and the emit, in one
-        launch instead of about ten. Only on request (method 'row'): one program walks the whole
-        row, and in the engine it measured slower than the multi-program passes (RESULTS)."""
-        seq = tl.program_id(0)
-        pos = tl.arange(0, WIDTH)
-        in_row = pos < width
-        s = tl.load(scores_ptr + seq * stride_sb + pos, mask=in_row, other=float("-inf"))
-        key = _order_key(s)
-        prefix = tl.zeros([], dtype=tl.uint32)
-        rank = k
-        for p in tl.static_range(4):
-            match = in_row
-            if p > 0:
-                match = match & ((key >> (32 - 8 * p)) == prefix)
-            digit = (key >> (24 - 8 * p)) & 0xFF
-            h = tl.histogram(tl.where(match, digit, 0).to(tl.int32), 256)  # bin 0: see _radix_pass_kernel
-            picked, rank = _pick_digit(h, rank)
-            prefix = (prefix << 8) | picked.to(tl.uint32)
-        kth = _key_to_score(prefix)
-
-        live = in_row & (pos < tl.load(lens_ptr + seq))
-        row_out = out_ptr + seq * stride_ob
-        is_above = live & (s > kth)
-        total_above = tl.sum(is_above.to(tl.int32), axis=0)
-        tl.store(row_out + tl.cumsum(is_above.to(tl.int32), axis=0) - 1, pos, mask=is_above)
-        # The places left go to the scores equal to the k-th, latest position first.
-        ties_wanted = k - total_above
-        is_tie = (live & (s == kth)).to(tl.int32)
-        num_ties = tl.sum(is_tie, axis=0)
-        later_ties = num_ties - tl.cumsum(is_tie, axis=0)
-        take = (is_tie != 0) & (later_ties < ties_wanted)
-        tl.store(row_out + total_above + later_ties, pos, mask=take)
-        filled = total_above + tl.minimum(ties_wanted, num_ties)
-        for start in range(0, topk, FILL):
-            i = start + tl.arange(0, FILL)
-            tl.store(row_out + i, tl.full([FILL], -1, tl.int32), mask=(i >= filled) & (i < topk))
-
-    @triton.jit
     def _radix_state(hist_ptr, state_ptr, seq, num_seqs, k, PASS: tl.constexpr):
         """After the PASS-th histogram: the top 8 * (PASS + 1) bits of the row's k-th largest key
         (`prefix`, int32 bits) and its rank among the keys sharing them (1 = the largest), from
@@ -348,21 +307,19 @@ def indexer_scores_triton(q: torch.Tensor, w: torch.Tensor, index_keys: torch.Te
     return _score_launch(q, w, index_keys, block_tables, g_lens, block_size, key_scale=key_scale, w_scale=w_scale)
 
 
-# Rows up to RADIX_MAX_WIDTH get the k-th score from the multi-program radix passes, wider rows
-# from torch.topk: on the H200 (bench/RESULTS.md, forward profiles of 2026-11-30) the radix
-# passes beat torch.topk up to 128K positions and lost at 512K (2.99 against 2.22 ms a step at
-# batch 16). The one-program-per-row select ('row', rows up to ROW_MAX_WIDTH) is only used when
-# asked for: it took 85-93 us a layer at 8K for every batch size, several times the radix path.
-ROW_MAX_WIDTH = 16384
+# Rows up to FUSED_MAX_WIDTH get the whole selection in one launch (kernels/row_select.py), rows
+# up to RADIX_MAX_WIDTH the multi-launch radix passes, wider rows the k-th score from torch.topk.
+# On the H200 (bench/RESULTS.md, ninth session) the one launch took 1-2% off the decode step at
+# 8K against the radix passes, and lost at 128K-512K, where MAX_PARTS programs a row are too few;
+# the radix passes beat torch.topk up to 128K positions and lost at 512K (2.99 against 2.22 ms a
+# step at batch 16). One program a row walking the whole row was slower than both (28-64 us at 8K).
+FUSED_MAX_WIDTH = 32768
 RADIX_MAX_WIDTH = 131072
 # The radix passes want enough programs to fill the GPU: rows are split finer (down to one block
 # a program) until there are this many. 1024 against 128 (bench.probe_radix on the H200, all four
 # passes): batch 64 at 8K 33.2 -> 28.1 us, batch 16 at 128K 59.4 -> 55.9 us; batch 1 and 16 at 8K
 # reach one block a program either way.
 _RADIX_PROGRAMS = 1024
-# 'fused' (kernels/row_select.py) for every width; None falls back to the multi-launch radix
-# passes up to RADIX_MAX_WIDTH and torch.topk above (bench.forward --select compares them).
-SELECT_METHOD: str | None = "fused"
 _SELECT_BLOCK = 1024
 # Chunk counts the emit pass sums per step: a 1M-position row in one. At 512K, 64 a step made
 # eight dependent rounds of loads in each of a row's 512 programs: 74 us a layer on the H200,
@@ -412,8 +369,8 @@ def radix_passes(scores: torch.Tensor, k: int, span: int | None = None, block: i
 
 def default_select(width: int) -> str:
     """The selection method a row of `width` positions gets when none is asked for."""
-    if SELECT_METHOD is not None:
-        return SELECT_METHOD
+    if width <= FUSED_MAX_WIDTH:
+        return "fused"
     return "radix" if width <= RADIX_MAX_WIDTH else "topk"
 
 
@@ -423,9 +380,8 @@ def select_topk_triton(scores: torch.Tensor, g_lens: torch.Tensor, topk: int,
     """Positions [B, topk] int32 of the top-k scores of each row (the reference's tie rule),
     -1 past min(g_len, topk); in no particular order.
 
-    `method` 'fused' (the default, SELECT_METHOD) does all of it in one launch
-    (kernels/row_select.py); 'row' in one program per row (rows up to ROW_MAX_WIDTH).
-    Otherwise the k-th largest score of each row comes from kth_scores (`method` 'radix' or
+    `method` 'fused' does all of it in one launch (kernels/row_select.py); None picks by width
+    (default_select). Otherwise the k-th largest score of each row comes from kth_scores (`method` 'radix' or
     'topk'), and two passes over chunks of the row keep every position scoring above it and fill
     the remaining places with the latest positions scoring exactly it. Dead positions (past
     g_len) score -inf. `hist`: the radix passes' histograms, already zeroed (radix_passes).
@@ -437,18 +393,11 @@ def select_topk_triton(scores: torch.Tensor, g_lens: torch.Tensor, topk: int,
         return out.fill_(-1)
     g_lens = g_lens.to(device=scores.device, dtype=torch.int32).contiguous()
     fill = min(1024, _next_pow2(topk, 16))
-    if method == "row":
-        if width > ROW_MAX_WIDTH:
-            raise ValueError(f"method 'row' takes rows up to {ROW_MAX_WIDTH} positions, got {width}")
-        row = _next_pow2(width, 16)
-        _select_row_kernel[(num_seqs,)](scores, g_lens, out, scores.stride(0), out.stride(0), width, k, topk,
-                                        WIDTH=row, FILL=fill, num_warps=16 if row >= 8192 else 8 if row >= 2048 else 4)
-        return out
     method = method or default_select(width)
     if method == "fused":
         return select_rows(scores, g_lens, out, k)
     if method not in ("radix", "topk"):
-        raise ValueError(f"unknown selection method {method!r}; known: fused, radix, topk, row")
+        raise ValueError(f"unknown selection method {method!r}; known: fused, radix, topk")
     if method == "radix":  # the count pass derives the k-th score from the last histogram
         hist, state = radix_passes(scores, k, hist=hist)
         kth = torch.empty(num_seqs, device=scores.device, dtype=torch.float32)

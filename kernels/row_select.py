@@ -39,13 +39,9 @@ except Exception:  # a CPU-only install without triton: kernels/indexer.py uses 
 MAX_PARTS = 64
 # Positions a program loads per step: spans are whole multiples of it (one build for every width).
 BLOCK = 512
-# Wider rows are split so that there are about this many programs in all.
-TARGET_PROGRAMS = 512
-# Rows up to this width are walked by one program each (no barriers), SOLO_BLOCK positions a
-# step with SOLO_WARPS warps.
-SOLO_MAX_WIDTH = 0
-SOLO_BLOCK = 1024
-SOLO_WARPS = 8
+# Rows are split so that there are about this many programs in all, each covering at least
+# BLOCK positions: 2048 against 512 took 0.8% off the batch-64 decode step (RESULTS, ninth session).
+TARGET_PROGRAMS = 2048
 _HIST = 4 * 256
 _PHASES = 6
 
@@ -95,11 +91,11 @@ if triton is not None:
     def _select_kernel(scores_ptr, lens_ptr, out_ptr, ws_ptr, stride_sb, stride_ob, stride_wb,
                        width, num_seqs, parts, span, k, topk,
                        FIRST: tl.constexpr, LAST: tl.constexpr, BLOCK: tl.constexpr,
-                       PARTS: tl.constexpr, FILL: tl.constexpr, SOLO: tl.constexpr):
+                       PARTS: tl.constexpr, FILL: tl.constexpr):
         """Phases FIRST..LAST of the selection (see the module docstring). ws [B, row] int32,
         zeroed: per row the four byte histograms, the per-part above and equal counts, the
         barrier counter; ws[0, -1] the ticket counter."""
-        if SOLO or FIRST == LAST:  # nobody waits on a partner
+        if FIRST == LAST:  # a launch per phase: nobody waits on a partner
             ticket = tl.program_id(0)
         else:
             ticket = tl.atomic_add(ws_ptr + stride_wb - 1, 1)
@@ -124,10 +120,9 @@ if triton is not None:
 
         for phase in tl.static_range(FIRST, LAST + 1):
             if phase > FIRST:
-                if not SOLO:
-                    _row_barrier(sync_ptr, parts * (phase - FIRST))
-                    if phase <= 4:
-                        prefix, rank = _hist_digit(hist_ptr, prefix, rank, phase - 1)
+                _row_barrier(sync_ptr, parts * (phase - FIRST))
+                if phase <= 4:
+                    prefix, rank = _hist_digit(hist_ptr, prefix, rank, phase - 1)
             if phase < 4:
                 counts = tl.zeros([256], dtype=tl.int32)
                 for off in range(0, span, BLOCK):
@@ -139,14 +134,10 @@ if triton is not None:
                         match = match & ((key >> (32 - 8 * phase)) == prefix)
                     # Keys that do not match land in bin 0, which _pick_digit never needs exactly
                     # (kernels/indexer.py, _radix_pass_kernel).
-                    digit = (key >> (24 - 8 * phase)) & 0xFF
-                    counts += tl.histogram(tl.where(match, digit, 0).to(tl.int32), 256)
-                if SOLO:  # the whole row's histogram is this program's
-                    digit, rank = _pick_digit(counts, rank)
-                    prefix = (prefix << 8) | digit.to(tl.uint32)
-                else:
-                    bins = tl.arange(0, 256)
-                    tl.atomic_add(hist_ptr + phase * 256 + bins, counts, mask=counts > 0, sem="relaxed")
+                    byte = (key >> (24 - 8 * phase)) & 0xFF
+                    counts += tl.histogram(tl.where(match, byte, 0).to(tl.int32), 256)
+                bins = tl.arange(0, 256)
+                tl.atomic_add(hist_ptr + phase * 256 + bins, counts, mask=counts > 0, sem="relaxed")
             elif phase == 4:
                 kth = _key_to_score(prefix)
                 n_above = tl.zeros([], dtype=tl.int32)
@@ -157,25 +148,18 @@ if triton is not None:
                     s = tl.load(row_scores + pos, mask=live, other=float("-inf"))
                     n_above += tl.sum((live & (s > kth)).to(tl.int32), axis=0)
                     n_equal += tl.sum((live & (s == kth)).to(tl.int32), axis=0)
-                if not SOLO:
-                    tl.store(above_ptr + part, n_above)
-                    tl.store(equal_ptr + part, n_equal)
+                tl.store(above_ptr + part, n_above)
+                tl.store(equal_ptr + part, n_equal)
             else:
                 kth = _key_to_score(prefix)
-                if SOLO:
-                    total_above = n_above
-                    total_equal = n_equal
-                    ranked = tl.zeros([], dtype=tl.int32)
-                    later_ties = n_equal
-                else:
-                    c = tl.arange(0, PARTS)
-                    c_ok = c < parts
-                    above = tl.load(above_ptr + c, mask=c_ok, other=0, cache_modifier=".cg")
-                    equal = tl.load(equal_ptr + c, mask=c_ok, other=0, cache_modifier=".cg")
-                    total_above = tl.sum(above, axis=0)
-                    total_equal = tl.sum(equal, axis=0)
-                    ranked = tl.sum(tl.where(c < part, above, 0), axis=0)  # above-k-th positions emitted before
-                    later_ties = tl.sum(tl.where(c >= part, equal, 0), axis=0)  # ties from this span on
+                c = tl.arange(0, PARTS)
+                c_ok = c < parts
+                above = tl.load(above_ptr + c, mask=c_ok, other=0, cache_modifier=".cg")
+                equal = tl.load(equal_ptr + c, mask=c_ok, other=0, cache_modifier=".cg")
+                total_above = tl.sum(above, axis=0)
+                total_equal = tl.sum(equal, axis=0)
+                ranked = tl.sum(tl.where(c < part, above, 0), axis=0)  # above-k-th positions emitted before
+                later_ties = tl.sum(tl.where(c >= part, equal, 0), axis=0)  # ties from this span on
                 ties_wanted = k - total_above
                 row_out = out_ptr + seq * stride_ob
                 for off in range(0, span, BLOCK):
@@ -219,36 +203,25 @@ def one_launch_ok(device: torch.device) -> bool:
 
 
 def select_rows(scores: torch.Tensor, g_lens: torch.Tensor, out: torch.Tensor, k: int,
-                phased: bool | None = None, span: int | None = None, block: int | None = None,
-                num_warps: int | None = None) -> torch.Tensor:
+                phased: bool | None = None, span: int | None = None, block: int = BLOCK) -> torch.Tensor:
     """Write into out [B, topk] int32 the positions of each row's k highest scores (equal
     scores: latest position first; positions >= g_len never), -1 after them. scores [B, width]
     fp32 with -inf past g_len; g_lens int32 on the scores' device; 1 <= k <= width.
-    `phased` runs each phase of a split row as its own launch (the default off a GPU); `span`
-    (a multiple of `block`, the positions a program loads per step) overrides the positions a
-    program covers; bench.probe_select times the choices. Rows up to SOLO_MAX_WIDTH are walked
-    whole by one program each, which needs no partner."""
+    `phased` runs each phase as its own launch (the default off a GPU); `span` (a multiple of
+    `block`, the positions a program loads a step) overrides the positions a program covers
+    (bench.probe_select times the choices)."""
     num_seqs, width = scores.shape
     topk = out.shape[1]
-    if span is None and width <= SOLO_MAX_WIDTH:
-        block = block or SOLO_BLOCK
-        num_warps = num_warps or SOLO_WARPS
-        span = block * -(-width // block)
-    block = block or BLOCK
-    num_warps = num_warps or 4
     parts, span = split_row(num_seqs, width, span, block)
-    solo = parts == 1
     if phased is None:
         phased = not one_launch_ok(scores.device)
-    if solo:  # no histograms or counts to share: the workspace is never read
-        ws = out
-    else:  # one zeroed block a row (histograms, counts, barrier), plus the ticket at the very end
-        ws = torch.zeros(num_seqs, _HIST + 2 * MAX_PARTS + 2, device=scores.device, dtype=torch.int32)
+    # One zeroed block a row (histograms, counts, barrier), plus the ticket at the very end.
+    ws = torch.zeros(num_seqs, _HIST + 2 * MAX_PARTS + 2, device=scores.device, dtype=torch.int32)
     fill = min(1024, max(16, triton.next_power_of_2(topk)))
-    phases = [(p, p) for p in range(_PHASES)] if phased and not solo else [(0, _PHASES - 1)]
+    phases = [(p, p) for p in range(_PHASES)] if phased else [(0, _PHASES - 1)]
     for first, last in phases:
         _select_kernel[(num_seqs * parts,)](
             scores, g_lens, out, ws, scores.stride(0), out.stride(0), ws.stride(0),
             width, num_seqs, parts, span, k, topk,
-            FIRST=first, LAST=last, BLOCK=block, PARTS=MAX_PARTS, FILL=fill, SOLO=solo, num_warps=num_warps)
+            FIRST=first, LAST=last, BLOCK=block, PARTS=MAX_PARTS, FILL=fill, num_warps=4)
     return out

@@ -150,7 +150,7 @@ def test_negative_weights_order_negative_scores(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("method", ["fused", "row", "radix", "topk"])
+@pytest.mark.parametrize("method", ["fused", "radix", "topk"])
 @pytest.mark.parametrize("width,topk,chunk", [(100, 10, 16), (100, 60, 16), (64, 64, 16), (37, 50, 16), (300, 7, 32),
                                                 (300, 90, 4)])
 def test_selection_with_many_ties_across_chunks(device, width, topk, chunk, method, monkeypatch):
@@ -221,7 +221,7 @@ def test_radix_select_over_several_pass_chunks(device, programs, monkeypatch):
     g_lens = torch.tensor([width, width - 17, 4000], dtype=torch.int32)
     scores[torch.arange(width)[None, :] >= g_lens[:, None].long()] = float("-inf")
     scores, g_lens = scores.to(device), g_lens.to(device)
-    for method in ("fused", "row", "radix"):
+    for method in ("fused", "radix"):
         check_rows(select_topk_triton(scores, g_lens, topk, method=method),
                    select_topk_reference(scores, g_lens, topk), g_lens.tolist(), topk)
     for row, k in ((0, 1), (1, topk), (2, width)):  # the k-th score itself, both ways
@@ -243,12 +243,10 @@ def test_radix_launch_overrides(device):
         kth_scores(scores, 300, "radix", span=768, block=512)
 
 
-def test_row_method_rejects_rows_wider_than_it_holds():
-    import kernels.indexer as mod
-    scores = torch.zeros(1, mod.ROW_MAX_WIDTH + 1, device=TRITON_DEVICE)
-    g_lens = torch.tensor([mod.ROW_MAX_WIDTH + 1], dtype=torch.int32)
-    with pytest.raises(ValueError, match="row"):
-        select_topk_triton(scores, g_lens, 8, method="row")
+def test_unknown_selection_method_is_refused():
+    scores = torch.zeros(1, 64, device=TRITON_DEVICE)
+    with pytest.raises(ValueError, match="unknown selection method"):
+        select_topk_triton(scores, torch.tensor([64], dtype=torch.int32), 8, method="row")
 
 
 @pytest.mark.parametrize("device", DEVICES)
