@@ -91,21 +91,6 @@ def build_select(first: int, last: int) -> dict:
     return dict(kernel=fn.__name__, phases=f"{first}-{last}", **info, triton=triton.__version__)
 
 
-def build_score_hist0() -> dict:
-    """The indexer's scoring kernel with the select's phase 0 (HIST0), for the bench preset's
-    bf16 index keys (8 heads of 64)."""
-    from kernels.indexer import _score_tile_kernel
-    fn = _score_tile_kernel
-    consts = dict(HEADS=16, DIM=64, TILE=128, PRECISION="tf32", UPCAST=False, SCALED=False, ZERO=False, HIST0=True)
-    types = dict(q_ptr="*bf16", w_ptr="*bf16", keys_ptr="*bf16", scale_ptr="*fp32", table_ptr="*i32",
-                 lens_ptr="*i32", out_ptr="*fp32", zero_ptr="*i32", w_scale="fp32")
-    signature = {name: "constexpr" if name in consts else types.get(name, "i32") for name in fn.arg_names}
-    src = ASTSource(fn=fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
-                    attrs={})
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-    return dict(kernel=fn.__name__, phases="0", **_ptxas_info(kernel.asm["ptx"]), triton=triton.__version__)
-
-
 def _ptxas_info(ptx: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "k.ptx"
@@ -127,7 +112,7 @@ def main(argv=None) -> None:
                     help="instead: the indexer's one-launch top-k select, in one launch and phase by phase")
     args = ap.parse_args(argv)
     if args.select:
-        rows = [build_select(0, 5), build_select(1, 5)] + [build_select(p, p) for p in range(6)] + [build_score_hist0()]
+        rows = [build_select(0, 5)] + [build_select(p, p) for p in range(6)]
         for r in rows:
             print(json.dumps(r))
         if args.json:

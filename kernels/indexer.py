@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from . import triton_ok
-from .row_select import row_workspace, select_rows
+from .row_select import select_rows
 from .tuning import tuned_config
 
 try:
@@ -87,10 +87,10 @@ if triton is not None:
     def _score_tile_kernel(q_ptr, w_ptr, keys_ptr, scale_ptr, table_ptr, lens_ptr, out_ptr,
                            stride_qb, stride_qh, stride_qd, stride_wb, stride_wh,
                            stride_ks, stride_kd, stride_tb, stride_tm, stride_ob,
-                           num_heads, head_dim, width, block_size, w_scale, zero_ptr, stride_zb,
+                           num_heads, head_dim, width, block_size, w_scale, zero_ptr,
                            HEADS: tl.constexpr, DIM: tl.constexpr, TILE: tl.constexpr,
                            PRECISION: tl.constexpr, UPCAST: tl.constexpr, SCALED: tl.constexpr,
-                           ZERO: tl.constexpr, HIST0: tl.constexpr):
+                           ZERO: tl.constexpr):
         seq = tl.program_id(0)
         pos = tl.program_id(1) * TILE + tl.arange(0, TILE)
         if ZERO:  # the radix passes' histograms of this row, zeroed here instead of by a launch
@@ -125,11 +125,6 @@ if triton is not None:
             score = score * tl.load(scale_ptr + slot, mask=live, other=1.0)
         score = tl.where(live, score, float("-inf"))
         tl.store(out_ptr + seq * stride_ob + pos, score, mask=pos < width)
-        if HIST0:  # the one-launch select's first phase: the row's histogram of the keys' top byte
-            top = _order_key(score) >> 24
-            counts = tl.histogram(tl.where(pos < width, top, 0).to(tl.int32), 256)
-            bins = tl.arange(0, 256)
-            tl.atomic_add(zero_ptr + seq * stride_zb + bins, counts, mask=counts > 0, sem="relaxed")
 
     @triton.jit
     def _radix_state(hist_ptr, state_ptr, seq, num_seqs, k, PASS: tl.constexpr):
@@ -265,10 +260,8 @@ def score_tune_key(num_heads: int, head_dim: int, fp8: bool) -> str:
 def _score_launch(q, w, index_keys, block_tables, g_lens, block_size,
                   tile: int | None = None, num_warps: int | None = None,
                   key_scale: torch.Tensor | None = None, w_scale: float = 1.0,
-                  zero: torch.Tensor | None = None, hist0: torch.Tensor | None = None) -> torch.Tensor:
-    """[B, width] fp32 scores; `zero` (int32 [4, B, 256], the radix histograms) is zeroed too.
-    `hist0` (row_select.row_workspace, zeroed): the one-launch select's first phase is added
-    into it."""
+                  zero: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, width] fp32 scores; `zero` (int32 [4, B, 256], the radix histograms) is zeroed too."""
     num_seqs, num_heads, head_dim = q.shape
     width = block_tables.shape[1] * block_size
     out = torch.empty(num_seqs, width, device=q.device, dtype=torch.float32)
@@ -299,11 +292,9 @@ def _score_launch(q, w, index_keys, block_tables, g_lens, block_size,
         q.stride(0), q.stride(1), q.stride(2), w.stride(0), w.stride(1),
         index_keys.stride(0), index_keys.stride(1), block_tables.stride(0), block_tables.stride(1),
         out.stride(0),
-        num_heads, head_dim, width, block_size, float(w_scale),
-        zero if zero is not None else hist0 if hist0 is not None else g_lens,
-        hist0.stride(0) if hist0 is not None else 0,
+        num_heads, head_dim, width, block_size, float(w_scale), zero if zero is not None else g_lens,
         HEADS=heads, DIM=dim, TILE=tile, PRECISION="ieee" if fp32 else "tf32", UPCAST=upcast, SCALED=scaled,
-        ZERO=zero is not None, HIST0=hist0 is not None, num_warps=num_warps,
+        ZERO=zero is not None, num_warps=num_warps,
     )
     return out
 
@@ -385,7 +376,7 @@ def default_select(width: int) -> str:
 
 def select_topk_triton(scores: torch.Tensor, g_lens: torch.Tensor, topk: int,
                        chunk: int | None = None, method: str | None = None,
-                       hist: torch.Tensor | None = None, ws: torch.Tensor | None = None) -> torch.Tensor:
+                       hist: torch.Tensor | None = None) -> torch.Tensor:
     """Positions [B, topk] int32 of the top-k scores of each row (the reference's tie rule),
     -1 past min(g_len, topk); in no particular order.
 
@@ -393,8 +384,7 @@ def select_topk_triton(scores: torch.Tensor, g_lens: torch.Tensor, topk: int,
     (default_select). Otherwise the k-th largest score of each row comes from kth_scores (`method` 'radix' or
     'topk'), and two passes over chunks of the row keep every position scoring above it and fill
     the remaining places with the latest positions scoring exactly it. Dead positions (past
-    g_len) score -inf. `hist`: the radix passes' histograms, already zeroed (radix_passes);
-    `ws`: the one-launch select's workspace with its first phase done (by the scoring).
+    g_len) score -inf. `hist`: the radix passes' histograms, already zeroed (radix_passes).
     """
     num_seqs, width = scores.shape
     out = torch.empty(num_seqs, topk, device=scores.device, dtype=torch.int32)
@@ -405,7 +395,7 @@ def select_topk_triton(scores: torch.Tensor, g_lens: torch.Tensor, topk: int,
     fill = min(1024, _next_pow2(topk, 16))
     method = method or default_select(width)
     if method == "fused":
-        return select_rows(scores, g_lens, out, k, ws=ws)
+        return select_rows(scores, g_lens, out, k)
     if method not in ("radix", "topk"):
         raise ValueError(f"unknown selection method {method!r}; known: fused, radix, topk")
     if method == "radix":  # the count pass derives the k-th score from the last histogram
@@ -433,15 +423,12 @@ def indexer_topk_triton(q: torch.Tensor, w: torch.Tensor, index_keys: torch.Tens
                         w_scale: float = 1.0) -> torch.Tensor:
     """Same position set as indexer_topk_reference, in no particular order."""
     num_seqs, width = q.shape[0], block_tables.shape[1] * block_size
-    hist = ws = None
-    method = default_select(width) if 0 < min(topk, width) and num_seqs else None
-    if method == "radix":  # the radix select's histograms, zeroed by the scoring
+    hist = None
+    if 0 < min(topk, width) and default_select(width) == "radix":  # the radix select's histograms, zeroed by the scoring
         hist = torch.empty(4, num_seqs, 256, device=q.device, dtype=torch.int32)
-    elif method == "fused":  # the scoring does the select's first phase
-        ws = row_workspace(num_seqs, q.device)
     scores = _score_launch(q, w, index_keys, block_tables, g_lens, block_size, key_scale=key_scale, w_scale=w_scale,
-                           zero=hist, hist0=ws)
-    return select_topk_triton(scores, g_lens, topk, hist=hist, ws=ws)
+                           zero=hist)
+    return select_topk_triton(scores, g_lens, topk, hist=hist)
 
 
 def indexer_topk(q: torch.Tensor, w: torch.Tensor, index_keys: torch.Tensor,

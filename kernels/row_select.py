@@ -7,8 +7,7 @@ microseconds each, not on the 32 KB a row it reads. Here each row is split over 
 programs (a span of positions each) that run six phases:
 
     0-3  histogram of one byte (from the top) of the order keys that still match the k-th
-         largest key's bytes so far, added into the row's histogram of that byte (the
-         indexer's scoring kernel does phase 0 as it writes the scores);
+         largest key's bytes so far, added into the row's histogram of that byte;
     4    count, in the program's span, the scores above the k-th and equal to it;
     5    emit the span's positions: above the k-th at their rank among the row's, then the
          latest positions equal to it into the places left (the reference's tie rule).
@@ -203,36 +202,26 @@ def one_launch_ok(device: torch.device) -> bool:
     return device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
 
 
-def row_workspace(num_seqs: int, device) -> torch.Tensor:
-    """The select's zeroed workspace: per row the four byte histograms, the per-part counts and
-    the barrier counter; the ticket counter last. The scoring kernel may add the first
-    histogram into it (kernels/indexer.py, HIST0), so that the select starts at phase 1."""
-    return torch.zeros(num_seqs, _HIST + 2 * MAX_PARTS + 2, device=device, dtype=torch.int32)
-
-
 def select_rows(scores: torch.Tensor, g_lens: torch.Tensor, out: torch.Tensor, k: int,
-                phased: bool | None = None, span: int | None = None, block: int = BLOCK,
-                ws: torch.Tensor | None = None) -> torch.Tensor:
+                phased: bool | None = None, span: int | None = None, block: int = BLOCK) -> torch.Tensor:
     """Write into out [B, topk] int32 the positions of each row's k highest scores (equal
     scores: latest position first; positions >= g_len never), -1 after them. scores [B, width]
     fp32 with -inf past g_len; g_lens int32 on the scores' device; 1 <= k <= width.
     `phased` runs each phase as its own launch (the default off a GPU); `span` (a multiple of
     `block`, the positions a program loads a step) overrides the positions a program covers
-    (bench.probe_select times the choices). `ws`: a row_workspace whose first histograms the
-    scoring already filled; phase 0 is then skipped."""
+    (bench.probe_select times the choices)."""
     num_seqs, width = scores.shape
     topk = out.shape[1]
     parts, span = split_row(num_seqs, width, span, block)
     if phased is None:
         phased = not one_launch_ok(scores.device)
-    first = 1 if ws is not None else 0
-    if ws is None:
-        ws = row_workspace(num_seqs, scores.device)
+    # One zeroed block a row (histograms, counts, barrier), plus the ticket at the very end.
+    ws = torch.zeros(num_seqs, _HIST + 2 * MAX_PARTS + 2, device=scores.device, dtype=torch.int32)
     fill = min(1024, max(16, triton.next_power_of_2(topk)))
-    phases = [(p, p) for p in range(first, _PHASES)] if phased else [(first, _PHASES - 1)]
-    for a, b in phases:
+    phases = [(p, p) for p in range(_PHASES)] if phased else [(0, _PHASES - 1)]
+    for first, last in phases:
         _select_kernel[(num_seqs * parts,)](
             scores, g_lens, out, ws, scores.stride(0), out.stride(0), ws.stride(0),
             width, num_seqs, parts, span, k, topk,
-            FIRST=a, LAST=b, BLOCK=block, PARTS=MAX_PARTS, FILL=fill, num_warps=4)
+            FIRST=first, LAST=last, BLOCK=block, PARTS=MAX_PARTS, FILL=fill, num_warps=4)
     return out
