@@ -188,7 +188,7 @@ def step_bytes(engine: LLMEngine, batch: int, context: int, experts_touched: lis
     attended = min(g_len, mc.index_topk) if mc.index_topk else g_len
     per_layer = attended * d * kv_bytes
     if mc.index_topk and g_len > mc.index_topk:
-        per_layer += g_len * mc.index_head_dim * kv.index_keys.element_size()
+        per_layer += g_len * (mc.index_head_dim * kv.index_keys.element_size() + (4 if kv.index_scale is not None else 0))
     if w:
         per_layer += (w + 1) * d * kv.window_kv.element_size()
     total += batch * mc.num_hidden_layers * per_layer
@@ -405,6 +405,8 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--contexts", type=int, nargs="+", default=[8192, 65536, 131072, 262144, 524288])
     ap.add_argument("--kv-dtype", nargs="+", default=["auto"], choices=["auto", "fp8_e4m3"])
+    ap.add_argument("--index-dtype", default=None, choices=["auto", "fp8_e4m3"],
+                    help="EngineConfig.index_cache_dtype (default: follow --kv-dtype)")
     ap.add_argument("--moe-gemm", nargs="+", default=["auto"], choices=["auto", "triton", "grouped_mm"])
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--iters", type=int, default=20)
@@ -447,6 +449,7 @@ def main(argv=None):
         blocks = args.batch * -(-(context + 1) // args.block_size)
         ecfg = EngineConfig(device=args.device, dtype=args.dtype, block_size=args.block_size, num_blocks=blocks,
                             max_num_seqs=args.batch, max_model_len=context + 1, kv_cache_dtype=kv_dtype, moe_gemm=gemm,
+                            index_cache_dtype=args.index_dtype,
                             cuda_graph_max_batch=args.batch)
         engine = LLMEngine(model, None, ecfg)
         batch = make_batch(engine, args.batch, context)
@@ -454,7 +457,9 @@ def main(argv=None):
         touched = experts_touched(engine, batch)
         nbytes = step_bytes(engine, args.batch, context, touched)
         roof = nbytes / bw * 1e3 if bw else None
-        row = dict(preset=args.preset, device=args.device, batch=args.batch, context=context, kv_dtype=kv_dtype, moe_gemm=gemm,
+        row = dict(preset=args.preset, device=args.device, batch=args.batch, context=context, kv_dtype=kv_dtype,
+                   index_dtype=str(engine.runner.kv.index_keys.dtype).removeprefix("torch.")
+                   if engine.runner.kv.index_keys is not None else None, moe_gemm=gemm,
                    graphs=engine.runner.graphs is not None, forward_ms=round(fwd, 3), step_ms=round(step, 3),
                    tok_s=round(args.batch / fwd * 1e3, 1), bytes_per_step_gb=round(nbytes / 1e9, 3),
                    copy_gbs=bw and round(bw / 1e9, 1), roofline_ms=roof and round(roof, 3),

@@ -150,6 +150,11 @@ class ModelConfig(BaseModel):
 class EngineConfig(BaseModel):
     """How the engine runs a model: cache sizes, batching, device."""
 
+    @property
+    def index_fp8(self) -> bool:
+        """Whether the indexer's keys are stored as FP8 (index_cache_dtype, or kv_cache_dtype)."""
+        return (self.index_cache_dtype or self.kv_cache_dtype) == "fp8_e4m3"
+
     model_config = ConfigDict(extra="forbid")
 
     device: str = Field("cpu", description="torch device, e.g. 'cpu' or 'cuda:0'")
@@ -166,6 +171,11 @@ class EngineConfig(BaseModel):
     kv_cache_dtype: Literal["auto", "fp8_e4m3"] = Field(
         "auto", description="global latent KV and indexer keys: the model dtype, or FP8 E4M3 with one scale per "
                             "token (half the bytes; quantised on write, dequantised in attention and scoring)")
+    index_cache_dtype: Literal["auto", "fp8_e4m3"] | None = Field(
+        None, description="the indexer's keys alone: None follows kv_cache_dtype; 'auto' keeps them in the model "
+                          "dtype; 'fp8_e4m3' stores them as FP8 with one scale per token (as DeepSeek-V3.2's "
+                          "indexer does) whatever the latent KV's dtype. At long context scoring them is the "
+                          "largest read of a decode step.")
     decode_kernels: bool = Field(
         True, description="steps where every sequence decodes one token use the paged decode kernels "
                           "(Triton on GPU, their torch references elsewhere) instead of the padded path")

@@ -51,12 +51,14 @@ class KVCache:
         self.global_kv = torch.zeros(n_src, slots, mc.latent_dim, device=device,
                                      dtype=torch.float8_e4m3fn if fp8 else dtype)
         self.kv_scale = torch.ones(n_src, slots, device=device, dtype=torch.float32) if fp8 else None
-        # FP8 applies to the indexer's keys too: at long context scoring them is the largest read.
+        # The indexer's keys follow the latent KV unless index_cache_dtype says otherwise: at long
+        # context scoring them is the largest read.
+        index_fp8 = cfg.index_fp8
         self.index_keys = (torch.zeros(n_src, slots, mc.index_head_dim, device=device,
-                                       dtype=torch.float8_e4m3fn if fp8 else dtype)
+                                       dtype=torch.float8_e4m3fn if index_fp8 else dtype)
                            if mc.index_topk else None)
         self.index_scale = (torch.ones(n_src, slots, device=device, dtype=torch.float32)
-                            if fp8 and mc.index_topk else None)
+                            if index_fp8 and mc.index_topk else None)
         self.window = mc.sliding_window
         if self.window:
             self.window_kv = torch.zeros(cfg.max_num_seqs + 1, mc.num_hidden_layers, self.window, mc.latent_dim,

@@ -5,6 +5,7 @@ import sys
 import textwrap
 
 import pytest
+from pydantic import ValidationError
 import torch
 
 from engine.config import EngineConfig
@@ -82,6 +83,28 @@ def test_fp8_kv_cache(tiny_v4_ckpt):
     assert 0 < err < 0.1
 
 
+@pytest.mark.parametrize("kv_dtype,index_dtype,latent_fp8,index_fp8", [
+    ("auto", "fp8_e4m3", False, True), ("fp8_e4m3", "auto", True, False), ("fp8_e4m3", None, True, True)])
+def test_index_cache_dtype_apart_from_the_latent_kv(tiny_v4_ckpt, kv_dtype, index_dtype, latent_fp8, index_fp8):
+    """index_cache_dtype stores the indexer's keys as FP8 (or in the model dtype) whatever the
+    latent KV's dtype; None follows kv_cache_dtype. The decode kernels' path and the padded one
+    pick the same tokens either way."""
+    cfg = dict(kv_cache_dtype=kv_dtype, index_cache_dtype=index_dtype)
+    engine = LLMEngine.from_pretrained(tiny_v4_ckpt, EngineConfig(block_size=4, **cfg), progress=False)
+    kv = engine.runner.kv
+    assert (kv.global_kv.dtype == torch.float8_e4m3fn) == latent_fp8 and (kv.kv_scale is not None) == latent_fp8
+    assert (kv.index_keys.dtype == torch.float8_e4m3fn) == index_fp8 and (kv.index_scale is not None) == index_fp8
+    prompts = _prompts([30, 45, 12])  # 30+ tokens: the indexer picks the top-k (tiny-v4 keeps 16)
+    fast, _, steps = _run(tiny_v4_ckpt, prompts, decode_kernels=True, **cfg)
+    slow, _, _ = _run(tiny_v4_ckpt, prompts, decode_kernels=False, **cfg)
+    assert steps and fast == slow
+
+
+def test_index_cache_dtype_rejects_unknown_values():
+    with pytest.raises(ValidationError, match="index_cache_dtype"):
+        EngineConfig(index_cache_dtype="fp4")
+
+
 @pytest.mark.parametrize("kv_dtype", ["auto", "fp8_e4m3"])
 def test_engine_with_triton_kernels_interpreted(tiny_v4_ckpt, kv_dtype):
     """The same comparison with the Triton kernels themselves (interpreted on CPU): the
@@ -120,12 +143,12 @@ def test_engine_with_triton_kernels_interpreted(tiny_v4_ckpt, kv_dtype):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-@pytest.mark.parametrize("kv_dtype", ["auto", "fp8_e4m3"])
-def test_cuda_graphs_and_triton_kernels_on_gpu(tiny_v4_ckpt, kv_dtype):
+@pytest.mark.parametrize("kv_dtype,index_dtype", [("auto", None), ("fp8_e4m3", None), ("auto", "fp8_e4m3")])
+def test_cuda_graphs_and_triton_kernels_on_gpu(tiny_v4_ckpt, kv_dtype, index_dtype):
     """On the GPU: CUDA-graph replay of the Triton decode path against the eager padded path,
     with batches that pad up to a captured size and contexts that cross a block-table bucket."""
     prompts = _prompts([3, 30, 45, 1, 70])
-    kw = dict(device="cuda", kv_cache_dtype=kv_dtype)
+    kw = dict(device="cuda", kv_cache_dtype=kv_dtype, index_cache_dtype=index_dtype)
     fast, fast_logits, steps = _run(tiny_v4_ckpt, prompts, cuda_graphs=True, **kw)
     slow, slow_logits, _ = _run(tiny_v4_ckpt, prompts, decode_kernels=False, cuda_graphs=False, **kw)
     assert fast == slow
