@@ -6,7 +6,8 @@ the down kernel's built-in one, then the down kernel's with the best gate-up sha
     python -m bench.probe_moe --json moe.jsonl
 
 `--gate` also times the router's partial-logits kernel (kernels/routing.py) by how many parts
-it splits the hidden size into.
+it splits the hidden size into and its tokens, experts and warps a program, 16 calls a CUDA
+graph replay (`--gate-only`: that alone).
 """
 from __future__ import annotations
 
@@ -30,10 +31,13 @@ def main(argv=None) -> None:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--json", default=None)
     ap.add_argument("--gate", action="store_true")
+    ap.add_argument("--gate-only", action="store_true", help="time the router's kernel alone")
     args = ap.parse_args(argv)
     rows, best = [], None
-    if args.gate:
+    if args.gate or args.gate_only:
         rows += gate_parts_times(args.tokens, args.iters)
+    if args.gate_only:
+        args.tokens = []
     for tokens in args.tokens:
         x, w13, w2, _, slot_of, weight_of = make_inputs(dict(BENCH_MODEL, tokens=tokens), "cuda", torch.bfloat16)
         g = torch.Generator().manual_seed(7)
@@ -87,12 +91,18 @@ def gate_parts_times(token_counts: list[int], iters: int) -> list[dict]:
     for tokens in token_counts:
         x = torch.randn(tokens, BENCH_MODEL["hidden"], device="cuda", dtype=torch.bfloat16)
         want = x.float() @ w.T
-        for parts in (4, 8, 16, 32):
-            got = gate_parts_triton(x, w, parts).sum(0)
+        for parts, block_t, block_e, warps in itertools.product((8, 16, 32), (16, 32, 64), (16, 32, 64), (2, 4)):
+            if block_t > max(16, tokens):
+                continue
+            kw = dict(block_t=block_t, block_e=block_e, num_warps=warps)
+            got = gate_parts_triton(x, w, parts, **kw).sum(0)
             torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)
-            us = graph_ms(lambda: gate_parts_triton(x, w, parts), 3, iters) * 1e3
-            rows.append(dict(kernel="gate_parts", tokens=tokens, parts=parts, us=round(us, 2)))
+            # 16 calls a replay: one small kernel alone would time the replay's own cost
+            us = graph_ms(lambda: gate_parts_triton(x, w, parts, **kw), 3, iters, repeat=16) * 1e3
+            rows.append(dict(kernel="gate_parts", tokens=tokens, parts=parts, **kw, us=round(us, 2)))
             print(json.dumps(rows[-1]), flush=True)
+        best = min((r for r in rows if r["tokens"] == tokens), key=lambda r: r["us"])
+        print(json.dumps(dict(best=True, **best)), flush=True)
     return rows
 
 

@@ -242,10 +242,12 @@ def fused_route(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk_gro
 GATE_FUSED_MAX_TOKENS = 256
 
 
-def gate_parts_triton(x: torch.Tensor, weight: torch.Tensor, parts: int | None = None) -> torch.Tensor:
+def gate_parts_triton(x: torch.Tensor, weight: torch.Tensor, parts: int | None = None, *,
+                      block_t: int = 16, block_e: int = 16, num_warps: int = 2) -> torch.Tensor:
     """Router logits of x [T, H] against the gate weight [E, H] as [P, T, E] fp32 partial sums over
     P slices of H (their sum in order is x.float() @ weight.float().T). One launch replaces the
-    input cast, the GEMM and its split-K reduction at decode batch sizes."""
+    input cast, the GEMM and its split-K reduction at decode batch sizes. block_t, block_e (tokens
+    and experts a program) and num_warps: launch choices (bench.probe_moe --gate times them)."""
     if triton is None:
         raise RuntimeError("triton is not available")
     t, h = x.shape
@@ -264,10 +266,9 @@ def gate_parts_triton(x: torch.Tensor, weight: torch.Tensor, parts: int | None =
         return out
     x = x if x.stride(-1) == 1 else x.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
-    block_e = 16
-    _gate_parts_kernel[(triton.cdiv(e, block_e), parts, triton.cdiv(t, 16))](
+    _gate_parts_kernel[(triton.cdiv(e, block_e), parts, triton.cdiv(t, block_t))](
         x, x.stride(0), weight, weight.stride(0), out, t, e, h, k_per_part,
-        BLOCK_T=16, BLOCK_E=block_e, BLOCK_K=block_k, num_warps=2)
+        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k, num_warps=num_warps)
     return out
 
 
