@@ -243,7 +243,7 @@ GATE_FUSED_MAX_TOKENS = 256
 
 
 def gate_parts_triton(x: torch.Tensor, weight: torch.Tensor, parts: int | None = None, *,
-                      block_t: int = 16, block_e: int = 16, num_warps: int = 2) -> torch.Tensor:
+                      block_t: int | None = None, block_e: int = 16, num_warps: int = 2) -> torch.Tensor:
     """Router logits of x [T, H] against the gate weight [E, H] as [P, T, E] fp32 partial sums over
     P slices of H (their sum in order is x.float() @ weight.float().T). One launch replaces the
     input cast, the GEMM and its split-K reduction at decode batch sizes. block_t, block_e (tokens
@@ -266,6 +266,10 @@ def gate_parts_triton(x: torch.Tensor, weight: torch.Tensor, parts: int | None =
         return out
     x = x if x.stride(-1) == 1 else x.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    # All of a decode batch's tokens a program, up to 64: each slice of the weight is then read
+    # once. On the H200 (bench.probe_moe --gate-only, bench/RESULTS.md): 4.2 against 7.1 us at 64
+    # tokens with 16 a program; at 1 and 16 tokens 16 a program stays the best.
+    block_t = block_t or min(64, max(16, _pow2(t)))
     _gate_parts_kernel[(triton.cdiv(e, block_e), parts, triton.cdiv(t, block_t))](
         x, x.stride(0), weight, weight.stride(0), out, t, e, h, k_per_part,
         BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k, num_warps=num_warps)

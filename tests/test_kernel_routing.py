@@ -191,17 +191,19 @@ def test_engine_route_wiring():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("t,h,dtype", [(1, 64, torch.float32), (5, 300, torch.bfloat16), (40, 2048, torch.bfloat16)])
+@pytest.mark.parametrize("t,h,dtype", [(1, 64, torch.float32), (5, 300, torch.bfloat16), (40, 2048, torch.bfloat16),
+                                       (100, 256, torch.bfloat16)])
 def test_gate_parts_sum_to_the_fp32_logits(device, t, h, dtype):
     """Partial router logits over slices of the hidden size (2048: 32 of them; 300: the last one
-    cut short) add up to x.float() @ w.float().T; the route kernel sums them and routes as the
-    reference does on the full logits."""
+    cut short) add up to x.float() @ w.float().T, for token counts that fill part of a program's
+    block and (100) more than one block; the route kernel sums them and routes as the reference
+    does on the full logits."""
     g = torch.Generator().manual_seed(t)
     x = torch.randn(t, h, generator=g).to(dtype).to(device)
     w = (torch.randn(16, h, generator=g) / h ** 0.5).to(dtype).to(device)
     parts = gate_parts_triton(x, w)
     assert parts.dtype == torch.float32 and parts.shape[1:] == (t, 16)
-    assert parts.shape[0] == {64: 1, 300: 5, 2048: 32}[h]
+    assert parts.shape[0] == {64: 1, 256: 4, 300: 5, 2048: 32}[h]
     logits = torch.nn.functional.linear(x.float(), w.float())
     torch.testing.assert_close(parts.sum(0), logits, atol=1e-5, rtol=1e-5)
     bias = inputs(1, 16, 3, device)[1]
