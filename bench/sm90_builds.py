@@ -91,25 +91,6 @@ def build_select(first: int, last: int) -> dict:
     return dict(kernel=fn.__name__, phases=f"{first}-{last}", **info, triton=triton.__version__)
 
 
-def build_score_fp8() -> dict:
-    """The indexer's scoring kernel on FP8 keys with a bf16 query (quantised to FP8 in the
-    kernel), for the bench preset's indexer (8 heads of 64): its products should be FP8 wgmma,
-    with no key widened to 16 bits."""
-    from kernels.indexer import _score_tile_kernel
-    fn = _score_tile_kernel
-    consts = dict(HEADS=16, DIM=64, TILE=128, PRECISION="tf32", UPCAST=False, SCALED=True, ZERO=False, Q8=True)
-    types = dict(q_ptr="*bf16", w_ptr="*bf16", keys_ptr="*fp8e4nv", scale_ptr="*fp32", table_ptr="*i32",
-                 lens_ptr="*i32", out_ptr="*fp32", zero_ptr="*i32", w_scale="fp32")
-    signature = {name: "constexpr" if name in consts else types.get(name, "i32") for name in fn.arg_names}
-    src = ASTSource(fn=fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
-                    attrs={})
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-    ptx = kernel.asm["ptx"]
-    return dict(kernel=fn.__name__, phases="fp8 scoring", **_ptxas_info(ptx), wgmma=ptx.count("wgmma.mma_async"),
-                widened=ptx.count("cvt.rn.bf16x2.e4m3x2") + ptx.count("cvt.rn.f16x2.e4m3x2"),
-                triton=triton.__version__)
-
-
 def _ptxas_info(ptx: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "k.ptx"
@@ -128,11 +109,10 @@ def main(argv=None) -> None:
     ap.add_argument("--fp8", action="store_true", help="FP8 KV instead of bf16")
     ap.add_argument("--json", default=None)
     ap.add_argument("--select", action="store_true",
-                    help="instead: the indexer's one-launch top-k select, in one launch and phase by phase, "
-                         "and its scoring kernel on FP8 keys")
+                    help="instead: the indexer's one-launch top-k select, in one launch and phase by phase")
     args = ap.parse_args(argv)
     if args.select:
-        rows = [build_select(0, 5)] + [build_select(p, p) for p in range(6)] + [build_score_fp8()]
+        rows = [build_select(0, 5)] + [build_select(p, p) for p in range(6)]
         for r in rows:
             print(json.dumps(r))
         if args.json:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.fp8_kv import fp8_round
 from kernels.latent import latent_and_query, norm_rope_latent
 
 from .attention import AttentionContext, attend, index_topk_mask
@@ -140,8 +139,6 @@ class MLAttention(nn.Module):
         g_keys, idx_keys = ctx.global_keys(self.source)
         g_mask = ctx.g_mask
         if self.indexer is not None:
-            if ctx.index_scale is not None:  # FP8 keys meet an FP8 query (kernels/indexer.py)
-                idx_q = fp8_round(idx_q)
             g_mask = index_topk_mask(idx_q[ctx.q_index], idx_w[ctx.q_index], idx_keys, g_mask, cfg.index_topk)
         if cfg.sliding_window is not None:
             keys = torch.cat([g_keys, ctx.window_keys(self.layer, latent)], dim=1)

@@ -28,9 +28,3 @@ def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantize_kv(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Inverse of quantize_kv: (q.float() * scale) cast to dtype."""
     return (q.float() * scale.float()[..., None]).to(dtype)
-
-
-def fp8_round(x: torch.Tensor) -> torch.Tensor:
-    """x rounded through per-row FP8 (quantize_kv then dequantize_kv), as float32: the indexer's
-    query when its keys are FP8 (the scoring kernel multiplies E4M3 values natively)."""
-    return dequantize_kv(*quantize_kv(x))

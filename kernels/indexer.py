@@ -14,7 +14,6 @@ from __future__ import annotations
 import torch
 
 from . import triton_ok
-from .fp8_kv import fp8_round
 from .row_select import select_rows
 from .tuning import tuned_config
 
@@ -31,8 +30,7 @@ def indexer_scores_reference(q: torch.Tensor, w: torch.Tensor, index_keys: torch
                              block_size: int, key_scale: torch.Tensor | None = None,
                              w_scale: float = 1.0) -> torch.Tensor:
     """fp32 scores [B, M*block_size]; -inf at positions j >= g_lens[b]. With key_scale [S]
-    (FP8 index keys), key = index_keys[slot] * key_scale[slot] and each head's query row is
-    rounded to FP8 with its own scale (kernels/fp8_kv.fp8_round). The head weights are
+    (FP8 index keys), key = index_keys[slot] * key_scale[slot]. The head weights are
     w.float() * w_scale (the model's 1/sqrt(heads), applied in the kernel instead of by two
     more launches)."""
     num_seqs, max_blocks = block_tables.shape
@@ -43,9 +41,8 @@ def indexer_scores_reference(q: torch.Tensor, w: torch.Tensor, index_keys: torch
     # Table entries past a sequence's last block may hold anything: never follow them.
     slots = torch.where(live, blocks * block_size + pos % block_size, 0)
     keys = index_keys[slots].float()
-    if key_scale is not None:  # FP8 keys: the query is rounded to FP8 too, as the kernel does
+    if key_scale is not None:
         keys = keys * key_scale[slots].float()[..., None]
-        q = fp8_round(q)
     s = torch.einsum("bhd,bld->bhl", q.float(), keys).relu()
     s = (s * (w.float() * w_scale)[:, :, None]).sum(1)
     return s.masked_fill(~live, float("-inf"))
@@ -93,7 +90,7 @@ if triton is not None:
                            num_heads, head_dim, width, block_size, w_scale, zero_ptr,
                            HEADS: tl.constexpr, DIM: tl.constexpr, TILE: tl.constexpr,
                            PRECISION: tl.constexpr, UPCAST: tl.constexpr, SCALED: tl.constexpr,
-                           ZERO: tl.constexpr, Q8: tl.constexpr):
+                           ZERO: tl.constexpr):
         seq = tl.program_id(0)
         pos = tl.program_id(1) * TILE + tl.arange(0, TILE)
         if ZERO:  # the radix passes' histograms of this row, zeroed here instead of by a launch
@@ -116,22 +113,13 @@ if triton is not None:
                        mask=live[:, None] & d_ok[None, :], other=0.0)
         q = tl.load(q_ptr + seq * stride_qb + d[:, None] * stride_qd + h[None, :] * stride_qh,
                     mask=d_ok[:, None] & h_ok[None, :], other=0.0)
-        wt = tl.load(w_ptr + seq * stride_wb + h * stride_wh, mask=h_ok, other=0.0).to(tl.float32) * w_scale
-        if Q8:
-            # FP8 keys meet an FP8 query, as in DeepSeek-V3.2's indexer: each head's query row to
-            # E4M3 with its own scale (kernels/fp8_kv.quantize_kv, IEEE divisions as torch's), the
-            # scale folded into the head weight: relu(s q8 . k) = s relu(q8 . k). Widening every
-            # key to 16 bits instead made the FP8 scoring no faster than bf16 keys (RESULTS).
-            qf = q.to(tl.float32)
-            amax = tl.maximum(tl.max(tl.abs(qf), axis=0), 1e-12)
-            q_scale = tl.math.div_rn(amax, tl.full([HEADS], 448.0, tl.float32))
-            q8 = tl.math.div_rn(qf, tl.broadcast_to(q_scale[None, :], (DIM, HEADS)))
-            q = tl.minimum(tl.maximum(q8, -448.0), 448.0).to(tl.float8e4nv)
-            wt = wt * q_scale
         if UPCAST:
             keys = keys.to(tl.float32)
             q = q.to(tl.float32)
+        elif SCALED:  # E4M3 values are exact in q's 16-bit type
+            keys = keys.to(q.dtype)
         dots = tl.dot(keys, q, input_precision=PRECISION)  # [TILE, HEADS] fp32
+        wt = tl.load(w_ptr + seq * stride_wb + h * stride_wh, mask=h_ok, other=0.0).to(tl.float32) * w_scale
         score = tl.sum(tl.maximum(dots, 0.0) * wt[None, :], axis=1)
         if SCALED:  # relu(q . (s k)) = s relu(q . k) for the positive per-key scale s
             score = score * tl.load(scale_ptr + slot, mask=live, other=1.0)
@@ -292,17 +280,11 @@ def _score_launch(q, w, index_keys, block_tables, g_lens, block_size,
     # multiplies bf16 bit patterns as integers (seen with triton 3.9); bf16 products are
     # exact in fp32, so this only moves rounding of the sum, as the native path does.
     scaled = key_scale is not None
-    # FP8 keys meet q quantised to FP8 in the kernel (native FP8 products) when q is 16-bit.
+    # FP8 keys are widened to q's type in the kernel when q is 16-bit.
     upcast = (q.dtype != index_keys.dtype and not (scaled and q.dtype in (torch.bfloat16, torch.float16))
               or not q.is_cuda)
     # fp32 operands must not be rounded to tf32, or near-equal scores would swap places.
     fp32 = upcast or q.dtype == torch.float32
-    # FP8 keys meet an FP8 query: rounded here where the products are fp32 ones (the CPU
-    # interpreter's fp32 -> E4M3 cast drops the carry into the exponent: 127.3 -> 64, Triton 3.9),
-    # in the kernel otherwise.
-    q8 = scaled and not upcast
-    if scaled and upcast:
-        q = fp8_round(q)
     grid = (num_seqs, triton.cdiv(width, tile))
     scale = key_scale.float().contiguous() if scaled else out  # any pointer when unused
     _score_tile_kernel[grid](
@@ -312,7 +294,7 @@ def _score_launch(q, w, index_keys, block_tables, g_lens, block_size,
         out.stride(0),
         num_heads, head_dim, width, block_size, float(w_scale), zero if zero is not None else g_lens,
         HEADS=heads, DIM=dim, TILE=tile, PRECISION="ieee" if fp32 else "tf32", UPCAST=upcast, SCALED=scaled,
-        ZERO=zero is not None, Q8=q8, num_warps=num_warps,
+        ZERO=zero is not None, num_warps=num_warps,
     )
     return out
 
