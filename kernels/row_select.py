@@ -42,6 +42,9 @@ BLOCK = 512
 # Rows are split so that there are about this many programs in all, each covering at least
 # BLOCK positions: 2048 against 512 took 0.8% off the batch-64 decode step (RESULTS, ninth session).
 TARGET_PROGRAMS = 2048
+# From this byte pass on, a block where at most SPARSE_MAX keys still match adds them by atomics.
+SPARSE_FROM = 2
+SPARSE_MAX = 64
 _HIST = 4 * 256
 _PHASES = 6
 
@@ -91,7 +94,8 @@ if triton is not None:
     def _select_kernel(scores_ptr, lens_ptr, out_ptr, ws_ptr, stride_sb, stride_ob, stride_wb,
                        width, num_seqs, parts, span, k, topk,
                        FIRST: tl.constexpr, LAST: tl.constexpr, BLOCK: tl.constexpr,
-                       PARTS: tl.constexpr, FILL: tl.constexpr):
+                       PARTS: tl.constexpr, FILL: tl.constexpr, SPARSE_FROM: tl.constexpr,
+                       SPARSE_MAX: tl.constexpr):
         """Phases FIRST..LAST of the selection (see the module docstring). ws [B, row] int32,
         zeroed: per row the four byte histograms, the per-part above and equal counts, the
         barrier counter; ws[0, -1] the ticket counter."""
@@ -135,7 +139,16 @@ if triton is not None:
                     # Keys that do not match land in bin 0, which _pick_digit never needs exactly
                     # (kernels/indexer.py, _radix_pass_kernel).
                     byte = (key >> (24 - 8 * phase)) & 0xFF
-                    counts += tl.histogram(tl.where(match, byte, 0).to(tl.int32), 256)
+                    if phase >= SPARSE_FROM:
+                        # Past the top two bytes few keys still match (tens in a row of 8K): one
+                        # atomic each is cheaper than a histogram of the whole block.
+                        if tl.sum(match.to(tl.int32), axis=0) <= SPARSE_MAX:
+                            tl.atomic_add(hist_ptr + phase * 256 + byte, tl.full([BLOCK], 1, tl.int32),
+                                          mask=match, sem="relaxed")
+                        else:
+                            counts += tl.histogram(tl.where(match, byte, 0).to(tl.int32), 256)
+                    else:
+                        counts += tl.histogram(tl.where(match, byte, 0).to(tl.int32), 256)
                 bins = tl.arange(0, 256)
                 tl.atomic_add(hist_ptr + phase * 256 + bins, counts, mask=counts > 0, sem="relaxed")
             elif phase == 4:
@@ -203,13 +216,15 @@ def one_launch_ok(device: torch.device) -> bool:
 
 
 def select_rows(scores: torch.Tensor, g_lens: torch.Tensor, out: torch.Tensor, k: int,
-                phased: bool | None = None, span: int | None = None, block: int = BLOCK) -> torch.Tensor:
+                phased: bool | None = None, span: int | None = None, block: int = BLOCK,
+                sparse_from: int | None = None) -> torch.Tensor:
     """Write into out [B, topk] int32 the positions of each row's k highest scores (equal
     scores: latest position first; positions >= g_len never), -1 after them. scores [B, width]
     fp32 with -inf past g_len; g_lens int32 on the scores' device; 1 <= k <= width.
     `phased` runs each phase as its own launch (the default off a GPU); `span` (a multiple of
     `block`, the positions a program loads a step) overrides the positions a program covers
-    (bench.probe_select times the choices)."""
+    (bench.probe_select times the choices). `sparse_from`: the first byte pass that counts
+    blocks with few matching keys by atomics instead of a histogram (4: none)."""
     num_seqs, width = scores.shape
     topk = out.shape[1]
     parts, span = split_row(num_seqs, width, span, block)
@@ -223,5 +238,6 @@ def select_rows(scores: torch.Tensor, g_lens: torch.Tensor, out: torch.Tensor, k
         _select_kernel[(num_seqs * parts,)](
             scores, g_lens, out, ws, scores.stride(0), out.stride(0), ws.stride(0),
             width, num_seqs, parts, span, k, topk,
-            FIRST=first, LAST=last, BLOCK=block, PARTS=MAX_PARTS, FILL=fill, num_warps=4)
+            FIRST=first, LAST=last, BLOCK=block, PARTS=MAX_PARTS, FILL=fill,
+            SPARSE_FROM=SPARSE_FROM if sparse_from is None else sparse_from, SPARSE_MAX=SPARSE_MAX, num_warps=4)
     return out

@@ -25,13 +25,15 @@ def same_sets(got, want):
 
 def tied_rows(width, seed, device):
     """Scores from few values (the k-th shared across parts), a row of zeros, -0.0 against
-    +0.0, short and empty rows (-inf past g_len)."""
+    +0.0, short and empty rows (-inf past g_len), and distinct ones (where few keys still match
+    after two bytes: the atomics path)."""
     g = torch.Generator().manual_seed(seed)
-    scores = torch.randint(-3, 4, (5, width), generator=g).float() / 8
+    scores = torch.randint(-3, 4, (6, width), generator=g).float() / 8
     scores[1] = 0.0
     scores[2, ::3] = -0.0
     scores[3] = 1.0 + torch.randint(0, 64, (width,), generator=g).float() / 4096  # one binade
-    g_lens = torch.tensor([width, width - 5, width // 2, width - 1, 0], dtype=torch.int32)
+    scores[5] = torch.randn(width, generator=g)
+    g_lens = torch.tensor([width, width - 5, width // 2, width - 1, 0, width - 3], dtype=torch.int32)
     scores[torch.arange(width)[None, :] >= g_lens[:, None].long()] = float("-inf")
     return scores.to(device), g_lens.to(device)
 
@@ -39,12 +41,15 @@ def tied_rows(width, seed, device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("width,topk,span", [(1500, 100, 512), (1500, 700, 512), (1500, 1500, 1024),
                                              (700, 900, None), (2100, 5, 512)])
-def test_phases_match_reference(device, width, topk, span):
+@pytest.mark.parametrize("sparse_from", [2, 0, 4])
+def test_phases_match_reference(device, width, topk, span, sparse_from):
     """Each phase as its own launch (the form the interpreter runs): every part of a row adds its
-    histogram, counts and emits at the right offsets, ties across parts latest first."""
+    histogram, counts and emits at the right offsets, ties across parts latest first; blocks
+    with few matching keys counted by atomics from the third byte (the default), from the first,
+    or never."""
     scores, g_lens = tied_rows(width, width + topk, device)
     out = torch.empty(scores.shape[0], topk, dtype=torch.int32, device=device)
-    select_rows(scores, g_lens, out, min(topk, width), phased=True, span=span)
+    select_rows(scores, g_lens, out, min(topk, width), phased=True, span=span, sparse_from=sparse_from)
     same_sets(out, select_topk_reference(scores, g_lens, topk))
 
 
