@@ -1,6 +1,7 @@
 """The indexer's top-k selection, side by side: the multi-launch radix passes, and the one-launch
 select with rows split over programs that meet at barriers (the built-in split, the same with
-every byte pass counted by histograms, and spans of 256-2048 positions). Each call is captured 16 times in one CUDA
+every byte pass counted by histograms and with the last two counted by atomics where few keys
+match, and spans of 256-2048 positions). Each call is captured 16 times in one CUDA
 graph (bench.kernel_timing.graph_ms), so launches and the gaps between them count as they do
 in the decode step; every choice must pick the reference's positions.
 
@@ -42,7 +43,8 @@ def main(argv=None) -> None:
             k = min(TOPK, width)
             choices = {"radix": lambda: select_topk_triton(scores, g_lens, TOPK, method="radix"),
                        "split": lambda: select_rows(scores, g_lens, out, k),
-                       "split_dense": lambda: select_rows(scores, g_lens, out, k, sparse_from=4)}
+                       "split_dense": lambda: select_rows(scores, g_lens, out, k, sparse_from=4),
+                       "split_sparse": lambda: select_rows(scores, g_lens, out, k, sparse_from=2)}
             for span, block in SPLIT:
                 if span < width and -(-width // span) <= MAX_PARTS:
                     choices[f"split_s{span}_b{block}"] = (

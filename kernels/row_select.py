@@ -42,9 +42,13 @@ BLOCK = 512
 # Rows are split so that there are about this many programs in all, each covering at least
 # BLOCK positions: 2048 against 512 took 0.8% off the batch-64 decode step (RESULTS, ninth session).
 TARGET_PROGRAMS = 2048
-# From this byte pass on, a block where at most SPARSE_MAX keys still match adds them by atomics.
+# From this byte pass on, a block where at most SPARSE_MAX keys still match adds them by atomics,
+# for batches of up to SPARSE_MAX_ROWS rows. On the H200 at the decode step's row width for 8K
+# (10240; bench.probe_select, RESULTS ninth session) that took 14.3 against 15.7 us at batch 1 and
+# 16.2 against 18.3 at 16, but 35.1 against 29.7 at 64, where every pass stays a histogram.
 SPARSE_FROM = 2
 SPARSE_MAX = 64
+SPARSE_MAX_ROWS = 16
 _HIST = 4 * 256
 _PHASES = 6
 
@@ -224,7 +228,8 @@ def select_rows(scores: torch.Tensor, g_lens: torch.Tensor, out: torch.Tensor, k
     `phased` runs each phase as its own launch (the default off a GPU); `span` (a multiple of
     `block`, the positions a program loads a step) overrides the positions a program covers
     (bench.probe_select times the choices). `sparse_from`: the first byte pass that counts
-    blocks with few matching keys by atomics instead of a histogram (4: none)."""
+    blocks with few matching keys by atomics instead of a histogram (4: none; default
+    SPARSE_FROM up to SPARSE_MAX_ROWS rows, none above)."""
     num_seqs, width = scores.shape
     topk = out.shape[1]
     parts, span = split_row(num_seqs, width, span, block)
@@ -233,11 +238,13 @@ def select_rows(scores: torch.Tensor, g_lens: torch.Tensor, out: torch.Tensor, k
     # One zeroed block a row (histograms, counts, barrier), plus the ticket at the very end.
     ws = torch.zeros(num_seqs, _HIST + 2 * MAX_PARTS + 2, device=scores.device, dtype=torch.int32)
     fill = min(1024, max(16, triton.next_power_of_2(topk)))
+    if sparse_from is None:
+        sparse_from = SPARSE_FROM if num_seqs <= SPARSE_MAX_ROWS else 4
     phases = [(p, p) for p in range(_PHASES)] if phased else [(0, _PHASES - 1)]
     for first, last in phases:
         _select_kernel[(num_seqs * parts,)](
             scores, g_lens, out, ws, scores.stride(0), out.stride(0), ws.stride(0),
             width, num_seqs, parts, span, k, topk,
             FIRST=first, LAST=last, BLOCK=block, PARTS=MAX_PARTS, FILL=fill,
-            SPARSE_FROM=SPARSE_FROM if sparse_from is None else sparse_from, SPARSE_MAX=SPARSE_MAX, num_warps=4)
+            SPARSE_FROM=sparse_from, SPARSE_MAX=SPARSE_MAX, num_warps=4)
     return out

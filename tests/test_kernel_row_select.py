@@ -53,6 +53,23 @@ def test_phases_match_reference(device, width, topk, span, sparse_from):
     same_sets(out, select_topk_reference(scores, g_lens, topk))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rows", [16, 17])
+def test_default_counting_either_side_of_the_row_limit(device, rows):
+    """Up to SPARSE_MAX_ROWS rows the last byte passes count by atomics where few keys match,
+    above it by histograms: the same positions either way."""
+    from kernels.row_select import SPARSE_MAX_ROWS
+    assert SPARSE_MAX_ROWS == 16
+    g = torch.Generator().manual_seed(rows)
+    scores = torch.randn(rows, 1100, generator=g)
+    g_lens = torch.randint(600, 1101, (rows,), generator=g).to(torch.int32)
+    scores[torch.arange(1100)[None, :] >= g_lens[:, None].long()] = float("-inf")
+    scores, g_lens = scores.to(device), g_lens.to(device)
+    out = torch.empty(rows, 300, dtype=torch.int32, device=device)
+    select_rows(scores, g_lens, out, 300)
+    same_sets(out, select_topk_reference(scores, g_lens, 300))
+
+
 def test_split_row_fills_the_gpu_and_keeps_parts_bounded():
     parts, span = split_row(1, 32768)
     assert span % BLOCK == 0 and parts * span >= 32768 and parts > 1
