@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from kernels.indexer import warm_up as indexer_warm_up
 from kernels.mla_decode import warm_up as mla_warm_up
 
 from .checkpoint import ensure_checkpoint, load_model
@@ -125,6 +126,8 @@ class LLMEngine:
             mla_warm_up(mc.num_attention_heads, mc.kv_lora_rank, mc.qk_rope_head_dim, self.runner.dtype,
                         kv.global_kv.dtype, self.runner.device, max(cfg.max_num_seqs, chunk), mc.index_topk,
                         mc.sliding_window, cfg.block_size)
+            if mc.index_topk:  # the top-k selection's variants by row count and by row width
+                indexer_warm_up(mc.index_topk, self.runner.device, max(cfg.max_num_seqs, chunk))
         s = self.scheduler
         s.prefix_hit_tokens = s.replayed_tokens = s.num_preemptions = 0
         self.num_steps = 0

@@ -431,6 +431,23 @@ def indexer_topk_triton(q: torch.Tensor, w: torch.Tensor, index_keys: torch.Tens
     return select_topk_triton(scores, g_lens, topk, hist=hist)
 
 
+def warm_up(topk: int, device, max_rows: int) -> None:
+    """Build, on dummy scores, every selection variant serving can meet: the one-launch select
+    with and without its atomics (up to and past SPARSE_MAX_ROWS rows) and the wide rows' radix
+    and torch.topk paths, whose widths the warm-up's requests never reach. Their builds depend
+    on none of the widths (kernels/row_select.py, RADIX_MAX_WIDTH), so narrow rows build them."""
+    from .row_select import SPARSE_MAX_ROWS
+    probe = torch.empty(0, device=device)
+    if triton is None or not triton_ok(probe) or topk <= 0:
+        return
+    width = 64 * (topk // 64 + 1)  # past topk: a real selection
+    for rows in sorted({1, min(max_rows, SPARSE_MAX_ROWS + 1)}):
+        scores = torch.zeros(rows, width, device=device)
+        g_lens = torch.full((rows,), width, dtype=torch.int32, device=device)
+        for method in ("fused", "radix", "topk"):
+            select_topk_triton(scores, g_lens, topk, method=method)
+
+
 def indexer_topk(q: torch.Tensor, w: torch.Tensor, index_keys: torch.Tensor,
                  block_tables: torch.Tensor, g_lens: torch.Tensor,
                  block_size: int, topk: int, key_scale: torch.Tensor | None = None,
