@@ -35,22 +35,27 @@ from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence, Status
 
 
-def copy_bandwidth(device, nbytes=2 << 30) -> float:
-    """Bytes/s of HBM traffic in a device-to-device copy (read + write)."""
+def copy_bandwidth(device, nbytes=2 << 30, rounds: int = 3) -> float:
+    """Bytes/s of HBM traffic in a device-to-device copy (read + write): the best of `rounds`
+    medians of 8 copies. One round came out 3% low in a run of the ninth session (4,122 against
+    4,235-4,250 GB/s elsewhere), which alone moved the step's % of roofline from 58 to 60."""
     if torch.device(device).type != "cuda":
         return None
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
     dst = torch.empty_like(src)
-    times = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
+    best = 0.0
+    for _ in range(rounds):
+        times = []
+        for _ in range(10):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src)
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        best = max(best, 2 * nbytes / statistics.median(times[2:]))
     del src, dst
-    return 2 * nbytes / statistics.median(times[2:])
+    return best
 
 
 def make_batch(engine: LLMEngine, batch: int, context: int, seed: int = 0) -> ScheduledBatch:
