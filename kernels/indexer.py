@@ -11,6 +11,8 @@ exact-zero ties common, and the prefill path breaks them that way too).
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from . import triton_ok
@@ -313,7 +315,9 @@ def indexer_scores_triton(q: torch.Tensor, w: torch.Tensor, index_keys: torch.Te
 # 8K against the radix passes, and lost at 128K-512K, where MAX_PARTS programs a row are too few;
 # the radix passes beat torch.topk up to 128K positions and lost at 512K (2.99 against 2.22 ms a
 # step at batch 16). One program a row walking the whole row was slower than both (28-64 us at 8K).
-FUSED_MAX_WIDTH = 32768
+# WIDEEP_ONE_LAUNCH_SELECT=0 turns the one launch off (its programs wait on each other at
+# barriers, which needs a row's programs resident together; every GPU we know holds them).
+FUSED_MAX_WIDTH = 32768 if os.environ.get("WIDEEP_ONE_LAUNCH_SELECT", "1") != "0" else 0
 RADIX_MAX_WIDTH = 131072
 # The radix passes want enough programs to fill the GPU: rows are split finer (down to one block
 # a program) until there are this many. 1024 against 128 (bench.probe_radix on the H200, all four

@@ -1,4 +1,6 @@
 import os
+import subprocess
+import sys
 
 import torch
 
@@ -110,3 +112,16 @@ def test_one_launch_matches_phases_and_reference(width, topk, batch):
         scores[torch.arange(width, device="cuda")[None, :] >= g_lens[:, None].long()] = float("-inf")
         graph.replay()
         same_sets(out, select_topk_reference(scores, g_lens, topk))
+
+
+def test_one_launch_can_be_turned_off_by_environment():
+    """WIDEEP_ONE_LAUNCH_SELECT=0: rows of every width take the multi-launch radix passes (and
+    torch.topk past 128K) instead of the barrier kernel."""
+    code = ("import kernels.indexer as m; "
+            "print(m.default_select(8192), m.default_select(32768), m.default_select(1 << 20))")
+    for value, want in (("0", "radix radix topk"), ("1", "fused fused topk")):
+        env = dict(os.environ, WIDEEP_ONE_LAUNCH_SELECT=value)
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert r.stdout.split() == want.split()
