@@ -51,6 +51,7 @@ def build_app(args: dict | None = None):
     cfg = parse_app_config(args)
     model_path = str(resolve_model(cfg))
     engine_cfg = cfg.engine.model_dump(exclude={"device"})
+    cfg.engine.index_scoring_layers(ModelConfig.from_file(model_path))  # fails at start, naming the field
     cpu_only = {"num_cpus": 0} if "cuda" not in (cfg.prefill.devices, cfg.decode.devices) else None
 
     prefill = None

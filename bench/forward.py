@@ -173,10 +173,16 @@ def step_parts(engine: LLMEngine, batch: ScheduledBatch, iters: int) -> dict:
 
 def step_bytes(engine: LLMEngine, batch: int, context: int, experts_touched: list[int]) -> int:
     """Bytes one decode step must read: weights (routed experts only where touched; one embedding
-    row per sequence) and the KV its attention and indexer read."""
+    row per sequence) and the KV its attention and indexer read. Layers that reuse another's
+    top-k (EngineConfig.index_topk_freq) read neither index keys nor their indexer's queries."""
     model, mc = engine.runner.model, engine.runner.model.cfg
+    scoring = [layer.self_attn.scores for layer in model.model.layers]
+    unread = {f"model.layers.{i}.self_attn.indexer.{w}.weight" for i, s in enumerate(scoring) if not s
+              for w in ("wq", "weights_proj")}
     total = 0
     for name, p in model.named_parameters():
+        if name in unread:
+            continue
         if name.endswith("embed_tokens.weight"):
             total += batch * p.shape[1] * p.element_size()
         elif name.endswith("mlp.w13") or name.endswith("mlp.w2"):
@@ -192,11 +198,12 @@ def step_bytes(engine: LLMEngine, batch: int, context: int, experts_touched: lis
     g_len = max(0, context + 1 - (w - 1 if w else 0))
     attended = min(g_len, mc.index_topk) if mc.index_topk else g_len
     per_layer = attended * d * kv_bytes
-    if mc.index_topk and g_len > mc.index_topk:
-        per_layer += g_len * (mc.index_head_dim * kv.index_keys.element_size() + (4 if kv.index_scale is not None else 0))
     if w:
         per_layer += (w + 1) * d * kv.window_kv.element_size()
     total += batch * mc.num_hidden_layers * per_layer
+    if mc.index_topk and g_len > mc.index_topk:
+        per_key = mc.index_head_dim * kv.index_keys.element_size() + (4 if kv.index_scale is not None else 0)
+        total += batch * sum(scoring) * g_len * per_key
     return int(total)
 
 
@@ -412,6 +419,9 @@ def main(argv=None):
     ap.add_argument("--kv-dtype", nargs="+", default=["auto"], choices=["auto", "fp8_e4m3"])
     ap.add_argument("--index-dtype", default=None, choices=["auto", "fp8_e4m3"],
                     help="EngineConfig.index_cache_dtype (default: follow --kv-dtype)")
+    ap.add_argument("--index-topk-freq", type=int, nargs="+", default=[1],
+                    help="EngineConfig.index_topk_freq: the indexer scores in every n-th layer, the others "
+                         "reuse its top-k (one row each)")
     ap.add_argument("--moe-gemm", nargs="+", default=["auto"], choices=["auto", "triton", "grouped_mm"])
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--iters", type=int, default=20)
@@ -449,12 +459,13 @@ def main(argv=None):
     model = build_ours(cfg, args.device, dtype)
     bw = copy_bandwidth(args.device)
     rows = []
-    runs = [(kv, gemm, c) for kv in args.kv_dtype for gemm in args.moe_gemm for c in args.contexts]
-    for kv_dtype, gemm, context in runs:
+    runs = [(kv, gemm, freq, c) for kv in args.kv_dtype for gemm in args.moe_gemm
+            for freq in args.index_topk_freq for c in args.contexts]
+    for kv_dtype, gemm, freq, context in runs:
         blocks = args.batch * -(-(context + 1) // args.block_size)
         ecfg = EngineConfig(device=args.device, dtype=args.dtype, block_size=args.block_size, num_blocks=blocks,
                             max_num_seqs=args.batch, max_model_len=context + 1, kv_cache_dtype=kv_dtype, moe_gemm=gemm,
-                            index_cache_dtype=args.index_dtype,
+                            index_cache_dtype=args.index_dtype, index_topk_freq=freq,
                             cuda_graph_max_batch=args.batch)
         engine = LLMEngine(model, None, ecfg)
         batch = make_batch(engine, args.batch, context)
@@ -464,7 +475,7 @@ def main(argv=None):
         roof = nbytes / bw * 1e3 if bw else None
         row = dict(preset=args.preset, device=args.device, batch=args.batch, context=context, kv_dtype=kv_dtype,
                    index_dtype=str(engine.runner.kv.index_keys.dtype).removeprefix("torch.")
-                   if engine.runner.kv.index_keys is not None else None, moe_gemm=gemm,
+                   if engine.runner.kv.index_keys is not None else None, index_topk_freq=freq, moe_gemm=gemm,
                    graphs=engine.runner.graphs is not None, forward_ms=round(fwd, 3), step_ms=round(step, 3),
                    tok_s=round(args.batch / fwd * 1e3, 1), bytes_per_step_gb=round(nbytes / 1e9, 3),
                    copy_gbs=bw and round(bw / 1e9, 1), roofline_ms=roof and round(roof, 3),
@@ -520,10 +531,11 @@ def main(argv=None):
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
     base = rows[0]["forward_ms"] if rows else None
-    print("\n| kv | moe gemm | context | batch | forward ms | step ms | vs first | roofline ms | % roofline |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n| kv | moe gemm | index freq | context | batch | forward ms | step ms | vs first | roofline ms | % roofline |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['kv_dtype']} | {r['moe_gemm']} | {r['context']} | {r['batch']} | {r['forward_ms']} | {r['step_ms']} | "
+        print(f"| {r['kv_dtype']} | {r['moe_gemm']} | {r['index_topk_freq']} | {r['context']} | {r['batch']} | "
+              f"{r['forward_ms']} | {r['step_ms']} | "
               f"{r['forward_ms'] / base - 1:+.1%} | {r['roofline_ms']} | {r['roofline_pct']} |")
     if args.json:
         with open(args.json, "a") as f:

@@ -53,6 +53,10 @@ class AttentionContext:
     win_write_rows: torch.Tensor | None = None  # token rows whose window KV is kept after the step
     win_write_slot: torch.Tensor | None = None
     win_write_idx: torch.Tensor | None = None
+    # The latest scoring layer's top-k (decode kernels: positions; padded path: the mask), which
+    # layers that reuse a selection attend to (EngineConfig.index_topk_freq)
+    shared_topk: torch.Tensor | None = None
+    shared_g_mask: torch.Tensor | None = None
     _gathered: dict = field(default_factory=dict)
 
     def write_global(self, source: int, latent: torch.Tensor, index_key: torch.Tensor | None) -> None:

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 # Keys that HF DeepSeek config.json files carry but that do not change the math here.
 _IGNORED_HF_KEYS = {
@@ -176,6 +176,14 @@ class EngineConfig(BaseModel):
                           "dtype; 'fp8_e4m3' stores them as FP8 with one scale per token (as DeepSeek-V3.2's "
                           "indexer does) whatever the latent KV's dtype. At long context scoring them is the "
                           "largest read of a decode step.")
+    index_topk_freq: int = Field(
+        1, gt=0, description="the indexer scores and selects in every n-th layer (0, n, 2n, ...); the layers "
+                             "between attend to the latest selection instead of their own (as vLLM's "
+                             "IndexCache; DeepSeek-V4.1's reuse layers). 1: every layer selects, the model as "
+                             "trained. An approximation that cuts the long-context indexer read by n.")
+    index_topk_pattern: str | None = Field(
+        None, description="per layer, 'F' (score and select) or 'S' (reuse the latest selection); replaces "
+                          "index_topk_freq. One letter per layer, the first 'F'.")
     decode_kernels: bool = Field(
         True, description="steps where every sequence decodes one token use the paged decode kernels "
                           "(Triton on GPU, their torch references elsewhere) instead of the padded path")
@@ -199,6 +207,32 @@ class EngineConfig(BaseModel):
         30.0, ge=0, description="after an abandoned KV transfer (failed, late, aborted), its reserved blocks "
                                 "stay out of use this long, so a write still in flight cannot land in another "
                                 "request's KV")
+
+
+    @field_validator("index_topk_pattern")
+    @classmethod
+    def _check_pattern(cls, v: str | None) -> str | None:
+        if v is not None:
+            v = v.upper()
+            if not v or set(v) - {"F", "S"}:
+                raise ValueError("one letter per layer: 'F' (score and select) or 'S' (reuse)")
+            if v[0] != "F":
+                raise ValueError("the first layer has no selection to reuse: it must be 'F'")
+        return v
+
+    def index_scoring_layers(self, model: "ModelConfig") -> list[bool]:
+        """Per layer of `model`, whether its indexer scores and selects (index_topk_freq/pattern)."""
+        n = model.num_hidden_layers
+        if self.index_topk_pattern is not None:
+            if len(self.index_topk_pattern) != n:
+                raise ConfigError(f"index_topk_pattern: {len(self.index_topk_pattern)} letters for a model of "
+                                  f"{n} layers")
+            scoring = [c == "F" for c in self.index_topk_pattern]
+        else:
+            scoring = [i % self.index_topk_freq == 0 for i in range(n)]
+        if not all(scoring) and not model.index_topk:
+            raise ConfigError("index_topk_freq / index_topk_pattern: this model has no indexer (index_topk unset)")
+        return scoring
 
 
 class ConfigError(ValueError):

@@ -60,14 +60,23 @@ class MLAttention(nn.Module):
         self.scale = cfg.qk_head_dim ** -0.5
         self._fused = DerivedWeight(track_writes=False)  # the x projections' concatenated weight, see project()
         self.overlap = False  # EngineConfig.decode_overlap, set by the model runner
+        # EngineConfig.index_topk_freq/pattern, set by the model runner: attend to the latest
+        # scoring layer's selection (ctx.shared_topk) instead of scoring here
+        self.reuse_topk = False
+
+    @property
+    def scores(self) -> bool:
+        """Whether this layer's indexer scores the global KV and selects its own top-k."""
+        return self.indexer is not None and not self.reuse_topk
 
     def _x_projections(self) -> list[tuple[str, nn.Linear]]:
         """The projections that read the layer input x (all fused into one GEMM)."""
         mods = [("q", self.q_proj if self.cfg.q_lora_rank is None else self.q_a_proj)]
         if self.has_latent:
             mods.append(("kv", self.kv_a_proj_with_mqa))
-        if self.indexer is not None:
+        if self.scores:
             mods += [("idx_q", self.indexer.wq), ("idx_w", self.indexer.weights_proj)]
+        if self.indexer is not None:
             if self.indexer.wk is not None:
                 mods.append(("idx_k", self.indexer.wk))
         return mods
@@ -98,11 +107,11 @@ class MLAttention(nn.Module):
             ctx.write_global(self.source, latent, xp.get("idx_k"))
 
         idx_q = idx_w = None
-        if self.indexer is not None:
+        if self.scores:
             idx_q = xp["idx_q"].view(t, self.indexer.n_heads, self.indexer.head_dim)
             idx_w = xp["idx_w"]  # head weights, scaled by 1/sqrt(heads) in fp32 where they are used
         topk = None
-        if ctx.decode is not None:
+        if ctx.decode is not None and not self.reuse_topk:
             # The indexer's top-k needs neither the queries below nor the latent; in a captured
             # decode step it runs beside them (engine/streams.py). The keys it reads were written
             # above, before the fork.
@@ -119,8 +128,10 @@ class MLAttention(nn.Module):
         w_uk, w_uv = w_kv[:, :cfg.qk_nope_head_dim], w_kv[:, cfg.qk_nope_head_dim:]
         q_lat = torch.einsum("thd,hdc->thc", q_nope, w_uk)
 
-        if topk is not None:  # the kernel takes the two query parts as they are
-            out = decode_attention(self, (q_lat, q_rope), topk.join(), latent, ctx)  # [T, H, kv_lora]
+        if ctx.decode is not None:  # the kernel takes the two query parts as they are
+            if topk is not None:
+                ctx.shared_topk = topk.join()
+            out = decode_attention(self, (q_lat, q_rope), ctx.shared_topk, latent, ctx)  # [T, H, kv_lora]
         else:
             if idx_w is not None:
                 idx_w = idx_w.float() * self.indexer.n_heads ** -0.5
@@ -138,8 +149,11 @@ class MLAttention(nn.Module):
         cfg = self.cfg
         g_keys, idx_keys = ctx.global_keys(self.source)
         g_mask = ctx.g_mask
-        if self.indexer is not None:
-            g_mask = index_topk_mask(idx_q[ctx.q_index], idx_w[ctx.q_index], idx_keys, g_mask, cfg.index_topk)
+        if self.scores:
+            g_mask = ctx.shared_g_mask = index_topk_mask(idx_q[ctx.q_index], idx_w[ctx.q_index], idx_keys, g_mask,
+                                                         cfg.index_topk)
+        elif self.indexer is not None:
+            g_mask = ctx.shared_g_mask
         if cfg.sliding_window is not None:
             keys = torch.cat([g_keys, ctx.window_keys(self.layer, latent)], dim=1)
             mask = torch.cat([g_mask, ctx.w_mask], dim=-1)

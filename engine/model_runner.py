@@ -89,6 +89,8 @@ class ModelRunner:
             moe.gemm = cfg.moe_gemm
             moe.fuse_shared = cfg.fuse_shared_experts
         self.set_overlap(cfg.decode_overlap)
+        for layer, scores in zip(model.model.layers, cfg.index_scoring_layers(model.cfg)):
+            layer.self_attn.reuse_topk = not scores
         self.sampler = Sampler()
         # Graphs only without expert parallelism: its collectives run on the host's word.
         self.graphs = (DecodeGraphs(self, cfg.cuda_graph_max_batch)
