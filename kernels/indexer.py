@@ -16,7 +16,7 @@ import os
 import torch
 
 from . import triton_ok
-from .row_select import select_rows
+from .row_select import WORKSPACE_COLS, select_rows
 from .tuning import tuned_config
 
 try:
@@ -89,17 +89,18 @@ if triton is not None:
     def _score_tile_kernel(q_ptr, w_ptr, keys_ptr, scale_ptr, table_ptr, lens_ptr, out_ptr,
                            stride_qb, stride_qh, stride_qd, stride_wb, stride_wh,
                            stride_ks, stride_kd, stride_tb, stride_tm, stride_ob,
-                           num_heads, head_dim, width, block_size, w_scale, zero_ptr,
+                           num_heads, head_dim, width, block_size, w_scale, zero_ptr, zero_per_row,
                            HEADS: tl.constexpr, DIM: tl.constexpr, TILE: tl.constexpr,
                            PRECISION: tl.constexpr, UPCAST: tl.constexpr, SCALED: tl.constexpr,
                            ZERO: tl.constexpr):
         seq = tl.program_id(0)
         pos = tl.program_id(1) * TILE + tl.arange(0, TILE)
-        if ZERO:  # the radix passes' histograms of this row, zeroed here instead of by a launch
-            if tl.program_id(1) == 0:
-                for p in tl.static_range(4):
-                    bins = (p * tl.num_programs(0) + seq) * 256 + tl.arange(0, 256)
-                    tl.store(zero_ptr + bins, tl.zeros([256], dtype=tl.int32))
+        if ZERO:  # the selection's zeroed workspace, cleared here instead of by a launch of its own:
+            if tl.program_id(1) == 0:  # each row's first program clears one row's share of it
+                for i in range(0, zero_per_row, 256):
+                    idx = i + tl.arange(0, 256)
+                    tl.store(zero_ptr + seq * zero_per_row + idx, tl.zeros([256], dtype=tl.int32),
+                             mask=idx < zero_per_row)
         g_len = tl.load(lens_ptr + seq)
         live = pos < g_len
         # Past g_len the table may be garbage: the masked load never reads it.
@@ -263,7 +264,7 @@ def _score_launch(q, w, index_keys, block_tables, g_lens, block_size,
                   tile: int | None = None, num_warps: int | None = None,
                   key_scale: torch.Tensor | None = None, w_scale: float = 1.0,
                   zero: torch.Tensor | None = None) -> torch.Tensor:
-    """[B, width] fp32 scores; `zero` (int32 [4, B, 256], the radix histograms) is zeroed too."""
+    """[B, width] fp32 scores; `zero` (int32, B rows' worth: the selection's workspace) is zeroed too."""
     num_seqs, num_heads, head_dim = q.shape
     width = block_tables.shape[1] * block_size
     out = torch.empty(num_seqs, width, device=q.device, dtype=torch.float32)
@@ -295,6 +296,7 @@ def _score_launch(q, w, index_keys, block_tables, g_lens, block_size,
         index_keys.stride(0), index_keys.stride(1), block_tables.stride(0), block_tables.stride(1),
         out.stride(0),
         num_heads, head_dim, width, block_size, float(w_scale), zero if zero is not None else g_lens,
+        zero.numel() // num_seqs if zero is not None else 0,
         HEADS=heads, DIM=dim, TILE=tile, PRECISION="ieee" if fp32 else "tf32", UPCAST=upcast, SCALED=scaled,
         ZERO=zero is not None, num_warps=num_warps,
     )
@@ -388,7 +390,8 @@ def select_topk_triton(scores: torch.Tensor, g_lens: torch.Tensor, topk: int,
     (default_select). Otherwise the k-th largest score of each row comes from kth_scores (`method` 'radix' or
     'topk'), and two passes over chunks of the row keep every position scoring above it and fill
     the remaining places with the latest positions scoring exactly it. Dead positions (past
-    g_len) score -inf. `hist`: the radix passes' histograms, already zeroed (radix_passes).
+    g_len) score -inf. `hist`: the selection's workspace, already zeroed (radix_passes'
+    histograms, or the one launch's [B, WORKSPACE_COLS]).
     """
     num_seqs, width = scores.shape
     out = torch.empty(num_seqs, topk, device=scores.device, dtype=torch.int32)
@@ -399,7 +402,7 @@ def select_topk_triton(scores: torch.Tensor, g_lens: torch.Tensor, topk: int,
     fill = min(1024, _next_pow2(topk, 16))
     method = method or default_select(width)
     if method == "fused":
-        return select_rows(scores, g_lens, out, k)
+        return select_rows(scores, g_lens, out, k, ws=hist)
     if method not in ("radix", "topk"):
         raise ValueError(f"unknown selection method {method!r}; known: fused, radix, topk")
     if method == "radix":  # the count pass derives the k-th score from the last histogram
@@ -427,12 +430,16 @@ def indexer_topk_triton(q: torch.Tensor, w: torch.Tensor, index_keys: torch.Tens
                         w_scale: float = 1.0) -> torch.Tensor:
     """Same position set as indexer_topk_reference, in no particular order."""
     num_seqs, width = q.shape[0], block_tables.shape[1] * block_size
-    hist = None
-    if 0 < min(topk, width) and default_select(width) == "radix":  # the radix select's histograms, zeroed by the scoring
-        hist = torch.empty(4, num_seqs, 256, device=q.device, dtype=torch.int32)
+    # The selection's workspace (the radix histograms, or the one launch's), zeroed by the scoring
+    method = default_select(width) if 0 < min(topk, width) else None
+    ws = None
+    if method == "radix":
+        ws = torch.empty(4, num_seqs, 256, device=q.device, dtype=torch.int32)
+    elif method == "fused":
+        ws = torch.empty(num_seqs, WORKSPACE_COLS, device=q.device, dtype=torch.int32)
     scores = _score_launch(q, w, index_keys, block_tables, g_lens, block_size, key_scale=key_scale, w_scale=w_scale,
-                           zero=hist)
-    return select_topk_triton(scores, g_lens, topk, hist=hist)
+                           zero=ws)
+    return select_topk_triton(scores, g_lens, topk, method=method, hist=ws)
 
 
 def warm_up(topk: int, device, max_rows: int) -> None:

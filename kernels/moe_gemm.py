@@ -181,15 +181,18 @@ def _align_one_kernel(slot_ptr, counts_ptr, padded_start_ptr, row_pair_ptr, tile
                       num_pairs, num_slots, num_tiles,
                       BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr):
     # The three passes of align_pairs_triton in one program, for the pair counts of decode steps
-    # (where each of them ran as a single program anyway). counts must come zeroed. The barriers
-    # order this program's own global writes (counts, starts) before its reads of them.
+    # (where each of them ran as a single program anyway). It zeroes counts itself (no fill
+    # launch before it). The barriers order this program's own global writes (counts, starts)
+    # before its reads of them.
+    idx = tl.arange(0, BLOCK_S)
+    s_ok = idx < num_slots
+    tl.store(counts_ptr + idx, tl.zeros([BLOCK_S], dtype=tl.int32), mask=s_ok)
+    tl.debug_barrier()
     pairs = tl.arange(0, BLOCK_P)
     ok = pairs < num_pairs
     slot = tl.load(slot_ptr + pairs, mask=ok, other=0)
     rank = tl.atomic_add(counts_ptr + slot, 1, mask=ok)  # the old value: the pair's rank in its slot
     tl.debug_barrier()
-    idx = tl.arange(0, BLOCK_S)
-    s_ok = idx < num_slots
     counts = tl.load(counts_ptr + idx, mask=s_ok, other=0, cache_modifier=".cg")
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     end = tl.cumsum(padded, axis=0)
@@ -244,11 +247,18 @@ if triton is not None:  # called from the kernels below, so built with them
 
 
 def _gate_up_kernel(x_ptr, w13_ptr, shared_w13_ptr, act_ptr, token_ptr, row_pair_ptr, tile_slot_ptr,
-                    H, I, num_slots, num_tiles, num_tokens, stride_xt,
+                    H, I, num_slots, num_tiles, num_tokens, stride_xt, zero_ptr, zero_count,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, PAIRS_PER_TOKEN: tl.constexpr,
                     SHARED: tl.constexpr):
     # One program: BLOCK_M padded rows (one slot) x BLOCK_N columns of both gate and up.
+    # First its share of the down kernel's fp32 sum, zeroed here instead of by a launch of its own.
+    programs = tl.num_programs(0) * tl.num_programs(1)
+    share = tl.cdiv(zero_count, programs)
+    first = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * share
+    for i in range(0, share, 256):
+        idx = first + i + tl.arange(0, 256)
+        tl.store(zero_ptr + idx, tl.zeros([256], dtype=tl.float32), mask=(idx < first + share) & (idx < zero_count))
     slot, is_shared, skip, rows, pair, is_pair, token = _tile_rows(
         token_ptr, row_pair_ptr, tile_slot_ptr, num_slots, num_tiles, num_tokens, BLOCK_M, PAIRS_PER_TOKEN, SHARED)
     if skip:
@@ -346,17 +356,16 @@ ALIGN_ONE_PROGRAM_PAIRS = 1024
 ALIGN_ONE_PROGRAM_SLOTS = 1024
 
 
-def align_pairs_triton(slot_of: torch.Tensor, num_slots: int, block_m: int,
-                       counts: torch.Tensor | None = None) -> AlignedPairs:
+def align_pairs_triton(slot_of: torch.Tensor, num_slots: int, block_m: int) -> AlignedPairs:
     """align_pairs in three small Triton launches (the torch version launches ~25 kernels and
     measured 3-4x slower on an H200), or one up to ALIGN_ONE_PROGRAM_PAIRS pairs; pairs of one
-    slot may come in any order. `counts`: a zeroed
-    int32 [num_slots] to count into (a caller's zero fill that covers it spares one)."""
+    slot may come in any order."""
     num_pairs = slot_of.numel()
     num_tiles = max_tiles(num_pairs, num_slots, block_m)
     device = slot_of.device
-    if counts is None:
-        counts = torch.zeros(num_slots, dtype=torch.int32, device=device)
+    one_program = num_pairs <= ALIGN_ONE_PROGRAM_PAIRS and num_slots <= ALIGN_ONE_PROGRAM_SLOTS
+    # one program zeroes its counts itself
+    counts = (torch.empty if one_program and num_pairs else torch.zeros)(num_slots, dtype=torch.int32, device=device)
     rank = torch.empty(num_pairs, dtype=torch.int32, device=device)
     padded_start = torch.empty(num_slots, dtype=torch.int32, device=device)
     row_pair = torch.empty(num_tiles * block_m, dtype=torch.int32, device=device)  # every row written
@@ -364,7 +373,7 @@ def align_pairs_triton(slot_of: torch.Tensor, num_slots: int, block_m: int,
     if num_pairs == 0:
         return AlignedPairs(row_pair, tile_slot, counts)
     slot_of = slot_of.contiguous()
-    if num_pairs <= ALIGN_ONE_PROGRAM_PAIRS and num_slots <= ALIGN_ONE_PROGRAM_SLOTS:
+    if one_program:
         block_s = triton.next_power_of_2(num_slots)
         _jit(_align_one_kernel, "num_pairs", "num_tiles")[(1,)](
             slot_of, counts, padded_start, row_pair, tile_slot, num_pairs, num_slots, num_tiles,
@@ -428,11 +437,9 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
         shared = check_shared(shared, w13, w2)
     k = pairs_per_token(num_tokens, num_pairs) if token_of is None and num_pairs else 0
     cfg = config or pick_config(num_pairs, num_slots, w13.dtype)
-    # The slot counts and the fp32 output zeroed by one fill (the output 16-byte aligned).
-    lead = triton.cdiv(num_slots, 4) * 4
-    zeroed = torch.zeros(lead + num_tokens * hidden, dtype=torch.float32, device=x.device)
-    out = zeroed[lead:].view(num_tokens, hidden)
-    aligned = align_pairs_triton(slot_of, num_slots, cfg.block_m, counts=zeroed[:num_slots].view(torch.int32))
+    # The fp32 output, which the down kernel adds into, is zeroed by the gate-up launch.
+    out = torch.empty(num_tokens, hidden, dtype=torch.float32, device=x.device)
+    aligned = align_pairs_triton(slot_of, num_slots, cfg.block_m)
     num_tiles = aligned.tile_slot.numel()
     # The shared expert's rows follow the routed tiles, one per token (see _tile_rows).
     tiles = num_tiles + (triton.cdiv(num_tokens, cfg.block_m) if shared is not None else 0)
@@ -449,11 +456,11 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     precision = "ieee" if dot_fp32 or w13.dtype == torch.float32 else "tf32"
 
     act = torch.empty(tiles * cfg.block_m, inter, dtype=w2.dtype, device=x.device)
-    plain = ("num_tiles", "num_tokens")
+    plain = ("num_tiles", "num_tokens", "zero_count")
     block_n, block_k, warps, stages = cfg.gate_up
     _jit(_gate_up_kernel, *plain)[(tiles, triton.cdiv(inter, block_n))](
         xw, w13, shared_w13, act, token_of, aligned.row_pair, aligned.tile_slot,
-        hidden, inter, num_slots, num_tiles, num_tokens, xw.stride(0),
+        hidden, inter, num_slots, num_tiles, num_tokens, xw.stride(0), out, out.numel(),
         BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, DOT_FP32=dot_fp32,
         PAIRS_PER_TOKEN=k, SHARED=shared is not None, num_warps=warps, num_stages=stages)
 

@@ -51,6 +51,8 @@ SPARSE_FROM = 2
 SPARSE_MAX = 64
 SPARSE_MAX_ROWS = 16
 _HIST = 4 * 256
+# A row's zeroed workspace: histograms, counts, barrier; the ticket is the last entry of row 0's.
+WORKSPACE_COLS = _HIST + 2 * MAX_PARTS + 2
 _PHASES = 6
 
 if triton is not None:
@@ -222,7 +224,7 @@ def one_launch_ok(device: torch.device) -> bool:
 
 def select_rows(scores: torch.Tensor, g_lens: torch.Tensor, out: torch.Tensor, k: int,
                 phased: bool | None = None, span: int | None = None, block: int = BLOCK,
-                sparse_from: int | None = None) -> torch.Tensor:
+                sparse_from: int | None = None, ws: torch.Tensor | None = None) -> torch.Tensor:
     """Write into out [B, topk] int32 the positions of each row's k highest scores (equal
     scores: latest position first; positions >= g_len never), -1 after them. scores [B, width]
     fp32 with -inf past g_len; g_lens int32 on the scores' device; 1 <= k <= width.
@@ -230,14 +232,17 @@ def select_rows(scores: torch.Tensor, g_lens: torch.Tensor, out: torch.Tensor, k
     `block`, the positions a program loads a step) overrides the positions a program covers
     (bench.probe_select times the choices). `sparse_from`: the first byte pass that counts
     blocks with few matching keys by atomics instead of a histogram (4: none; default
-    SPARSE_FROM up to SPARSE_MAX_ROWS rows, none above)."""
+    SPARSE_FROM up to SPARSE_MAX_ROWS rows, none above). `ws`: int32 [B, WORKSPACE_COLS], zeroed
+    (the scoring launch can clear it, which spares a launch); None allocates one."""
     num_seqs, width = scores.shape
     topk = out.shape[1]
     parts, span = split_row(num_seqs, width, span, block)
     if phased is None:
         phased = not one_launch_ok(scores.device)
-    # One zeroed block a row (histograms, counts, barrier), plus the ticket at the very end.
-    ws = torch.zeros(num_seqs, _HIST + 2 * MAX_PARTS + 2, device=scores.device, dtype=torch.int32)
+    if ws is None:
+        ws = torch.zeros(num_seqs, WORKSPACE_COLS, device=scores.device, dtype=torch.int32)
+    elif ws.shape != (num_seqs, WORKSPACE_COLS) or ws.dtype != torch.int32 or not ws.is_contiguous():
+        raise ValueError(f"ws must be a contiguous int32 [{num_seqs}, {WORKSPACE_COLS}]")
     fill = min(1024, max(16, triton.next_power_of_2(topk)))
     if sparse_from is None:
         sparse_from = SPARSE_FROM if num_seqs <= SPARSE_MAX_ROWS else 4

@@ -7,6 +7,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from kernel_devices import poison_empty  # noqa: E402
 from kernels.indexer import (  # noqa: E402
     indexer_scores_reference,
     indexer_scores_triton,
@@ -74,6 +75,22 @@ def test_topk_matches_reference(device, g_lens, block_size, topk):
     want = indexer_topk_reference(*args, block_size, topk)
     got = indexer_topk_triton(*args, block_size, topk)
     check_rows(got, want, g_lens, topk)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("method", ["fused", "radix"])
+def test_selection_workspace_is_cleared_by_the_scoring(device, method, monkeypatch):
+    """The selection's workspace comes from torch.empty and is zeroed by the scoring launch."""
+    import kernels.indexer as mod
+    if method == "radix":
+        monkeypatch.setattr(mod, "FUSED_MAX_WIDTH", 0)
+    assert mod.default_select(1024) == method
+    poison_empty(monkeypatch)
+    g_lens = [1000, 70]
+    args = make_case(device, g_lens, 64)
+    want = indexer_topk_reference(*args, 64, 33)
+    got = indexer_topk_triton(*args, 64, 33)
+    check_rows(got, want, g_lens, 33)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from kernel_devices import DEVICES, IMPORTED_TOO_EARLY
+from kernel_devices import DEVICES, IMPORTED_TOO_EARLY, poison_empty
 
 pytest.importorskip("triton")
 
@@ -53,6 +53,21 @@ def test_matches_reference(device, dtype, num_tokens):
     token_of, slot_of, weight_of = make_routing(num_tokens, topk, [0, 1, 3, 4, 5, 7], device)
     out = check(x, w13, w2, token_of, slot_of, weight_of)
     assert out.abs().max() > 0.1  # a kernel that wrote nothing would not pass as "close to zero"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("num_tokens", [1, 33])
+def test_scratch_is_cleared_by_the_kernels(device, num_tokens, monkeypatch):
+    """The slot counts (zeroed by the one-program alignment) and the fp32 sum (zeroed by the
+    gate-up launch) come from torch.empty: garbage there must not reach the result."""
+    poison_empty(monkeypatch)
+    hidden, inter, num_slots, topk = 64, 32, 8, 2
+    w13, w2 = make_weights(num_slots, hidden, inter, torch.float32, device)
+    x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(2)).to(device)
+    token_of, slot_of, weight_of = make_routing(num_tokens, topk, [0, 1, 3, 4, 5, 7], device)
+    check(x, w13, w2, token_of, slot_of, weight_of)
+    aligned = align_pairs_triton(slot_of, num_slots, 16)
+    assert torch.equal(aligned.counts.cpu(), align_pairs_reference(slot_of.cpu(), num_slots, 16).counts)
 
 
 @pytest.mark.parametrize("device", DEVICES)
