@@ -219,3 +219,50 @@ def test_gate_parts_sum_to_the_fp32_logits(device, t, h, dtype):
     assert torch.equal(fused_route(parts, bias, *args)[0], ids_r)
     with pytest.raises(ValueError, match="hidden size"):
         gate_parts_triton(x, w[:, :-1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("t,block_m", [(1, 16), (5, 16), (64, 16), (33, 32)])
+def test_route_and_align_lays_out_its_pairs(device, t, block_m, monkeypatch):
+    """The routing kernel's last program lays the pairs out as align_pairs does; its scratch
+    (counts) comes from torch.empty with garbage in it, and the ticket is left zeroed, so the
+    next launch (a second layer, a graph replay) aligns again."""
+    from kernel_devices import poison_empty
+    from kernels.moe_gemm import align_pairs_reference
+    from kernels.routing import route_and_align
+    e, top_k = 64, 6
+    log2phys, num_replicas, num_slots = replicated_map(e, 8, 0)
+    log2phys, num_replicas = log2phys.to(device), num_replicas.to(device)
+    ticket = torch.zeros(1, dtype=torch.int32, device=device)
+    monkeypatch.setenv("WIDEEP_CPU_KERNELS", "1")  # the Triton path on CPU too (interpreted)
+    poison_empty(monkeypatch)
+    for seed in (0, 1):
+        logits, bias = inputs(t, e, seed, device)
+        args = (8, 4, top_k, True, 2.5, log2phys, num_replicas)
+        load = torch.zeros(num_slots, dtype=torch.long, device=device)
+        ids, weights, slots, aligned = route_and_align(logits, bias, *args, load, num_slots, block_m, ticket)
+        ids_r, w_r, s_r = route_reference(logits, bias, *args, None)
+        assert torch.equal(ids.cpu(), ids_r.cpu()) and torch.equal(slots.cpu(), s_r.cpu())
+        torch.testing.assert_close(weights, w_r)
+        assert int(ticket.item()) == 0
+        want = align_pairs_reference(slots.flatten().cpu(), num_slots, block_m)
+        assert torch.equal(aligned.counts.cpu(), want.counts) and torch.equal(aligned.tile_slot.cpu(), want.tile_slot)
+        got_rows, want_rows = aligned.row_pair.cpu().view(-1, block_m), want.row_pair.view(-1, block_m)
+        for got_tile, want_tile in zip(got_rows, want_rows):  # pairs of one slot in any order
+            assert torch.equal(got_tile.sort().values, want_tile.sort().values)
+        assert torch.equal(load.cpu(), torch.bincount(s_r.flatten().cpu(), minlength=num_slots))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_route_and_align_leaves_big_batches_to_the_expert_kernels(device, monkeypatch):
+    """Past one program's pairs (prefill) the routing kernel does not align; the expert kernels do."""
+    from kernels.moe_gemm import ALIGN_ONE_PROGRAM_PAIRS
+    from kernels.routing import route_and_align
+    monkeypatch.setenv("WIDEEP_CPU_KERNELS", "1")
+    log2phys, num_replicas, num_slots = replicated_map(8, 0, 0)
+    ticket = torch.zeros(1, dtype=torch.int32, device=device)
+    for t, aligns in ((ALIGN_ONE_PROGRAM_PAIRS // 2, True), (ALIGN_ONE_PROGRAM_PAIRS // 2 + 1, False)):
+        logits, bias = inputs(t, 8, 0, device)
+        out = route_and_align(logits, bias, 1, 1, 2, True, 1.0, log2phys.to(device), num_replicas.to(device), None,
+                              num_slots, 16, ticket)
+        assert (out[3] is not None) == aligns, t
