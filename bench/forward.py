@@ -364,16 +364,6 @@ def select_method(fused_max_width: int, programs: int | None = None):
     return change
 
 
-def route_aligns(engine: LLMEngine, on: bool):
-    """The MoE pairs laid out by the routing kernel's last program, or by a launch of their own
-    (MoE.route_aligns), in time_changed's form."""
-    def change():
-        for m in engine.runner.model.moe_layers():
-            m.route_aligns = on
-        return lambda: [setattr(m, "route_aligns", True) for m in engine.runner.model.moe_layers()]
-    return change
-
-
 def overlap(engine: LLMEngine, on: bool):
     """Side-stream branches in the captured step (EngineConfig.decode_overlap) on or off, in
     time_changed's form."""
@@ -458,8 +448,6 @@ def main(argv=None):
                          "(radix passes up to 128K, torch.topk past it)")
     ap.add_argument("--select-programs", type=int, nargs="*", default=[],
                     help="with --select: split rows over about this many programs in all")
-    ap.add_argument("--route-align", action="store_true",
-                    help="also time the step with the MoE pairs aligned by the routing kernel and by their own launch")
     ap.add_argument("--step-parts", action="store_true",
                     help="also time the host parts of a CUDA-graph step (inputs, replay, sampling) one by one")
     ap.add_argument("--json", default=None, help="append JSON lines here")
@@ -532,10 +520,6 @@ def main(argv=None):
             for name, width, programs in choices:
                 ms = time_changed(engine, batch, args.iters, select_method(width, programs))
                 row[f"select_{name}_forward_ms"] = round(ms, 3)
-        if args.route_align:
-            for on in (True, False):
-                ms = time_changed(engine, batch, args.iters, route_aligns(engine, on))
-                row[f"route_align_{'on' if on else 'off'}_forward_ms"] = round(ms, 3)
         if args.step_parts:
             row.update(step_parts(engine, batch, args.iters))
         if args.profile:

@@ -7,9 +7,7 @@ the down kernel's built-in one, then the down kernel's with the best gate-up sha
 
 `--gate` also times the router's partial-logits kernel (kernels/routing.py) by how many parts
 it splits the hidden size into and its tokens, experts and warps a program, 16 calls a CUDA
-graph replay (`--gate-only`: that alone). `--route-align` times the routing kernel and the
-pairs' alignment as two launches against one (the routing kernel's last program aligning), by
-the routing launch's warps.
+graph replay (`--gate-only`: that alone).
 """
 from __future__ import annotations
 
@@ -34,13 +32,8 @@ def main(argv=None) -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--gate", action="store_true")
     ap.add_argument("--gate-only", action="store_true", help="time the router's kernel alone")
-    ap.add_argument("--route-align", action="store_true",
-                    help="time routing + alignment as two launches and as one, and nothing else")
     args = ap.parse_args(argv)
     rows, best = [], None
-    if args.route_align:
-        rows += route_align_times(args.tokens, args.iters)
-        args.tokens = []
     if args.gate or args.gate_only:
         rows += gate_parts_times(args.tokens, args.iters)
     if args.gate_only:
@@ -89,44 +82,6 @@ def main(argv=None) -> None:
     if args.json:
         with open(args.json, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
-
-
-def route_align_times(token_counts: list[int], iters: int) -> list[dict]:
-    """The bench model's routing (64 experts in 8 groups, top-6 of 4 groups) for `tokens`, then the
-    pairs' alignment for the expert kernels: two launches, or one (route_and_align)."""
-    from kernels import routing
-    from kernels.moe_gemm import align_pairs_triton
-    rows = []
-    e, k = BENCH_MODEL["slots"], 6
-    log2phys = torch.arange(e, device="cuda")[:, None]
-    replicas = torch.ones(e, dtype=torch.long, device="cuda")
-    ticket = torch.zeros(1, dtype=torch.int32, device="cuda")
-    for tokens in token_counts:
-        logits = torch.randn(4, tokens, e, device="cuda")  # four partial sums, as the gate kernel leaves them
-        bias = torch.randn(e, device="cuda") * 0.1
-        load = torch.zeros(e, dtype=torch.long, device="cuda")
-        block_m = pick_config(tokens * k, e, torch.bfloat16).block_m
-        args = (logits, bias, 8, 4, k, True, 2.5, log2phys, replicas, load)
-
-        def two():
-            slots = routing.route_triton(*args)[2]
-            return align_pairs_triton(slots.flatten(), e, block_m)
-
-        def one():
-            return routing.route_and_align(*args, e, block_m, ticket)[3]
-        a, b = two(), one()
-        assert torch.equal(a.tile_slot, b.tile_slot) and torch.equal(a.counts, b.counts)
-        us = graph_ms(two, 3, iters, repeat=16) * 1e3
-        rows.append(dict(kernel="route+align", tokens=tokens, launches=2, us=round(us, 2)))
-        print(json.dumps(rows[-1]), flush=True)
-        saved = routing.ALIGN_WARPS
-        for warps in (1, 2, 4, 8):
-            routing.ALIGN_WARPS = warps
-            us = graph_ms(one, 3, iters, repeat=16) * 1e3
-            rows.append(dict(kernel="route+align", tokens=tokens, launches=1, warps=warps, us=round(us, 2)))
-            print(json.dumps(rows[-1]), flush=True)
-        routing.ALIGN_WARPS = saved
-    return rows
 
 
 def gate_parts_times(token_counts: list[int], iters: int) -> list[dict]:

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import triton_ok
-from kernels.moe_gemm import AlignedPairs, fused_experts, pick_config, token_major
-from kernels.routing import fused_route, gate_fused_ok, gate_parts_triton, route_and_align
+from kernels.moe_gemm import fused_experts, token_major
+from kernels.routing import fused_route, gate_fused_ok, gate_parts_triton
 from kernels.swiglu import silu_mul
 
 from .config import ModelConfig
@@ -31,8 +31,10 @@ def route(logits: torch.Tensor, bias: torch.Tensor, cfg: ModelConfig, expert_map
     `slot_load` counts the routed tokens per slot (the balancer's statistics). One fused
     kernel on GPU (kernels/routing.py).
     """
+    if expert_map.log2phys.device != logits.device:
+        expert_map.to(logits.device)
     return fused_route(logits, bias, cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok, cfg.norm_topk_prob,
-                       cfg.routed_scaling_factor, *expert_map.on(logits.device), slot_load)
+                       cfg.routed_scaling_factor, expert_map.log2phys, expert_map.num_replicas, slot_load)
 
 
 class ExpertMap:
@@ -69,12 +71,6 @@ class ExpertMap:
         self.num_replicas = self.num_replicas.to(device)
         self.log2phys = self.log2phys.to(device)
         return self
-
-    def on(self, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(log2phys, num_replicas), moved to `device` first where they are elsewhere."""
-        if self.log2phys.device != torch.device(device):
-            self.to(device)
-        return self.log2phys, self.num_replicas
 
     def slots_for(self, ids: torch.Tensor) -> torch.Tensor:
         """Logical ids [T, k] -> physical slots [T, k]."""
@@ -125,10 +121,7 @@ class MoE(nn.Module):
         self.layer_index = -1  # position among the model's MoE layers, set by the model
         self.overlap = False  # EngineConfig.decode_overlap, set by the model runner
         self.fuse_shared = True  # EngineConfig.fuse_shared_experts, set by the model runner
-        self.route_aligns = True  # the routing kernel lays the pairs out (False: the expert kernels' own launch)
         self.register_buffer("slot_load", torch.zeros(num_slots, dtype=torch.long), persistent=False)
-        # the routing kernel's arrival counter when its last program aligns the pairs (route_and_align)
-        self.register_buffer("_align_ticket", torch.zeros(1, dtype=torch.int32), persistent=False)
         self._gate_fp32 = DerivedWeight()  # router logits are computed in fp32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -152,21 +145,10 @@ class MoE(nn.Module):
             ids, weights, _ = route(logits, bias, self.cfg, self._logical_map())
             out = self.ep.moe_forward(self, x, ids, weights)
             return out if shared is None else out + shared.join()
-        aligned = None
-        if self._fused_ok(x) and self.route_aligns:
-            # the routing kernel's last program also lays the pairs out for the expert kernels
-            cfg, num_slots = self.cfg, self.w13.shape[0]
-            block_m = pick_config(x.shape[0] * cfg.num_experts_per_tok, num_slots, self.w13.dtype).block_m
-            _, weights, slots, aligned = route_and_align(
-                logits, bias, cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok, cfg.norm_topk_prob,
-                cfg.routed_scaling_factor, *self.expert_map.on(logits.device), self.slot_load, num_slots, block_m,
-                self._align_ticket)
-        else:
-            _, weights, slots = route(logits, bias, self.cfg, self.expert_map, self.slot_load)
+        _, weights, slots = route(logits, bias, self.cfg, self.expert_map, self.slot_load)
         # The sum may come back in fp32: the decoder layer's next norm rounds it (add_rms_norm).
         return self.experts(x, slots, weights, add=None if shared is None else shared.join, shared=shared_slot,
-                            fp32_out=True, aligned=aligned)
-
+                            fp32_out=True)
 
     def _fused_ok(self, x: torch.Tensor) -> bool:
         return self.gemm != "grouped_mm" and triton_ok(x)
@@ -190,20 +172,18 @@ class MoE(nn.Module):
 
     def experts(self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor,
                 add=None, shared: tuple[torch.Tensor, torch.Tensor] | None = None,
-                fp32_out: bool = False, aligned: AlignedPairs | None = None) -> torch.Tensor:
+                fp32_out: bool = False) -> torch.Tensor:
         """Routed experts for tokens x [T, H] routed to local slots [T, k] with weights [T, k]
         (already counted in slot_load by the router), plus `add` (the shared experts' output, or
         a function returning it, called only when the sum needs it), plus the `shared` expert
-        computed as one more slot (its weights from _shared_slot). `fp32_out`, `aligned`: see
-        fused_experts."""
+        computed as one more slot (its weights from _shared_slot). `fp32_out`: see fused_experts."""
         # token-major pairs: the fused kernels derive each pair's token (p // k) themselves
         return self.expert_pairs(x, None, slots.flatten(), weights.flatten(), count=False, add=add, shared=shared,
-                                 fp32_out=fp32_out, aligned=aligned)
+                                 fp32_out=fp32_out)
 
     def expert_pairs(self, x: torch.Tensor, token_of: torch.Tensor | None, slot_of: torch.Tensor,
                      weight_of: torch.Tensor, count: bool = True, add=None,
-                     shared: tuple[torch.Tensor, torch.Tensor] | None = None, fp32_out: bool = False,
-                     aligned: AlignedPairs | None = None) -> torch.Tensor:
+                     shared: tuple[torch.Tensor, torch.Tensor] | None = None, fp32_out: bool = False) -> torch.Tensor:
         """Sum over (token, local slot, weight) pairs of weight * expert(x[token]), as [T, H]
         (token_of None: token-major pairs, as kernels/moe_gemm.py takes them), plus `add` when
         given (the fused path adds it in the same launch that rounds the fp32 sum).
@@ -220,7 +200,7 @@ class MoE(nn.Module):
                 self.slot_load += counts
         if fused:
             return fused_experts(x, self.w13, self.w2, token_of, slot_of, weight_of, add=add, shared=shared,
-                                 fp32_out=fp32_out, aligned=aligned)
+                                 fp32_out=fp32_out)
         order = slot_of.argsort(stable=True)
         token_of = token_major(token_of, x, slot_of)[order]
         xs = x[token_of]

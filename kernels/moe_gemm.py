@@ -190,8 +190,7 @@ def _align_one_kernel(slot_ptr, counts_ptr, padded_start_ptr, row_pair_ptr, tile
     tl.debug_barrier()
     pairs = tl.arange(0, BLOCK_P)
     ok = pairs < num_pairs
-    # .cg: the routing kernel's last program runs this over slots its partners wrote
-    slot = tl.load(slot_ptr + pairs, mask=ok, other=0, cache_modifier=".cg")
+    slot = tl.load(slot_ptr + pairs, mask=ok, other=0)
     rank = tl.atomic_add(counts_ptr + slot, 1, mask=ok)  # the old value: the pair's rank in its slot
     tl.debug_barrier()
     counts = tl.load(counts_ptr + idx, mask=s_ok, other=0, cache_modifier=".cg")
@@ -357,49 +356,29 @@ ALIGN_ONE_PROGRAM_PAIRS = 1024
 ALIGN_ONE_PROGRAM_SLOTS = 1024
 
 
-if triton is not None:
-    # The same body as a function, for a kernel that aligns the pairs it wrote (kernels/routing.py)
-    align_one_body = triton.jit(_align_one_kernel)
-
-
-def align_one_ok(num_pairs: int, num_slots: int) -> bool:
-    """Whether one program aligns the pairs (decode batches)."""
-    return 0 < num_pairs <= ALIGN_ONE_PROGRAM_PAIRS and num_slots <= ALIGN_ONE_PROGRAM_SLOTS
-
-
-def align_one_launch(num_pairs: int, num_slots: int, block_m: int,
-                     device) -> tuple[AlignedPairs, torch.Tensor, int, dict]:
-    """For the one-program alignment (align_one_ok): its outputs, its padded_start scratch, the
-    tile count and its block sizes."""
-    num_tiles = max_tiles(num_pairs, num_slots, block_m)
-    block_s = triton.next_power_of_2(num_slots)
-    aligned = AlignedPairs(row_pair=torch.empty(num_tiles * block_m, dtype=torch.int32, device=device),
-                           tile_slot=torch.empty(num_tiles, dtype=torch.int32, device=device),
-                           counts=torch.empty(num_slots, dtype=torch.int32, device=device))  # zeroed by the program
-    blocks = dict(BLOCK_M=block_m, BLOCK_P=ALIGN_ONE_PROGRAM_PAIRS, BLOCK_S=block_s, BLOCK_T=max(16, 8192 // block_s))
-    return aligned, torch.empty(num_slots, dtype=torch.int32, device=device), num_tiles, blocks
-
-
 def align_pairs_triton(slot_of: torch.Tensor, num_slots: int, block_m: int) -> AlignedPairs:
     """align_pairs in three small Triton launches (the torch version launches ~25 kernels and
     measured 3-4x slower on an H200), or one up to ALIGN_ONE_PROGRAM_PAIRS pairs; pairs of one
     slot may come in any order."""
     num_pairs = slot_of.numel()
-    device = slot_of.device
-    slot_of = slot_of.contiguous()
-    if align_one_ok(num_pairs, num_slots):
-        aligned, padded_start, num_tiles, blocks = align_one_launch(num_pairs, num_slots, block_m, device)
-        _jit(_align_one_kernel, "num_pairs", "num_tiles")[(1,)](
-            slot_of, aligned.counts, padded_start, aligned.row_pair, aligned.tile_slot, num_pairs, num_slots,
-            num_tiles, **blocks, num_warps=4)
-        return aligned
     num_tiles = max_tiles(num_pairs, num_slots, block_m)
-    counts = torch.zeros(num_slots, dtype=torch.int32, device=device)
+    device = slot_of.device
+    one_program = num_pairs <= ALIGN_ONE_PROGRAM_PAIRS and num_slots <= ALIGN_ONE_PROGRAM_SLOTS
+    # one program zeroes its counts itself
+    counts = (torch.empty if one_program and num_pairs else torch.zeros)(num_slots, dtype=torch.int32, device=device)
     rank = torch.empty(num_pairs, dtype=torch.int32, device=device)
     padded_start = torch.empty(num_slots, dtype=torch.int32, device=device)
     row_pair = torch.empty(num_tiles * block_m, dtype=torch.int32, device=device)  # every row written
     tile_slot = torch.empty(num_tiles, dtype=torch.int32, device=device)
     if num_pairs == 0:
+        return AlignedPairs(row_pair, tile_slot, counts)
+    slot_of = slot_of.contiguous()
+    if one_program:
+        block_s = triton.next_power_of_2(num_slots)
+        _jit(_align_one_kernel, "num_pairs", "num_tiles")[(1,)](
+            slot_of, counts, padded_start, row_pair, tile_slot, num_pairs, num_slots, num_tiles,
+            BLOCK_M=block_m, BLOCK_P=ALIGN_ONE_PROGRAM_PAIRS, BLOCK_S=block_s, BLOCK_T=max(16, 8192 // block_s),
+            num_warps=4)
         return AlignedPairs(row_pair, tile_slot, counts)
     block_p, block_t, block_s = 1024, 64, 128
     _jit(_count_kernel, "num_pairs")[(triton.cdiv(num_pairs, block_p),)](slot_of, counts, rank, num_pairs, BLOCK=block_p)
@@ -444,10 +423,8 @@ def pick_config(num_pairs: int, num_slots: int, dtype: torch.dtype) -> MoEGemmCo
 def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, token_of: torch.Tensor | None,
                          slot_of: torch.Tensor, weight_of: torch.Tensor,
                          config: MoEGemmConfig | None = None, add=None,
-                         shared: tuple[torch.Tensor, torch.Tensor] | None = None, fp32_out: bool = False,
-                         aligned: AlignedPairs | None = None) -> torch.Tensor:
-    """fused_experts through the two Triton kernels (no host sync; CUDA-graph capturable).
-    `aligned`: the pairs already aligned for the config's block_m (the routing kernel can)."""
+                         shared: tuple[torch.Tensor, torch.Tensor] | None = None, fp32_out: bool = False) -> torch.Tensor:
+    """fused_experts through the two Triton kernels (no host sync; CUDA-graph capturable)."""
     num_tokens, hidden = x.shape
     num_slots, two_i, _ = w13.shape
     inter = two_i // 2
@@ -462,10 +439,7 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     cfg = config or pick_config(num_pairs, num_slots, w13.dtype)
     # The fp32 output, which the down kernel adds into, is zeroed by the gate-up launch.
     out = torch.empty(num_tokens, hidden, dtype=torch.float32, device=x.device)
-    if aligned is None:
-        aligned = align_pairs_triton(slot_of, num_slots, cfg.block_m)
-    elif aligned.row_pair.numel() != max_tiles(num_pairs, num_slots, cfg.block_m) * cfg.block_m:
-        raise ValueError(f"aligned pairs are not laid out for block_m {cfg.block_m}")
+    aligned = align_pairs_triton(slot_of, num_slots, cfg.block_m)
     num_tiles = aligned.tile_slot.numel()
     # The shared expert's rows follow the routed tiles, one per token (see _tile_rows).
     tiles = num_tiles + (triton.cdiv(num_tokens, cfg.block_m) if shared is not None else 0)
@@ -524,8 +498,7 @@ def check_shared(shared: tuple[torch.Tensor, torch.Tensor], w13: torch.Tensor,
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, token_of: torch.Tensor | None,
                   slot_of: torch.Tensor, weight_of: torch.Tensor, add=None,
-                  shared: tuple[torch.Tensor, torch.Tensor] | None = None, fp32_out: bool = False,
-                  aligned: AlignedPairs | None = None) -> torch.Tensor:
+                  shared: tuple[torch.Tensor, torch.Tensor] | None = None, fp32_out: bool = False) -> torch.Tensor:
     """Routed experts over pairs: x [T, H], w13 [S, 2I, H], w2 [S, H, I], token_of / slot_of [P]
     int64 (token_of None: token-major pairs, P / T per token), weight_of [P] float -> [T, H] in
     x's dtype (see the module docstring for the sum).
@@ -535,11 +508,9 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, token_of
       that rounds it itself (add_rms_norm does, in its own launch); other paths round.
     - `add` [T, H]: added to the result as `out + add` would. It may be a function returning it,
       called after the GEMMs are launched: a stream computing it meanwhile is waited for only then.
-    - `aligned`: the pairs as align_pairs lays them out for pick_config's block_m, where the
-      routing kernel already did it (kernels/routing.py, route_and_align); the Triton path only.
     Triton where it can run (CUDA, or CPU under TRITON_INTERPRET=1), the reference elsewhere."""
     if triton is not None and triton_ok(x):
         return fused_experts_triton(x, w13, w2, token_of, slot_of, weight_of, add=add, shared=shared,
-                                    fp32_out=fp32_out, aligned=aligned)
+                                    fp32_out=fp32_out)
     out = fused_experts_reference(x, w13, w2, token_of, slot_of, weight_of, shared=shared)
     return out if add is None else out + (add() if callable(add) else add)

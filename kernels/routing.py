@@ -11,22 +11,15 @@ when the scores have no ties, weights to float32 rounding); `fused_route` picks 
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from . import triton_ok
-
-if TYPE_CHECKING:
-    from .moe_gemm import AlignedPairs
 
 try:
     import triton
     import triton.language as tl
 except Exception:  # the reference path must keep working where triton is absent
     triton = None
-else:
-    from .moe_gemm import align_one_body
 
 
 def _check(logits, bias, n_group, topk_group, top_k, log2phys, num_replicas, slot_load) -> None:
@@ -108,16 +101,14 @@ if triton is not None:
         tl.store(out_ptr + (part * T + rows[:, None]).to(tl.int64) * E + experts[None, :], acc,
                  mask=row_ok[:, None] & e_ok[None, :])
 
-    @triton.jit(do_not_specialize=["stride_p", "num_tiles"])
+    @triton.jit(do_not_specialize=["stride_p"])
     def _route_kernel(logits_ptr, bias_ptr, log2phys_ptr, num_replicas_ptr, slot_load_ptr,
                       ids_ptr, weights_ptr, slots_ptr,
                       T, E, stride_t, stride_p, R, scaling,
-                      ticket_ptr, counts_ptr, padded_start_ptr, row_pair_ptr, tile_slot_ptr, num_slots, num_tiles,
                       N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr,
                       TOP_K: tl.constexpr, NORM: tl.constexpr, COUNT: tl.constexpr, NUM_PARTS: tl.constexpr,
                       BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
-                      BLOCK_K: tl.constexpr, ALIGN: tl.constexpr, ALIGN_M: tl.constexpr, ALIGN_P: tl.constexpr,
-                      ALIGN_S: tl.constexpr, ALIGN_T: tl.constexpr):
+                      BLOCK_K: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         cols = tl.arange(0, BLOCK_E)
         row_ok = rows < T
@@ -181,17 +172,6 @@ if triton is not None:
         tl.store(slots_ptr + out, slots, mask=out_ok)
         if COUNT:
             tl.atomic_add(slot_load_ptr + slots, tl.full([BLOCK_T, BLOCK_K], 1, tl.int64), mask=out_ok)
-        if ALIGN:
-            # The last program to finish lays the pairs out by slot for the expert kernels
-            # (kernels/moe_gemm.py), instead of a launch of its own. The CTA barrier orders this
-            # program's slot stores before its arrival; the ticket resets for the next launch.
-            tl.debug_barrier()
-            done = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
-            if done == tl.num_programs(0) - 1:
-                tl.debug_barrier()
-                tl.store(ticket_ptr, 0)
-                align_one_body(slots_ptr, counts_ptr, padded_start_ptr, row_pair_ptr, tile_slot_ptr,
-                               T * TOP_K, num_slots, num_tiles, ALIGN_M, ALIGN_P, ALIGN_S, ALIGN_T)
 
 
 def _pow2(n: int) -> int:
@@ -208,10 +188,9 @@ def _launch_config(t: int, e: int) -> tuple[int, int]:
 def route_triton(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk_group: int, top_k: int,
                  norm_topk_prob: bool, scaling: float, log2phys: torch.Tensor, num_replicas: torch.Tensor,
                  slot_load: torch.Tensor | None = None,
-                 block_t: int | None = None, align: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 block_t: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The Triton kernel; see `fused_route` for the contract. `block_t` overrides the tokens per
-    program. logits may also be [P, T, E]: parts of the logits, summed in order of P first.
-    `align`: (ticket, aligned, padded_start, num_slots, num_tiles, blocks) of route_and_align."""
+    program. logits may also be [P, T, E]: parts of the logits, summed in order of P first."""
     if triton is None:
         raise RuntimeError("triton is not available")
     parts = logits if logits.dim() == 3 else logits[None]
@@ -228,53 +207,17 @@ def route_triton(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk_gr
         parts = parts.contiguous()
     cfg_block_t, warps = _launch_config(t, e)
     block_t = block_t or cfg_block_t
-    if align is not None:
-        warps = max(warps, ALIGN_WARPS)
-        ticket, aligned, padded_start, num_slots, num_tiles, blocks = align
-        align_args = (ticket, aligned.counts, padded_start, aligned.row_pair, aligned.tile_slot, num_slots, num_tiles)
-        align_consts = dict(ALIGN=True, ALIGN_M=blocks["BLOCK_M"], ALIGN_P=blocks["BLOCK_P"],
-                            ALIGN_S=blocks["BLOCK_S"], ALIGN_T=blocks["BLOCK_T"])
-    else:  # dummy pointers, not read
-        align_args = (slots,) * 5 + (0, 0)
-        align_consts = dict(ALIGN=False, ALIGN_M=16, ALIGN_P=16, ALIGN_S=16, ALIGN_T=16)
     _route_kernel[(triton.cdiv(t, block_t),)](
         parts, bias.contiguous(), log2phys.contiguous(), num_replicas.contiguous(),
         slot_load if slot_load is not None else slots,  # a dummy pointer when not counting
         ids, weights, slots,
-        t, e, parts.stride(1), parts.stride(0), log2phys.shape[1], float(scaling), *align_args,
+        t, e, parts.stride(1), parts.stride(0), log2phys.shape[1], float(scaling),
         N_GROUP=n_group, GROUP_SIZE=e // n_group, TOPK_GROUP=topk_group if n_group > 1 else 1,
         TOP_K=top_k, NORM=bool(norm_topk_prob), COUNT=slot_load is not None, NUM_PARTS=parts.shape[0],
         BLOCK_T=block_t, BLOCK_E=_pow2(e), BLOCK_G=max(2, _pow2(n_group)), BLOCK_K=max(2, _pow2(top_k)),
-        **align_consts, num_warps=warps,
+        num_warps=warps,
     )
     return ids, weights, slots
-
-
-# Warps of a routing launch whose last program aligns the pairs: the alignment's loops over up to
-# ALIGN_ONE_PROGRAM_PAIRS pairs and its tiles want the four warps its own launch had.
-ALIGN_WARPS = 4
-
-
-def route_and_align(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk_group: int, top_k: int,
-                    norm_topk_prob: bool, scaling: float, log2phys: torch.Tensor, num_replicas: torch.Tensor,
-                    slot_load: torch.Tensor | None, num_slots: int, block_m: int,
-                    ticket: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, "AlignedPairs | None"]:
-    """fused_route, and the pairs (token-major, [T * top_k]) laid out by slot as
-    kernels/moe_gemm.align_pairs does for `block_m`, by the routing kernel's last program: one
-    launch fewer at decode. The layout is None where the kernel cannot do it (the reference path,
-    or too many pairs for one program); the expert kernels then align the pairs themselves.
-    `ticket`: an int32 [1] zeroed once, that the kernel leaves zeroed; one per caller, so two
-    kernels running at once never share it."""
-    from .moe_gemm import align_one_launch, align_one_ok
-    t = logits.shape[-2]
-    if triton is None or not triton_ok(logits) or not align_one_ok(t * top_k, num_slots):
-        return (*fused_route(logits, bias, n_group, topk_group, top_k, norm_topk_prob, scaling, log2phys,
-                             num_replicas, slot_load), None)
-    aligned, padded_start, num_tiles, blocks = align_one_launch(t * top_k, num_slots, block_m, logits.device)
-    ids, weights, slots = route_triton(logits, bias, n_group, topk_group, top_k, norm_topk_prob, scaling, log2phys,
-                                       num_replicas, slot_load,
-                                       align=(ticket, aligned, padded_start, num_slots, num_tiles, blocks))
-    return ids, weights, slots, aligned
 
 
 def fused_route(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk_group: int, top_k: int,

@@ -78,5 +78,5 @@ def test_serving_after_warmup_builds_no_new_kernel_variant(tiny_v4_ckpt):
     assert "NEW 0" in lines, "\n".join(lines[-40:])
     # the warm-up went through the kernel path, not the references
     for name in ("_split_kernel", "_score_tile_kernel", "_select_kernel", "_radix_pass_kernel", "_emit_chunk_kernel",
-                 "_count_chunk_kernel", "_route_kernel", "_gate_up_kernel"):
+                 "_count_chunk_kernel", "_route_kernel", "_gate_up_kernel", "_align_one_kernel"):
         assert name in kernels, kernels
