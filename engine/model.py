@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 from kernels.latent import latent_and_query, norm_rope_latent
-from kernels.query import absorb_query
 
 from .attention import AttentionContext, attend, index_topk_mask
 from .config import ModelConfig
@@ -123,10 +122,11 @@ class MLAttention(nn.Module):
         else:
             q = self.q_b_proj(q_low if q_low is not None else self.q_a_layernorm(xp["q"]))
         q = q.view(t, self.n_heads, cfg.qk_head_dim)
+        q_nope, q_rope = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+        q_rope = self.rotary.apply(q_rope, *ctx.rope)
         w_kv = self.kv_b_proj.weight.view(self.n_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
         w_uk, w_uv = w_kv[:, :cfg.qk_nope_head_dim], w_kv[:, cfg.qk_nope_head_dim:]
-        # q_nope @ W_UK and the rotated rope part, one launch on GPU (kernels/query.py)
-        q_lat, q_rope = absorb_query(q, w_uk, *ctx.rope, self.rotary.interleave)
+        q_lat = torch.einsum("thd,hdc->thc", q_nope, w_uk)
 
         if ctx.decode is not None:  # the kernel takes the two query parts as they are
             if topk is not None:
