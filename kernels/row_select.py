@@ -4,15 +4,12 @@ that share a row meeting at a barrier between phases instead of at a kernel boun
 The multi-launch selection in kernels/indexer.py (four histogram passes, a count pass and an
 emit pass) spends most of its time at short contexts on six dependent launches of a few
 microseconds each, not on the 32 KB a row it reads. Here each row is split over `parts`
-programs (a span of positions each) that run five phases:
+programs (a span of positions each) that run six phases:
 
     0-3  histogram of one byte (from the top) of the order keys that still match the k-th
-         largest key's bytes so far, added into the row's histogram of that byte. The last
-         byte's pass also leaves, per program, what the emit needs to know of its span: the keys
-         above the k-th in their top three bytes, and its own histogram of the last byte (as
-         counts from each byte up), so that once the last byte is known every program can tell
-         how many of each span's keys are above the k-th and equal to it without a count pass;
-    4    emit the span's positions: above the k-th at their rank among the row's, then the
+         largest key's bytes so far, added into the row's histogram of that byte;
+    4    count, in the program's span, the scores above the k-th and equal to it;
+    5    emit the span's positions: above the k-th at their rank among the row's, then the
          latest positions equal to it into the places left (the reference's tie rule).
 
 Between phases the row's programs wait on a counter (`_row_barrier`). They can only all be
@@ -54,19 +51,16 @@ SPARSE_FROM = 2
 SPARSE_MAX = 64
 SPARSE_MAX_ROWS = 16
 _HIST = 4 * 256
-# A row's zeroed workspace: histograms, the per-part counts above the k-th, the barrier; the ticket
-# is the last entry of row 0's. Each part's last-byte histogram goes to a buffer that needs no
-# zeroing (every entry is written).
-WORKSPACE_COLS = _HIST + MAX_PARTS + 2
-_PHASES = 5
+# A row's zeroed workspace: histograms, counts, barrier; the ticket is the last entry of row 0's.
+WORKSPACE_COLS = _HIST + 2 * MAX_PARTS + 2
+_PHASES = 6
 
 if triton is not None:
 
     @triton.jit
     def _order_key(s):
-        """fp32 -> uint32 whose unsigned order is the float order (-inf lowest); -0.0 and +0.0,
-        equal as floats, get one key, so equal keys are exactly equal scores."""
-        bits = tl.where(s == 0.0, 0.0, s).to(tl.uint32, bitcast=True)
+        """fp32 -> uint32 whose unsigned order is the float order (-inf lowest)."""
+        bits = s.to(tl.uint32, bitcast=True)
         return tl.where((bits >> 31) != 0, ~bits, bits | 0x80000000)
 
     @triton.jit
@@ -104,15 +98,14 @@ if triton is not None:
         return (prefix << 8) | digit.to(tl.uint32), rank
 
     @triton.jit(do_not_specialize=["num_seqs", "parts", "span", "k", "topk"])
-    def _select_kernel(scores_ptr, lens_ptr, out_ptr, ws_ptr, part_hist_ptr, stride_sb, stride_ob, stride_wb,
+    def _select_kernel(scores_ptr, lens_ptr, out_ptr, ws_ptr, stride_sb, stride_ob, stride_wb,
                        width, num_seqs, parts, span, k, topk,
                        FIRST: tl.constexpr, LAST: tl.constexpr, BLOCK: tl.constexpr,
                        PARTS: tl.constexpr, FILL: tl.constexpr, SPARSE_FROM: tl.constexpr,
                        SPARSE_MAX: tl.constexpr):
         """Phases FIRST..LAST of the selection (see the module docstring). ws [B, row] int32,
-        zeroed: per row the four byte histograms, the per-part counts above the k-th in the top
-        three bytes, the barrier counter; ws[0, -1] the ticket counter. part_hist [B, PARTS, 256]
-        int32: per part, its keys matching the k-th's top three bytes whose last byte is >= b."""
+        zeroed: per row the four byte histograms, the per-part above and equal counts, the
+        barrier counter; ws[0, -1] the ticket counter."""
         if FIRST == LAST:  # a launch per phase: nobody waits on a partner
             ticket = tl.program_id(0)
         else:
@@ -122,8 +115,8 @@ if triton is not None:
         row_ws = ws_ptr + seq * stride_wb
         hist_ptr = row_ws
         above_ptr = row_ws + 4 * 256
-        sync_ptr = above_ptr + PARTS
-        row_part_hist = part_hist_ptr + seq.to(tl.int64) * PARTS * 256
+        equal_ptr = above_ptr + PARTS
+        sync_ptr = equal_ptr + PARTS
         row_scores = scores_ptr + seq * stride_sb
         start = part * span
         g_len = tl.load(lens_ptr + seq)
@@ -143,8 +136,6 @@ if triton is not None:
                     prefix, rank = _hist_digit(hist_ptr, prefix, rank, phase - 1)
             if phase < 4:
                 counts = tl.zeros([256], dtype=tl.int32)
-                n_above = tl.zeros([], dtype=tl.int32)
-                n_match = tl.zeros([], dtype=tl.int32)
                 for off in range(0, span, BLOCK):
                     pos = start + off + tl.arange(0, BLOCK)
                     in_row = pos < width
@@ -155,10 +146,7 @@ if triton is not None:
                     # Keys that do not match land in bin 0, which _pick_digit never needs exactly
                     # (kernels/indexer.py, _radix_pass_kernel).
                     byte = (key >> (24 - 8 * phase)) & 0xFF
-                    if phase == 3:  # above the k-th already in the top three bytes; still matching
-                        n_above += tl.sum((in_row & ((key >> 8) > prefix)).to(tl.int32), axis=0)
-                        n_match += tl.sum(match.to(tl.int32), axis=0)
-                    if phase >= SPARSE_FROM and phase < 3:
+                    if phase >= SPARSE_FROM:
                         # Past the top two bytes few keys still match (tens in a row of 8K): one
                         # atomic each is cheaper than a histogram of the whole block.
                         if tl.sum(match.to(tl.int32), axis=0) <= SPARSE_MAX:
@@ -170,28 +158,24 @@ if triton is not None:
                         counts += tl.histogram(tl.where(match, byte, 0).to(tl.int32), 256)
                 bins = tl.arange(0, 256)
                 tl.atomic_add(hist_ptr + phase * 256 + bins, counts, mask=counts > 0, sem="relaxed")
-                if phase == 3:
-                    # Matching keys with a last byte >= b. Bin 0 also counted the keys that do not
-                    # match, so its entry is the count of those that do.
-                    from_b = tl.sum(counts, axis=0) - tl.cumsum(counts, axis=0) + counts
-                    tl.store(row_part_hist + part * 256 + bins, tl.where(bins == 0, n_match, from_b))
-                    tl.store(above_ptr + part, n_above)
+            elif phase == 4:
+                kth = _key_to_score(prefix)
+                n_above = tl.zeros([], dtype=tl.int32)
+                n_equal = tl.zeros([], dtype=tl.int32)
+                for off in range(0, span, BLOCK):
+                    pos = start + off + tl.arange(0, BLOCK)
+                    live = (pos < g_len) & (pos < width)
+                    s = tl.load(row_scores + pos, mask=live, other=float("-inf"))
+                    n_above += tl.sum((live & (s > kth)).to(tl.int32), axis=0)
+                    n_equal += tl.sum((live & (s == kth)).to(tl.int32), axis=0)
+                tl.store(above_ptr + part, n_above)
+                tl.store(equal_ptr + part, n_equal)
             else:
                 kth = _key_to_score(prefix)
-                last = (prefix & 0xFF).to(tl.int32)
                 c = tl.arange(0, PARTS)
                 c_ok = c < parts
-                part_hist = row_part_hist + c * 256
-                # keys of part c whose last byte is past the k-th's, and those equal to it in all four
-                past = tl.load(part_hist + tl.minimum(last + 1, 255), mask=c_ok, other=0, cache_modifier=".cg")
-                past = tl.where(last < 255, past, 0)
-                from_last = tl.load(part_hist + last, mask=c_ok, other=0, cache_modifier=".cg")
-                above = tl.load(above_ptr + c, mask=c_ok, other=0, cache_modifier=".cg") + past
-                equal = from_last - past
-                if kth == float("-inf"):  # fewer live positions than k: the dead ones (-inf) tie with
-                    c_start = c * span    # the k-th in the histograms but are never chosen
-                    dead = tl.minimum(c_start + span, width) - tl.maximum(c_start, g_len)
-                    equal -= tl.where(c_ok, tl.maximum(dead, 0), 0)
+                above = tl.load(above_ptr + c, mask=c_ok, other=0, cache_modifier=".cg")
+                equal = tl.load(equal_ptr + c, mask=c_ok, other=0, cache_modifier=".cg")
                 total_above = tl.sum(above, axis=0)
                 total_equal = tl.sum(equal, axis=0)
                 ranked = tl.sum(tl.where(c < part, above, 0), axis=0)  # above-k-th positions emitted before
@@ -248,9 +232,8 @@ def select_rows(scores: torch.Tensor, g_lens: torch.Tensor, out: torch.Tensor, k
     `block`, the positions a program loads a step) overrides the positions a program covers
     (bench.probe_select times the choices). `sparse_from`: the first byte pass that counts
     blocks with few matching keys by atomics instead of a histogram (4: none; default
-    SPARSE_FROM up to SPARSE_MAX_ROWS rows, none above; the last byte's pass always takes the
-    histogram). `ws`: int32 [B, WORKSPACE_COLS], zeroed (the scoring launch can clear it, which
-    spares a launch); None allocates one."""
+    SPARSE_FROM up to SPARSE_MAX_ROWS rows, none above). `ws`: int32 [B, WORKSPACE_COLS], zeroed
+    (the scoring launch can clear it, which spares a launch); None allocates one."""
     num_seqs, width = scores.shape
     topk = out.shape[1]
     parts, span = split_row(num_seqs, width, span, block)
@@ -260,14 +243,13 @@ def select_rows(scores: torch.Tensor, g_lens: torch.Tensor, out: torch.Tensor, k
         ws = torch.zeros(num_seqs, WORKSPACE_COLS, device=scores.device, dtype=torch.int32)
     elif ws.shape != (num_seqs, WORKSPACE_COLS) or ws.dtype != torch.int32 or not ws.is_contiguous():
         raise ValueError(f"ws must be a contiguous int32 [{num_seqs}, {WORKSPACE_COLS}]")
-    part_hist = torch.empty(num_seqs, MAX_PARTS, 256, device=scores.device, dtype=torch.int32)
     fill = min(1024, max(16, triton.next_power_of_2(topk)))
     if sparse_from is None:
         sparse_from = SPARSE_FROM if num_seqs <= SPARSE_MAX_ROWS else 4
     phases = [(p, p) for p in range(_PHASES)] if phased else [(0, _PHASES - 1)]
     for first, last in phases:
         _select_kernel[(num_seqs * parts,)](
-            scores, g_lens, out, ws, part_hist, scores.stride(0), out.stride(0), ws.stride(0),
+            scores, g_lens, out, ws, scores.stride(0), out.stride(0), ws.stride(0),
             width, num_seqs, parts, span, k, topk,
             FIRST=first, LAST=last, BLOCK=block, PARTS=MAX_PARTS, FILL=fill,
             SPARSE_FROM=sparse_from, SPARSE_MAX=SPARSE_MAX, num_warps=4)
