@@ -208,7 +208,6 @@ class EngineConfig(BaseModel):
                                 "stay out of use this long, so a write still in flight cannot land in another "
                                 "request's KV")
 
-
     @field_validator("index_topk_pattern")
     @classmethod
     def _check_pattern(cls, v: str | None) -> str | None:
