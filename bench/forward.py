@@ -13,6 +13,8 @@ random global KV (and a full window ring), then the same decode step is replayed
   measured in the same run (a device-to-device copy reads and writes: 2 x bytes / time);
   roofline_pct = roofline_ms / forward_ms;
 - moe_share (--moe-share): 1 - forward time with every MoE layer replaced by a no-op / full.
+`--index-topk-freq 1 4 16` adds rows with the indexer scoring in every n-th layer only
+(EngineConfig.index_topk_freq); their roofline counts only the index keys those layers read.
 """
 from __future__ import annotations
 
