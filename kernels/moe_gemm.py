@@ -216,10 +216,11 @@ def _align_one_kernel(slot_ptr, counts_ptr, padded_start_ptr, row_pair_ptr, tile
         tl.store(row_pair_ptr + rows, tl.full((BLOCK_T, BLOCK_M), -1, tl.int32), mask=t_ok[:, None] & pad)
 
 
-def _tile_rows(tile, token_ptr, row_pair_ptr, tile_slot_ptr, num_slots, num_tiles, num_tokens,
+def _tile_rows(token_ptr, row_pair_ptr, tile_slot_ptr, num_slots, num_tiles, num_tokens,
                BLOCK_M: tl.constexpr, PAIRS_PER_TOKEN: tl.constexpr, SHARED: tl.constexpr):
     """A tile's slot, whether it is one of the shared expert's tiles (after the routed ones: their
     row j is token j, weight 1), its pairs (-1: none) and its rows' tokens."""
+    tile = tl.program_id(0)
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     routed = tile < num_tiles
     one = tl.arange(0, 1)  # a masked load of one value, as a vector (a scalar mask is not portable)
@@ -241,25 +242,15 @@ def _tile_rows(tile, token_ptr, row_pair_ptr, tile_slot_ptr, num_slots, num_tile
     return slot, is_shared, skip, rows, pair, is_pair, token
 
 
-def _grid_cell(COLS_FIRST: tl.constexpr):
-    """(row tile, column block) of this program. With COLS_FIRST the column blocks of a tile are
-    the grid's first axis, so programs that start together read one expert's adjacent rows and
-    add into different columns of the same tokens; otherwise the tiles are."""
-    if COLS_FIRST:
-        return tl.program_id(1), tl.program_id(0)
-    return tl.program_id(0), tl.program_id(1)
-
-
 if triton is not None:  # called from the kernels below, so built with them
     _tile_rows = triton.jit(_tile_rows)
-    _grid_cell = triton.jit(_grid_cell)
 
 
 def _gate_up_kernel(x_ptr, w13_ptr, shared_w13_ptr, act_ptr, token_ptr, row_pair_ptr, tile_slot_ptr,
                     H, I, num_slots, num_tiles, num_tokens, stride_xt, zero_ptr, zero_count,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, PAIRS_PER_TOKEN: tl.constexpr,
-                    SHARED: tl.constexpr, COLS_FIRST: tl.constexpr):
+                    SHARED: tl.constexpr):
     # One program: BLOCK_M padded rows (one slot) x BLOCK_N columns of both gate and up.
     # First its share of the down kernel's fp32 sum, zeroed here instead of by a launch of its own.
     programs = tl.num_programs(0) * tl.num_programs(1)
@@ -268,12 +259,11 @@ def _gate_up_kernel(x_ptr, w13_ptr, shared_w13_ptr, act_ptr, token_ptr, row_pair
     for i in range(0, share, 256):
         idx = first + i + tl.arange(0, 256)
         tl.store(zero_ptr + idx, tl.zeros([256], dtype=tl.float32), mask=(idx < first + share) & (idx < zero_count))
-    tile, col_block = _grid_cell(COLS_FIRST)
     slot, is_shared, skip, rows, pair, is_pair, token = _tile_rows(
-        tile, token_ptr, row_pair_ptr, tile_slot_ptr, num_slots, num_tiles, num_tokens, BLOCK_M, PAIRS_PER_TOKEN, SHARED)
+        token_ptr, row_pair_ptr, tile_slot_ptr, num_slots, num_tiles, num_tokens, BLOCK_M, PAIRS_PER_TOKEN, SHARED)
     if skip:
         return
-    cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < I
     ks = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + token[:, None] * stride_xt + ks[None, :]
@@ -308,27 +298,23 @@ def _down_kernel(act_ptr, w2_ptr, shared_w2_ptr, out_ptr, token_ptr, weight_ptr,
                  H, I, num_slots, num_tiles, num_tokens, stride_ot,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, PAIRS_PER_TOKEN: tl.constexpr,
-                 SHARED: tl.constexpr, COLS_FIRST: tl.constexpr, SPLIT_K: tl.constexpr):
-    # One program: BLOCK_M padded rows (one slot) x BLOCK_N hidden columns over its share of the
-    # SPLIT_K parts of I, added into fp32 out (the parts' sums meet there like the pairs').
-    tile, col_block = _grid_cell(COLS_FIRST)
+                 SHARED: tl.constexpr):
+    # One program: BLOCK_M padded rows (one slot) x BLOCK_N hidden columns, added into fp32 out.
     slot, is_shared, skip, rows, pair, is_pair, token = _tile_rows(
-        tile, token_ptr, row_pair_ptr, tile_slot_ptr, num_slots, num_tiles, num_tokens, BLOCK_M, PAIRS_PER_TOKEN, SHARED)
+        token_ptr, row_pair_ptr, tile_slot_ptr, num_slots, num_tiles, num_tokens, BLOCK_M, PAIRS_PER_TOKEN, SHARED)
     if skip:
         return
-    cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < H
-    k_part = tl.cdiv(tl.cdiv(I, BLOCK_K), SPLIT_K) * BLOCK_K
-    k_first = tl.program_id(2) * k_part
-    ks = tl.arange(0, BLOCK_K) + k_first
+    ks = tl.arange(0, BLOCK_K)
     a_ptrs = act_ptr + rows[:, None].to(tl.int64) * I + ks[None, :]
     w_offs = cols[None, :].to(tl.int64) * I + ks[:, None]
     w_ptrs = w2_ptr + slot * H * I + w_offs
     if SHARED:
         w_ptrs = tl.where(is_shared, shared_w2_ptr + w_offs, w_ptrs)
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
-    for k0 in range(0, k_part, BLOCK_K):
-        k_ok = (ks + k0 < I) & (ks + k0 < k_first + k_part)
+    for k0 in range(0, I, BLOCK_K):
+        k_ok = ks + k0 < I
         a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         if DOT_FP32:
@@ -415,8 +401,6 @@ class MoEGemmConfig(NamedTuple):
     block_m: int
     gate_up: tuple[int, int, int, int]  # BLOCK_N, BLOCK_K, num_warps, num_stages
     down: tuple[int, int, int, int]
-    cols_first: bool = False  # grid order: a tile's column blocks first (see _grid_cell)
-    down_split_k: int = 1  # the down kernel's programs a (tile, column block): parts of I
 
 
 def pick_config(num_pairs: int, num_slots: int, dtype: torch.dtype) -> MoEGemmConfig:
@@ -474,21 +458,18 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     act = torch.empty(tiles * cfg.block_m, inter, dtype=w2.dtype, device=x.device)
     plain = ("num_tiles", "num_tokens", "zero_count")
     block_n, block_k, warps, stages = cfg.gate_up
-    grid = (tiles, triton.cdiv(inter, block_n))
-    _jit(_gate_up_kernel, *plain)[grid[::-1] if cfg.cols_first else grid](
+    _jit(_gate_up_kernel, *plain)[(tiles, triton.cdiv(inter, block_n))](
         xw, w13, shared_w13, act, token_of, aligned.row_pair, aligned.tile_slot,
         hidden, inter, num_slots, num_tiles, num_tokens, xw.stride(0), out, out.numel(),
         BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, DOT_FP32=dot_fp32,
-        PAIRS_PER_TOKEN=k, SHARED=shared is not None, COLS_FIRST=cfg.cols_first, num_warps=warps, num_stages=stages)
+        PAIRS_PER_TOKEN=k, SHARED=shared is not None, num_warps=warps, num_stages=stages)
 
     block_n, block_k, warps, stages = cfg.down
-    grid = (tiles, triton.cdiv(hidden, block_n))
-    _jit(_down_kernel, *plain)[(grid[::-1] if cfg.cols_first else grid) + (cfg.down_split_k,)](
+    _jit(_down_kernel, *plain)[(tiles, triton.cdiv(hidden, block_n))](
         act, w2, shared_w2, out, token_of, weight_of, aligned.row_pair, aligned.tile_slot,
         hidden, inter, num_slots, num_tiles, num_tokens, out.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, DOT_FP32=dot_fp32,
-        PAIRS_PER_TOKEN=k, SHARED=shared is not None, COLS_FIRST=cfg.cols_first, SPLIT_K=cfg.down_split_k,
-        num_warps=warps, num_stages=stages)
+        PAIRS_PER_TOKEN=k, SHARED=shared is not None, num_warps=warps, num_stages=stages)
     if pending is not None:
         add = pending()
     if add is None:
