@@ -5,9 +5,6 @@ the down kernel's built-in one, then the down kernel's with the best gate-up sha
 
     python -m bench.probe_moe --json moe.jsonl
 
-`--layout` times the built-in shapes with the pairs found by each slot's programs (`scan`) and
-through the alignment's padded layout, twice in turn, instead of sweeping shapes.
-
 `--gate` also times the router's partial-logits kernel (kernels/routing.py) by how many parts
 it splits the hidden size into and its tokens, experts and warps a program, 16 calls a CUDA
 graph replay (`--gate-only`: that alone).
@@ -33,7 +30,6 @@ def main(argv=None) -> None:
     ap.add_argument("--stages", type=int, nargs="+", default=[3, 4, 5])
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--layout", action="store_true", help="time scanning against the aligned layout, no sweep")
     ap.add_argument("--gate", action="store_true")
     ap.add_argument("--gate-only", action="store_true", help="time the router's kernel alone")
     args = ap.parse_args(argv)
@@ -64,14 +60,10 @@ def main(argv=None) -> None:
             us = graph_ms(lambda: fused_experts_triton(x, w13, w2, None, slot_of, weight_of, cfg, shared=shared),
                           3, args.iters) * 1e3
             rows.append(dict(tokens=tokens, sweep=label, block_m=cfg.block_m, gate_up=cfg.gate_up, down=cfg.down,
-                             scan=cfg.scan, us=round(us, 2)))
+                             us=round(us, 2)))
             print(json.dumps(rows[-1]), flush=True)
             return us
 
-        if args.layout:
-            for _, scan in itertools.product(range(2), (True, False)):
-                timed(built_in._replace(scan=scan), "layout")
-            continue
         base = timed(built_in, "built-in")
         if best is None:  # sweep at the first token count, check the winner at the others
             candidates = []

@@ -246,29 +246,38 @@ if triton is not None:  # called from the kernels below, so built with them
     _tile_rows = triton.jit(_tile_rows)
 
 
-def _zero_share(zero_ptr, zero_count):
-    """This program's share of the down kernel's fp32 sum, zeroed by the gate-up launch instead of
-    by a launch of its own."""
+def _gate_up_kernel(x_ptr, w13_ptr, shared_w13_ptr, act_ptr, token_ptr, row_pair_ptr, tile_slot_ptr,
+                    H, I, num_slots, num_tiles, num_tokens, stride_xt, zero_ptr, zero_count,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, PAIRS_PER_TOKEN: tl.constexpr,
+                    SHARED: tl.constexpr):
+    # One program: BLOCK_M padded rows (one slot) x BLOCK_N columns of both gate and up.
+    # First its share of the down kernel's fp32 sum, zeroed here instead of by a launch of its own.
     programs = tl.num_programs(0) * tl.num_programs(1)
     share = tl.cdiv(zero_count, programs)
     first = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * share
     for i in range(0, share, 256):
         idx = first + i + tl.arange(0, 256)
         tl.store(zero_ptr + idx, tl.zeros([256], dtype=tl.float32), mask=(idx < first + share) & (idx < zero_count))
-
-
-def _gate_up_tile(x_ptrs, x_ok, gate_ptrs, col_ok, H, I,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
-    """silu(x @ gate) * (x @ up) for one tile: x_ptrs [BLOCK_M, BLOCK_K] at k = 0 (rows not x_ok
-    read as zeros), gate_ptrs [BLOCK_K, BLOCK_N] into w13 rows (up is I rows further), fp32."""
+    slot, is_shared, skip, rows, pair, is_pair, token = _tile_rows(
+        token_ptr, row_pair_ptr, tile_slot_ptr, num_slots, num_tiles, num_tokens, BLOCK_M, PAIRS_PER_TOKEN, SHARED)
+    if skip:
+        return
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < I
     ks = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + token[:, None] * stride_xt + ks[None, :]
+    # w13[slot] is [2I, H] row-major; read it as [BLOCK_K, BLOCK_N] tiles (k fastest in memory).
+    w_offs = cols[None, :].to(tl.int64) * H + ks[:, None]
+    gate_ptrs = w13_ptr + slot * 2 * I * H + w_offs
+    if SHARED:
+        gate_ptrs = tl.where(is_shared, shared_w13_ptr + w_offs, gate_ptrs)
     up_ptrs = gate_ptrs + I * H
     acc_gate = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
     acc_up = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
     for k0 in range(0, H, BLOCK_K):
         k_ok = ks + k0 < H
-        a = tl.load(x_ptrs, mask=x_ok[:, None] & k_ok[None, :], other=0.0)
+        a = tl.load(x_ptrs, mask=is_pair[:, None] & k_ok[None, :], other=0.0)
         w_mask = k_ok[:, None] & col_ok[None, :]
         wg = tl.load(gate_ptrs, mask=w_mask, other=0.0)
         wu = tl.load(up_ptrs, mask=w_mask, other=0.0)
@@ -279,67 +288,7 @@ def _gate_up_tile(x_ptrs, x_ok, gate_ptrs, col_ok, H, I,
         x_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
-    return acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
-
-
-def _down_tile(a_ptrs, a_ok, w_ptrs, col_ok, I,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
-    """act @ w2 for one tile: a_ptrs [BLOCK_M, BLOCK_K] at k = 0 (rows not a_ok read as zeros),
-    w_ptrs [BLOCK_K, BLOCK_N] into w2 rows, fp32."""
-    ks = tl.arange(0, BLOCK_K)
-    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
-    for k0 in range(0, I, BLOCK_K):
-        k_ok = ks + k0 < I
-        a = tl.load(a_ptrs, mask=a_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        if DOT_FP32:
-            a, w = a.to(tl.float32), w.to(tl.float32)
-        acc = tl.dot(a, w, acc, input_precision=PRECISION)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    return acc
-
-
-def _add_rows(out_ptr, acc, weight_ptr, pair, is_pair, is_shared, token, cols, col_ok, stride_ot,
-              SHARED: tl.constexpr):
-    """out[token] += route weight (1 for the shared expert) * acc, rows that are pairs only.
-    A token's k pairs land in different tiles: they meet in fp32 atomics (order-free sum, like
-    index_add_ on CUDA) instead of a per-pair output buffer and a second pass."""
-    route_weight = tl.load(weight_ptr + pair, mask=pair >= 0, other=0.0).to(tl.float32)
-    if SHARED:
-        route_weight = tl.where(is_shared, 1.0, route_weight)
-    out_ptrs = out_ptr + token[:, None] * stride_ot + cols[None, :]
-    tl.atomic_add(out_ptrs, acc * route_weight[:, None], mask=is_pair[:, None] & col_ok[None, :])
-
-
-if triton is not None:
-    _zero_share = triton.jit(_zero_share)
-    _gate_up_tile = triton.jit(_gate_up_tile)
-    _down_tile = triton.jit(_down_tile)
-    _add_rows = triton.jit(_add_rows)
-
-
-def _gate_up_kernel(x_ptr, w13_ptr, shared_w13_ptr, act_ptr, token_ptr, row_pair_ptr, tile_slot_ptr,
-                    H, I, num_slots, num_tiles, num_tokens, stride_xt, zero_ptr, zero_count,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, PAIRS_PER_TOKEN: tl.constexpr,
-                    SHARED: tl.constexpr):
-    # One program: BLOCK_M padded rows (one slot) x BLOCK_N columns of both gate and up.
-    _zero_share(zero_ptr, zero_count)
-    slot, is_shared, skip, rows, pair, is_pair, token = _tile_rows(
-        token_ptr, row_pair_ptr, tile_slot_ptr, num_slots, num_tiles, num_tokens, BLOCK_M, PAIRS_PER_TOKEN, SHARED)
-    if skip:
-        return
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < I
-    x_ptrs = x_ptr + token[:, None] * stride_xt + tl.arange(0, BLOCK_K)[None, :]
-    # w13[slot] is [2I, H] row-major; read it as [BLOCK_K, BLOCK_N] tiles (k fastest in memory).
-    w_offs = cols[None, :].to(tl.int64) * H + tl.arange(0, BLOCK_K)[:, None]
-    gate_ptrs = w13_ptr + slot * 2 * I * H + w_offs
-    if SHARED:
-        gate_ptrs = tl.where(is_shared, shared_w13_ptr + w_offs, gate_ptrs)
-    act = _gate_up_tile(x_ptrs, is_pair, gate_ptrs, col_ok, H, I, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, DOT_FP32)
+    act = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
     # Padding rows hold zeros (their x rows were masked to 0), so the down kernel may read them.
     act_ptrs = act_ptr + rows[:, None].to(tl.int64) * I + cols[None, :]
     tl.store(act_ptrs, act.to(act_ptr.dtype.element_ty), mask=col_ok[None, :])
@@ -357,104 +306,30 @@ def _down_kernel(act_ptr, w2_ptr, shared_w2_ptr, out_ptr, token_ptr, weight_ptr,
         return
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < H
-    a_ptrs = act_ptr + rows[:, None].to(tl.int64) * I + tl.arange(0, BLOCK_K)[None, :]
-    w_offs = cols[None, :].to(tl.int64) * I + tl.arange(0, BLOCK_K)[:, None]
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = act_ptr + rows[:, None].to(tl.int64) * I + ks[None, :]
+    w_offs = cols[None, :].to(tl.int64) * I + ks[:, None]
     w_ptrs = w2_ptr + slot * H * I + w_offs
     if SHARED:
         w_ptrs = tl.where(is_shared, shared_w2_ptr + w_offs, w_ptrs)
-    acc = _down_tile(a_ptrs, rows >= 0, w_ptrs, col_ok, I, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, DOT_FP32)
-    _add_rows(out_ptr, acc, weight_ptr, pair, is_pair, is_shared, token, cols, col_ok, stride_ot, SHARED)
-
-
-# ---------------------------------------------------------------- decode: each slot finds its pairs
-
-def _slot_pairs(slot_ptr, num_pairs, num_slots, num_tokens,
-                BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, SHARED: tl.constexpr):
-    """This program's slot (num_slots: the shared expert), which pairs are its own, their rank
-    among them, and the row chunks they make. A decode step's pairs are few: every program reads
-    all of them (from L2) instead of a layout that an alignment launch would build first."""
-    slot = tl.program_id(0)
-    p = tl.arange(0, BLOCK_P)
-    mine = tl.load(slot_ptr + p, mask=p < num_pairs, other=-1) == slot
-    rank = tl.cumsum(mine.to(tl.int32), axis=0) - 1
-    count = tl.sum(mine.to(tl.int32), axis=0)
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        k_ok = ks + k0 < I
+        a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if DOT_FP32:
+            a, w = a.to(tl.float32), w.to(tl.float32)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    route_weight = tl.load(weight_ptr + pair, mask=pair >= 0, other=0.0).to(tl.float32)
     if SHARED:
-        count = tl.where(slot == num_slots, num_tokens, count)
-    return slot, mine, rank, tl.cdiv(count, BLOCK_M)
-
-
-def _chunk_rows(chunk, slot, mine, rank, token_ptr, num_pairs, num_slots, num_tokens,
-                BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, PAIRS_PER_TOKEN: tl.constexpr, SHARED: tl.constexpr):
-    """A chunk of a slot's rows: each row's act row (the pair; the shared expert's rows follow the
-    pairs, one per token), its pair (-1: none, or the shared expert), whether it is a row at all,
-    and its token."""
-    r = chunk * BLOCK_M + tl.arange(0, BLOCK_M)
-    p = tl.arange(0, BLOCK_P)
-    pair = tl.sum(tl.where(mine[None, :] & (rank[None, :] == r[:, None]), p[None, :] + 1, 0), axis=1) - 1
-    is_pair = pair >= 0
-    if PAIRS_PER_TOKEN > 0:
-        token = tl.where(is_pair, pair // PAIRS_PER_TOKEN, 0).to(tl.int64)
-    else:
-        token = tl.load(token_ptr + pair, mask=is_pair, other=0).to(tl.int64)
-    act_row = pair
-    is_shared = slot == num_slots
-    if SHARED:
-        token = tl.where(is_shared, r, token).to(tl.int64)
-        is_pair = tl.where(is_shared, r < num_tokens, is_pair)
-        act_row = tl.where(is_shared, num_pairs + r, pair)
-    return act_row, pair, is_pair, is_shared, token
-
-
-if triton is not None:
-    _slot_pairs = triton.jit(_slot_pairs)
-    _chunk_rows = triton.jit(_chunk_rows)
-
-
-def _gate_up_scan_kernel(x_ptr, w13_ptr, shared_w13_ptr, act_ptr, token_ptr, slot_ptr,
-                         H, I, num_slots, num_pairs, num_tokens, stride_xt, zero_ptr, zero_count,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
-                         PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, PAIRS_PER_TOKEN: tl.constexpr,
-                         SHARED: tl.constexpr):
-    # One program: one slot's pairs, BLOCK_M at a time, x BLOCK_N columns of both gate and up;
-    # act rows by pair (no padding rows).
-    _zero_share(zero_ptr, zero_count)
-    slot, mine, rank, chunks = _slot_pairs(slot_ptr, num_pairs, num_slots, num_tokens, BLOCK_M, BLOCK_P, SHARED)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < I
-    w_offs = cols[None, :].to(tl.int64) * H + tl.arange(0, BLOCK_K)[:, None]
-    gate_ptrs = w13_ptr + slot.to(tl.int64) * 2 * I * H + w_offs
-    if SHARED:
-        gate_ptrs = tl.where(slot == num_slots, shared_w13_ptr + w_offs, gate_ptrs)
-    for chunk in range(chunks):
-        act_row, pair, is_pair, is_shared, token = _chunk_rows(
-            chunk, slot, mine, rank, token_ptr, num_pairs, num_slots, num_tokens, BLOCK_M, BLOCK_P, PAIRS_PER_TOKEN,
-            SHARED)
-        x_ptrs = x_ptr + token[:, None] * stride_xt + tl.arange(0, BLOCK_K)[None, :]
-        act = _gate_up_tile(x_ptrs, is_pair, gate_ptrs, col_ok, H, I, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, DOT_FP32)
-        act_ptrs = act_ptr + act_row[:, None].to(tl.int64) * I + cols[None, :]
-        tl.store(act_ptrs, act.to(act_ptr.dtype.element_ty), mask=is_pair[:, None] & col_ok[None, :])
-
-
-def _down_scan_kernel(act_ptr, w2_ptr, shared_w2_ptr, out_ptr, token_ptr, weight_ptr, slot_ptr,
-                      H, I, num_slots, num_pairs, num_tokens, stride_ot,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
-                      PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, PAIRS_PER_TOKEN: tl.constexpr,
-                      SHARED: tl.constexpr):
-    # One program: one slot's pairs, BLOCK_M at a time, x BLOCK_N hidden columns, into fp32 out.
-    slot, mine, rank, chunks = _slot_pairs(slot_ptr, num_pairs, num_slots, num_tokens, BLOCK_M, BLOCK_P, SHARED)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < H
-    w_offs = cols[None, :].to(tl.int64) * I + tl.arange(0, BLOCK_K)[:, None]
-    w_ptrs = w2_ptr + slot.to(tl.int64) * H * I + w_offs
-    if SHARED:
-        w_ptrs = tl.where(slot == num_slots, shared_w2_ptr + w_offs, w_ptrs)
-    for chunk in range(chunks):
-        act_row, pair, is_pair, is_shared, token = _chunk_rows(
-            chunk, slot, mine, rank, token_ptr, num_pairs, num_slots, num_tokens, BLOCK_M, BLOCK_P, PAIRS_PER_TOKEN,
-            SHARED)
-        a_ptrs = act_ptr + act_row[:, None].to(tl.int64) * I + tl.arange(0, BLOCK_K)[None, :]
-        acc = _down_tile(a_ptrs, is_pair, w_ptrs, col_ok, I, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, DOT_FP32)
-        _add_rows(out_ptr, acc, weight_ptr, pair, is_pair, is_shared, token, cols, col_ok, stride_ot, SHARED)
+        route_weight = tl.where(is_shared, 1.0, route_weight)
+    acc = acc * route_weight[:, None]
+    # A token's k pairs land in different tiles: combine them with fp32 atomics (order-free sum,
+    # like index_add_ on CUDA) instead of a per-pair output buffer and a second pass.
+    out_ptrs = out_ptr + token[:, None] * stride_ot + cols[None, :]
+    tl.atomic_add(out_ptrs, acc, mask=is_pair[:, None] & col_ok[None, :])
 
 
 def _round_add_kernel(acc_ptr, add_ptr, out_ptr, n, BLOCK: tl.constexpr):
@@ -522,17 +397,10 @@ def align_pairs(slot_of: torch.Tensor, num_slots: int, block_m: int) -> AlignedP
     return align_pairs_reference(slot_of, num_slots, block_m)
 
 
-# Pairs every program of the scanning kernels reads: a decode step's, not a prefill chunk's.
-SCAN_MAX_PAIRS = 1024
-
-
 class MoEGemmConfig(NamedTuple):
     block_m: int
     gate_up: tuple[int, int, int, int]  # BLOCK_N, BLOCK_K, num_warps, num_stages
     down: tuple[int, int, int, int]
-    # Decode: each slot's programs find its pairs themselves (see _slot_pairs), without the
-    # alignment launch and its padded layout. Up to SCAN_MAX_PAIRS pairs.
-    scan: bool = False
 
 
 def pick_config(num_pairs: int, num_slots: int, dtype: torch.dtype) -> MoEGemmConfig:
@@ -540,7 +408,7 @@ def pick_config(num_pairs: int, num_slots: int, dtype: torch.dtype) -> MoEGemmCo
     bound, little padding), wide ones for prefill (compute bound)."""
     rows_per_slot = num_pairs / max(num_slots, 1)
     if rows_per_slot <= 16:
-        cfg = MoEGemmConfig(16, (64, 128, 4, 4), (64, 128, 4, 4), scan=num_pairs <= SCAN_MAX_PAIRS)
+        cfg = MoEGemmConfig(16, (64, 128, 4, 4), (64, 128, 4, 4))
     elif rows_per_slot <= 48:
         cfg = MoEGemmConfig(32, (64, 128, 4, 4), (64, 128, 4, 4))
     elif rows_per_slot <= 128:
@@ -571,6 +439,10 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     cfg = config or pick_config(num_pairs, num_slots, w13.dtype)
     # The fp32 output, which the down kernel adds into, is zeroed by the gate-up launch.
     out = torch.empty(num_tokens, hidden, dtype=torch.float32, device=x.device)
+    aligned = align_pairs_triton(slot_of, num_slots, cfg.block_m)
+    num_tiles = aligned.tile_slot.numel()
+    # The shared expert's rows follow the routed tiles, one per token (see _tile_rows).
+    tiles = num_tiles + (triton.cdiv(num_tokens, cfg.block_m) if shared is not None else 0)
     w13 = w13.contiguous()
     w2 = w2.contiguous()
     shared_w13, shared_w2 = shared if shared is not None else (w13, w2)  # not read without SHARED
@@ -583,27 +455,21 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     # fp32 operands get IEEE products like the reference's F.linear (TF32 would cost ~1e-3 relative).
     precision = "ieee" if dot_fp32 or w13.dtype == torch.float32 else "tf32"
 
-    common = dict(BLOCK_M=cfg.block_m, PRECISION=precision, DOT_FP32=dot_fp32, PAIRS_PER_TOKEN=k,
-                  SHARED=shared is not None)
-    if cfg.scan and num_pairs <= SCAN_MAX_PAIRS:
-        # act rows by pair, then the shared expert's one per token
-        act = torch.empty(num_pairs + (num_tokens if shared is not None else 0), inter, dtype=w2.dtype, device=x.device)
-        slots = num_slots + (shared is not None)
-        plain = ("num_pairs", "num_tokens", "zero_count")
-        block_p = max(16, triton.next_power_of_2(num_pairs))
-        block_n, block_k, warps, stages = cfg.gate_up
-        _jit(_gate_up_scan_kernel, *plain)[(slots, triton.cdiv(inter, block_n))](
-            xw, w13, shared_w13, act, token_of, slot_of.contiguous(), hidden, inter, num_slots, num_pairs, num_tokens,
-            xw.stride(0), out, out.numel(), BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_P=block_p, **common,
-            num_warps=warps, num_stages=stages)
-        block_n, block_k, warps, stages = cfg.down
-        _jit(_down_scan_kernel, *plain)[(slots, triton.cdiv(hidden, block_n))](
-            act, w2, shared_w2, out, token_of, weight_of, slot_of.contiguous(), hidden, inter, num_slots, num_pairs,
-            num_tokens, out.stride(0), BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_P=block_p, **common,
-            num_warps=warps, num_stages=stages)
-    else:
-        _aligned_experts(xw, w13, w2, shared_w13, shared_w2, token_of, slot_of, weight_of, out, cfg, common,
-                         tiles_shared=shared is not None)
+    act = torch.empty(tiles * cfg.block_m, inter, dtype=w2.dtype, device=x.device)
+    plain = ("num_tiles", "num_tokens", "zero_count")
+    block_n, block_k, warps, stages = cfg.gate_up
+    _jit(_gate_up_kernel, *plain)[(tiles, triton.cdiv(inter, block_n))](
+        xw, w13, shared_w13, act, token_of, aligned.row_pair, aligned.tile_slot,
+        hidden, inter, num_slots, num_tiles, num_tokens, xw.stride(0), out, out.numel(),
+        BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, DOT_FP32=dot_fp32,
+        PAIRS_PER_TOKEN=k, SHARED=shared is not None, num_warps=warps, num_stages=stages)
+
+    block_n, block_k, warps, stages = cfg.down
+    _jit(_down_kernel, *plain)[(tiles, triton.cdiv(hidden, block_n))](
+        act, w2, shared_w2, out, token_of, weight_of, aligned.row_pair, aligned.tile_slot,
+        hidden, inter, num_slots, num_tiles, num_tokens, out.stride(0),
+        BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, DOT_FP32=dot_fp32,
+        PAIRS_PER_TOKEN=k, SHARED=shared is not None, num_warps=warps, num_stages=stages)
     if pending is not None:
         add = pending()
     if add is None:
@@ -615,30 +481,6 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     _jit(_round_add_kernel, "n")[(triton.cdiv(out.numel(), block),)](
         out, add.contiguous(), summed, out.numel(), BLOCK=block, num_warps=4)
     return summed
-
-
-def _aligned_experts(xw, w13, w2, shared_w13, shared_w2, token_of, slot_of, weight_of, out, cfg, common,
-                     tiles_shared: bool) -> None:
-    """The two launches over the padded layout of align_pairs_triton: one row tile a program."""
-    num_tokens, hidden = xw.shape
-    num_slots, two_i, _ = w13.shape
-    inter = two_i // 2
-    aligned = align_pairs_triton(slot_of, num_slots, cfg.block_m)
-    num_tiles = aligned.tile_slot.numel()
-    # The shared expert's rows follow the routed tiles, one per token (see _tile_rows).
-    tiles = num_tiles + (triton.cdiv(num_tokens, cfg.block_m) if tiles_shared else 0)
-    act = torch.empty(tiles * cfg.block_m, inter, dtype=w2.dtype, device=xw.device)
-    plain = ("num_tiles", "num_tokens", "zero_count")
-    block_n, block_k, warps, stages = cfg.gate_up
-    _jit(_gate_up_kernel, *plain)[(tiles, triton.cdiv(inter, block_n))](
-        xw, w13, shared_w13, act, token_of, aligned.row_pair, aligned.tile_slot,
-        hidden, inter, num_slots, num_tiles, num_tokens, xw.stride(0), out, out.numel(),
-        BLOCK_N=block_n, BLOCK_K=block_k, **common, num_warps=warps, num_stages=stages)
-    block_n, block_k, warps, stages = cfg.down
-    _jit(_down_kernel, *plain)[(tiles, triton.cdiv(hidden, block_n))](
-        act, w2, shared_w2, out, token_of, weight_of, aligned.row_pair, aligned.tile_slot,
-        hidden, inter, num_slots, num_tiles, num_tokens, out.stride(0),
-        BLOCK_N=block_n, BLOCK_K=block_k, **common, num_warps=warps, num_stages=stages)
 
 
 def check_shared(shared: tuple[torch.Tensor, torch.Tensor], w13: torch.Tensor,

@@ -1,6 +1,4 @@
 """Fused MoE grouped GEMM (kernels/moe_gemm.py): the Triton kernels against the per-slot reference."""
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -10,8 +8,8 @@ pytest.importorskip("triton")
 
 from kernels import moe_gemm  # noqa: E402
 from kernels.moe_gemm import (  # noqa: E402
-    SCAN_MAX_PAIRS, MoEGemmConfig, align_pairs_reference, align_pairs_triton, fused_experts, fused_experts_reference,
-    fused_experts_triton, max_tiles, pick_config,
+    MoEGemmConfig, align_pairs_reference, align_pairs_triton, fused_experts, fused_experts_reference,
+    fused_experts_triton, max_tiles,
 )
 
 TOLERANCE = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
@@ -35,15 +33,6 @@ def make_routing(num_tokens, topk, allowed_slots, device, seed=0):
     return token_of.to(device), slot_of.to(device), weight_of.to(device)
 
 
-def layout(scan, slot_of, num_slots, dtype):
-    """The built-in decode shapes, with the pairs found by each slot's programs (scan) or through
-    the alignment's padded layout."""
-    return pick_config(slot_of.numel(), num_slots, dtype)._replace(scan=scan)
-
-
-SCAN = pytest.mark.parametrize("scan", [True, False], ids=["scan", "aligned"])
-
-
 def check(x, w13, w2, token_of, slot_of, weight_of, config=None):
     got = fused_experts_triton(x, w13, w2, token_of, slot_of, weight_of, config=config)
     want = fused_experts_reference(x, w13, w2, token_of, slot_of, weight_of)
@@ -56,21 +45,19 @@ def check(x, w13, w2, token_of, slot_of, weight_of, config=None):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_tokens", [1, 5, 33])
-@SCAN
-def test_matches_reference(device, dtype, num_tokens, scan):
+def test_matches_reference(device, dtype, num_tokens):
     hidden, inter, num_slots, topk = 64, 32, 8, 2
     w13, w2 = make_weights(num_slots, hidden, inter, dtype, device)
     x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(2)).to(device, dtype)
     # Slots 2 and 6 get no tokens: the layout must skip them without a tile.
     token_of, slot_of, weight_of = make_routing(num_tokens, topk, [0, 1, 3, 4, 5, 7], device)
-    out = check(x, w13, w2, token_of, slot_of, weight_of, layout(scan, slot_of, num_slots, dtype))
+    out = check(x, w13, w2, token_of, slot_of, weight_of)
     assert out.abs().max() > 0.1  # a kernel that wrote nothing would not pass as "close to zero"
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("num_tokens", [1, 33])
-@SCAN
-def test_scratch_is_cleared_by_the_kernels(device, num_tokens, scan, monkeypatch):
+def test_scratch_is_cleared_by_the_kernels(device, num_tokens, monkeypatch):
     """The slot counts (zeroed by the one-program alignment) and the fp32 sum (zeroed by the
     gate-up launch) come from torch.empty: garbage there must not reach the result."""
     poison_empty(monkeypatch)
@@ -78,7 +65,7 @@ def test_scratch_is_cleared_by_the_kernels(device, num_tokens, scan, monkeypatch
     w13, w2 = make_weights(num_slots, hidden, inter, torch.float32, device)
     x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(2)).to(device)
     token_of, slot_of, weight_of = make_routing(num_tokens, topk, [0, 1, 3, 4, 5, 7], device)
-    check(x, w13, w2, token_of, slot_of, weight_of, layout(scan, slot_of, num_slots, torch.float32))
+    check(x, w13, w2, token_of, slot_of, weight_of)
     aligned = align_pairs_triton(slot_of, num_slots, 16)
     assert torch.equal(aligned.counts.cpu(), align_pairs_reference(slot_of.cpu(), num_slots, 16).counts)
 
@@ -128,8 +115,7 @@ def test_add_is_rounded_sum_plus_add(device, dtype):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_tokens,topk,explicit", [(1, 2, False), (21, 3, False), (21, 3, True), (5, 0, True)])
-@SCAN
-def test_shared_expert_as_one_more_slot(device, dtype, num_tokens, topk, explicit, scan):
+def test_shared_expert_as_one_more_slot(device, dtype, num_tokens, topk, explicit):
     """The shared expert computed in the routed experts' launches (its tiles after theirs; 21
     tokens leave a part-filled tile) against the reference: the routed sum plus the shared MLP.
     topk 0: no routed pair at all, only the shared expert."""
@@ -140,8 +126,7 @@ def test_shared_expert_as_one_more_slot(device, dtype, num_tokens, topk, explici
     x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(32)).to(device, dtype)
     token_of, slot_of, weight_of = make_routing(num_tokens, topk, list(range(num_slots)), device, seed=33)
     token_arg = token_of if explicit else None
-    got = fused_experts_triton(x, w13, w2, token_arg, slot_of, weight_of, shared=shared,
-                               config=layout(scan, slot_of, num_slots, dtype))
+    got = fused_experts_triton(x, w13, w2, token_arg, slot_of, weight_of, shared=shared)
     want = fused_experts_reference(x, w13, w2, token_of, slot_of, weight_of, shared=shared)
     torch.testing.assert_close(got.float(), want.float(), **TOLERANCE[dtype])
     # the reference's shared part is the MLP itself
@@ -159,8 +144,7 @@ SMALL_BLOCKS = MoEGemmConfig(16, (16, 16, 1, 2), (16, 16, 1, 2))
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("config", [None, SMALL_BLOCKS, SMALL_BLOCKS._replace(scan=True)],
-                         ids=["default", "small", "small-scan"])
+@pytest.mark.parametrize("config", [None, SMALL_BLOCKS], ids=["default", "small"])
 def test_sizes_not_multiples_of_blocks(device, dtype, config):
     # H=40, I=24: K loops and column tiles end in a partial block (several blocks with SMALL_BLOCKS).
     hidden, inter, num_slots, topk, num_tokens = 40, 24, 5, 3, 7
@@ -170,23 +154,21 @@ def test_sizes_not_multiples_of_blocks(device, dtype, config):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("block_m,scan", [(16, False), (32, False), (64, False), (16, True)])
-def test_every_row_tile_size(device, block_m, scan):
-    # Uneven load (one hot slot spanning several tiles, the rest thin) under each row-tile size;
-    # scanning, the hot slot's programs take its 41 pairs 16 at a time.
+@pytest.mark.parametrize("block_m", [16, 32, 64])
+def test_every_row_tile_size(device, block_m):
+    # Uneven load (one hot slot spanning several tiles, the rest thin) under each row-tile size.
     hidden, inter, num_slots, num_tokens = 64, 32, 4, 40
     w13, w2 = make_weights(num_slots, hidden, inter, torch.float32, device, seed=5)
     x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(6)).to(device)
     token_of = torch.cat([torch.arange(num_tokens), torch.tensor([0, 3, 9, 39])]).to(device)
     slot_of = torch.cat([torch.zeros(num_tokens, dtype=torch.long), torch.tensor([1, 3, 3, 1])]).to(device)
     weight_of = torch.linspace(0.2, 1.0, token_of.numel()).to(device)
-    config = MoEGemmConfig(block_m, (32, 32, 4, 2), (32, 32, 4, 2), scan=scan)
+    config = MoEGemmConfig(block_m, (32, 32, 4, 2), (32, 32, 4, 2))
     check(x, w13, w2, token_of, slot_of, weight_of, config=config)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@SCAN
-def test_arbitrary_pairs(device, scan):
+def test_arbitrary_pairs(device):
     """Pairs in any order (as expert parallelism delivers them), tokens with no pair, a token
     sent twice to the same slot: the sum is over pairs, whatever their layout."""
     hidden, inter, num_slots, num_tokens = 64, 32, 8, 6
@@ -195,7 +177,7 @@ def test_arbitrary_pairs(device, scan):
     token_of = torch.tensor([4, 0, 4, 2, 0, 4, 4]).to(device)
     slot_of = torch.tensor([7, 3, 1, 3, 7, 1, 5]).to(device)
     weight_of = torch.tensor([0.5, 1.0, 0.25, 2.0, 0.75, 0.25, 1.5]).to(device)
-    out = check(x, w13, w2, token_of, slot_of, weight_of, layout(scan, slot_of, num_slots, torch.float32))
+    out = check(x, w13, w2, token_of, slot_of, weight_of)
     assert (out[[1, 3, 5]] == 0).all()  # tokens without pairs stay exactly zero
     assert (out[[0, 2, 4]].abs().amax(dim=1) > 0).all()
 
@@ -207,13 +189,6 @@ def test_no_pairs(device):
     empty_long = torch.empty(0, dtype=torch.long, device=device)
     out = fused_experts_triton(x, w13, w2, empty_long, empty_long, torch.empty(0, device=device))
     assert out.shape == (3, 64) and (out == 0).all()
-
-
-def test_scanning_is_for_decode_steps():
-    # Every program reads all pairs: up to SCAN_MAX_PAIRS, and only with the decode tiles.
-    assert pick_config(SCAN_MAX_PAIRS, 256, torch.bfloat16).scan
-    assert not pick_config(SCAN_MAX_PAIRS + 1, 256, torch.bfloat16).scan
-    assert not pick_config(4096, 64, torch.bfloat16).scan
 
 
 def assert_valid_layout(aligned, slot_of, num_slots, block_m):
@@ -328,7 +303,7 @@ def test_no_host_sync_and_cuda_graph():
 
 def test_module_keeps_engine_out():
     # kernels/ sits below engine/: importing engine or ray from here would invert the layering.
-    source = Path(moe_gemm.__file__).read_text()
+    source = open(moe_gemm.__file__).read()
     assert "import ray" not in source and "from engine" not in source and "import engine" not in source
 
 
