@@ -92,7 +92,7 @@ if triton is not None:
                            num_heads, head_dim, width, block_size, w_scale, zero_ptr, zero_per_row,
                            HEADS: tl.constexpr, DIM: tl.constexpr, TILE: tl.constexpr,
                            PRECISION: tl.constexpr, UPCAST: tl.constexpr, SCALED: tl.constexpr,
-                           ZERO: tl.constexpr):
+                           ZERO: tl.constexpr, SKIP_DEAD: tl.constexpr):
         seq = tl.program_id(0)
         pos = tl.program_id(1) * TILE + tl.arange(0, TILE)
         if ZERO:  # the selection's zeroed workspace, cleared here instead of by a launch of its own:
@@ -105,6 +105,9 @@ if triton is not None:
                 tl.store(zero_ptr + seq * zero_per_row + idx, tl.zeros([256], dtype=tl.int32),
                          mask=(idx < first + share) & (idx < zero_per_row))
         g_len = tl.load(lens_ptr + seq)
+        if SKIP_DEAD:  # the one-launch select reads no score past g_len: a tile past it has no work
+            if tl.program_id(1) * TILE >= g_len:
+                return
         live = pos < g_len
         # Past g_len the table may be garbage: the masked load never reads it.
         block = tl.load(table_ptr + seq * stride_tb + (pos // block_size) * stride_tm, mask=live, other=0)
@@ -266,8 +269,10 @@ def score_tune_key(num_heads: int, head_dim: int, fp8: bool) -> str:
 def _score_launch(q, w, index_keys, block_tables, g_lens, block_size,
                   tile: int | None = None, num_warps: int | None = None,
                   key_scale: torch.Tensor | None = None, w_scale: float = 1.0,
-                  zero: torch.Tensor | None = None) -> torch.Tensor:
-    """[B, width] fp32 scores; `zero` (int32, B rows' worth: the selection's workspace) is zeroed too."""
+                  zero: torch.Tensor | None = None, skip_dead: bool = False) -> torch.Tensor:
+    """[B, width] fp32 scores, -inf past each row's g_len; `zero` (int32, B rows' worth: the
+    selection's workspace) is zeroed too. `skip_dead`: tiles wholly past g_len are not written
+    (for the one-launch select, which never reads there)."""
     num_seqs, num_heads, head_dim = q.shape
     width = block_tables.shape[1] * block_size
     out = torch.empty(num_seqs, width, device=q.device, dtype=torch.float32)
@@ -301,7 +306,7 @@ def _score_launch(q, w, index_keys, block_tables, g_lens, block_size,
         num_heads, head_dim, width, block_size, float(w_scale), zero if zero is not None else g_lens,
         zero.numel() // num_seqs if zero is not None else 0,
         HEADS=heads, DIM=dim, TILE=tile, PRECISION="ieee" if fp32 else "tf32", UPCAST=upcast, SCALED=scaled,
-        ZERO=zero is not None, num_warps=num_warps,
+        ZERO=zero is not None, SKIP_DEAD=skip_dead, num_warps=num_warps,
     )
     return out
 
@@ -441,7 +446,7 @@ def indexer_topk_triton(q: torch.Tensor, w: torch.Tensor, index_keys: torch.Tens
     elif method == "fused":
         ws = torch.empty(num_seqs, WORKSPACE_COLS, device=q.device, dtype=torch.int32)
     scores = _score_launch(q, w, index_keys, block_tables, g_lens, block_size, key_scale=key_scale, w_scale=w_scale,
-                           zero=ws)
+                           zero=ws, skip_dead=method == "fused")
     return select_topk_triton(scores, g_lens, topk, method=method, hist=ws)
 
 

@@ -12,6 +12,9 @@ programs (a span of positions each) that run six phases:
     5    emit the span's positions: above the k-th at their rank among the row's, then the
          latest positions equal to it into the places left (the reference's tie rule).
 
+Positions at or past a row's length (g_len) are never read: they count as -inf keys, added by
+the row's last live part, and parts holding only such positions leave at once.
+
 Between phases the row's programs wait on a counter (`_row_barrier`). They can only all be
 running together if the programs that wait were not started before their partners could be:
 each program takes its (row, part) from a ticket counter in the order it started, so the
@@ -120,6 +123,17 @@ if triton is not None:
         row_scores = scores_ptr + seq * stride_sb
         start = part * span
         g_len = tl.load(lens_ptr + seq)
+        # Only positions below g_len are read. A decode step's rows are as wide as its longest
+        # sequence's table padded to a graph's bucket (up to 1.25x), and shorter rows have more
+        # past their length. Those positions count as -inf keys without a load (the last live
+        # part adds them), and the parts that hold only them leave at once: the row's barriers
+        # wait for its live parts alone (part 0 always, which fills the unused places).
+        live_end = tl.minimum(g_len, width)
+        live_parts = tl.maximum(tl.cdiv(live_end, span), 1)
+        if part >= live_parts:
+            return
+        live_span = tl.maximum(tl.minimum(span, live_end - start), 0)
+        dead = tl.where(part == live_parts - 1, width - live_end, 0)
 
         # The k-th largest key's bytes known when phase FIRST starts (a launch of its own
         # re-reads them; within one launch they are carried from phase to phase).
@@ -131,14 +145,22 @@ if triton is not None:
 
         for phase in tl.static_range(FIRST, LAST + 1):
             if phase > FIRST:
-                _row_barrier(sync_ptr, parts * (phase - FIRST))
+                _row_barrier(sync_ptr, live_parts * (phase - FIRST))
                 if phase <= 4:
                     prefix, rank = _hist_digit(hist_ptr, prefix, rank, phase - 1)
             if phase < 4:
-                counts = tl.zeros([256], dtype=tl.int32)
-                for off in range(0, span, BLOCK):
+                bins = tl.arange(0, 256)
+                # The dead positions' key, _order_key(-inf), where it still matches the prefix.
+                dead_key = 0x007FFFFF
+                if phase == 0:
+                    dead_match = dead > 0
+                else:
+                    dead_match = (dead > 0) & ((dead_key >> (32 - 8 * phase)) == prefix)
+                dead_byte = (dead_key >> (24 - 8 * phase)) & 0xFF
+                counts = tl.where(dead_match & (bins == dead_byte), dead, 0).to(tl.int32)
+                for off in range(0, live_span, BLOCK):
                     pos = start + off + tl.arange(0, BLOCK)
-                    in_row = pos < width
+                    in_row = pos < live_end
                     key = _order_key(tl.load(row_scores + pos, mask=in_row, other=float("-inf")))
                     match = in_row
                     if phase > 0:
@@ -156,15 +178,14 @@ if triton is not None:
                             counts += tl.histogram(tl.where(match, byte, 0).to(tl.int32), 256)
                     else:
                         counts += tl.histogram(tl.where(match, byte, 0).to(tl.int32), 256)
-                bins = tl.arange(0, 256)
                 tl.atomic_add(hist_ptr + phase * 256 + bins, counts, mask=counts > 0, sem="relaxed")
             elif phase == 4:
                 kth = _key_to_score(prefix)
                 n_above = tl.zeros([], dtype=tl.int32)
                 n_equal = tl.zeros([], dtype=tl.int32)
-                for off in range(0, span, BLOCK):
+                for off in range(0, live_span, BLOCK):
                     pos = start + off + tl.arange(0, BLOCK)
-                    live = (pos < g_len) & (pos < width)
+                    live = pos < live_end
                     s = tl.load(row_scores + pos, mask=live, other=float("-inf"))
                     n_above += tl.sum((live & (s > kth)).to(tl.int32), axis=0)
                     n_equal += tl.sum((live & (s == kth)).to(tl.int32), axis=0)
@@ -173,7 +194,7 @@ if triton is not None:
             else:
                 kth = _key_to_score(prefix)
                 c = tl.arange(0, PARTS)
-                c_ok = c < parts
+                c_ok = c < live_parts
                 above = tl.load(above_ptr + c, mask=c_ok, other=0, cache_modifier=".cg")
                 equal = tl.load(equal_ptr + c, mask=c_ok, other=0, cache_modifier=".cg")
                 total_above = tl.sum(above, axis=0)
@@ -182,9 +203,9 @@ if triton is not None:
                 later_ties = tl.sum(tl.where(c >= part, equal, 0), axis=0)  # ties from this span on
                 ties_wanted = k - total_above
                 row_out = out_ptr + seq * stride_ob
-                for off in range(0, span, BLOCK):
+                for off in range(0, live_span, BLOCK):
                     pos = start + off + tl.arange(0, BLOCK)
-                    live = (pos < g_len) & (pos < width)
+                    live = pos < live_end
                     s = tl.load(row_scores + pos, mask=live, other=float("-inf"))
                     is_above = live & (s > kth)
                     tl.store(row_out + ranked + tl.cumsum(is_above.to(tl.int32), axis=0) - 1, pos, mask=is_above)
@@ -227,7 +248,8 @@ def select_rows(scores: torch.Tensor, g_lens: torch.Tensor, out: torch.Tensor, k
                 sparse_from: int | None = None, ws: torch.Tensor | None = None) -> torch.Tensor:
     """Write into out [B, topk] int32 the positions of each row's k highest scores (equal
     scores: latest position first; positions >= g_len never), -1 after them. scores [B, width]
-    fp32 with -inf past g_len; g_lens int32 on the scores' device; 1 <= k <= width.
+    fp32, never read at or past g_len (any content there); g_lens int32 on the scores' device;
+    1 <= k <= width.
     `phased` runs each phase as its own launch (the default off a GPU); `span` (a multiple of
     `block`, the positions a program loads a step) overrides the positions a program covers
     (bench.probe_select times the choices). `sparse_from`: the first byte pass that counts

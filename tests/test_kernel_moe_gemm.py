@@ -1,4 +1,6 @@
 """Fused MoE grouped GEMM (kernels/moe_gemm.py): the Triton kernels against the per-slot reference."""
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -303,7 +305,7 @@ def test_no_host_sync_and_cuda_graph():
 
 def test_module_keeps_engine_out():
     # kernels/ sits below engine/: importing engine or ray from here would invert the layering.
-    source = open(moe_gemm.__file__).read()
+    source = Path(moe_gemm.__file__).read_text()
     assert "import ray" not in source and "from engine" not in source and "import engine" not in source
 
 
