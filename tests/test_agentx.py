@@ -3,6 +3,7 @@ Serve application on the tiny model."""
 import asyncio
 import json
 import math
+import os
 
 import pytest
 
@@ -199,6 +200,7 @@ def test_replay_against_the_served_app(tiny_ckpt, tmp_path):
     with LocalServe(args, num_cpus=2) as srv:
         _wait_ready(srv.url, "tiny", limit_s=180)
         level = asyncio.run(client.run_level(srv.url, sessions, 2, 2, model="tiny", progress=False))
+    assert not os.path.exists(srv.temp_dir)  # a clean run leaves no Ray temp dir behind
     recs = level["records"]
     assert len(recs) == 4 and all(r["ok"] for r in recs), [r.get("error") for r in recs]
     trace = {(s[0].session_id, r.turn): r for s in sessions for r in s}

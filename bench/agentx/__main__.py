@@ -21,6 +21,7 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import socket
 import subprocess
 import sys
@@ -131,7 +132,9 @@ def _wait_ready(base_url: str, model: str, limit_s: float = 300) -> None:
 
 
 class LocalServe:
-    """The Serve application on a local Ray with its own temp dir; shut down on exit."""
+    """The Serve application on a local Ray with its own temp dir; shut down on exit. The temp dir
+    (Ray's session and the workers' logs) is removed after a clean run and kept, its path printed,
+    after a failure."""
 
     def __init__(self, args: dict, num_cpus: int | None = None, ray_logs: bool = False):
         self.args, self.num_cpus, self.ray_logs = args, num_cpus or os.cpu_count(), ray_logs
@@ -142,16 +145,17 @@ class LocalServe:
 
         from app.main import build_app
         port = _free_port()
+        # Short, under /tmp: Ray's socket paths inside it must fit a Unix socket name.
+        self.temp_dir = tempfile.mkdtemp(prefix="agentx-ray-")
         # worker logs would scroll the progress bar away; they stay in the temp dir's logs
         ray.init(num_cpus=self.num_cpus, include_dashboard=False, logging_level="ERROR",
-                 log_to_driver=self.ray_logs,
-                 _temp_dir=tempfile.mkdtemp(prefix="agentx-ray-"),
+                 log_to_driver=self.ray_logs, _temp_dir=self.temp_dir,
                  runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
         try:
             serve.start(http_options={"host": "127.0.0.1", "port": port})
             serve.run(build_app(self.args), name="wideep", route_prefix="/", blocking=False)
         except BaseException:
-            self.__exit__()
+            self.__exit__(*sys.exc_info())
             raise
         self.url = f"http://127.0.0.1:{port}"
         return self
@@ -163,13 +167,17 @@ class LocalServe:
         except Exception:  # stats are a bonus; the benchmark's figures come from the client
             return None
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type=None, *exc):
         import ray
         from ray import serve
         try:
             serve.shutdown()
         finally:
             ray.shutdown()
+            if exc_type is None:
+                shutil.rmtree(self.temp_dir, ignore_errors=True)
+            else:
+                print(f"Ray's logs of this run: {self.temp_dir}/session_latest/logs", file=sys.stderr)
 
 
 def _model_facts(args: dict) -> dict:
