@@ -15,7 +15,7 @@ programs (a span of positions each) that run six phases:
 Positions at or past a row's length (g_len) are never read: they count as -inf keys, added by
 the row's last live part, and parts holding only such positions leave at once.
 
-Between phases the row's programs wait on a counter (`_row_barrier`). They can only all be
+Between phases the row's live programs wait on a counter (`_row_barrier`). They can only all be
 running together if the programs that wait were not started before their partners could be:
 each program takes its (row, part) from a ticket counter in the order it started, so the
 programs a waiting one depends on were started no later than it was. A row has at most
