@@ -29,10 +29,11 @@ def main(argv=None) -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--widths", type=int, nargs="+", default=list(WIDTHS))
+    ap.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
     args = ap.parse_args(argv)
     rows = []
     for width in args.widths:
-        for batch in BATCHES:
+        for batch in args.batches:
             g = torch.Generator(device="cuda").manual_seed(batch * width)
             scores = torch.randn(batch, width, device="cuda", generator=g)
             # about 8K live positions a row, as a context of 8K in a wider graph bucket
@@ -61,7 +62,7 @@ def main(argv=None) -> None:
             f.writelines(json.dumps(r) + "\n" for r in rows)
     print("\n| width | batch | " + " | ".join(dict.fromkeys(r["choice"] for r in rows)) + " |")
     for width in args.widths:
-        for batch in BATCHES:
+        for batch in args.batches:
             cells = [f"{r['us']:.1f}" for r in rows if r["batch"] == batch and r["width"] == width]
             print(f"| {width} | {batch} | " + " | ".join(cells) + " |")
 

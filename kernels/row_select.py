@@ -48,11 +48,12 @@ BLOCK = 512
 TARGET_PROGRAMS = 2048
 # From this byte pass on, a block where at most SPARSE_MAX keys still match adds them by atomics,
 # for batches of up to SPARSE_MAX_ROWS rows. On the H200 at the decode step's row width for 8K
-# (10240; bench.probe_select, RESULTS ninth session) that took 14.3 against 15.7 us at batch 1 and
-# 16.2 against 18.3 at 16, but 35.1 against 29.7 at 64, where every pass stays a histogram.
+# (10240, 8193 live; bench.probe_select) that took 16.1 against 18.2 us at batch 16 and 23.2
+# against 28.6 at 64, and the batch-64 step 4.36 against 4.44 ms (RESULTS, twelfth session). Rows
+# past 64 are unmeasured, so they keep the histograms.
 SPARSE_FROM = 2
 SPARSE_MAX = 64
-SPARSE_MAX_ROWS = 16
+SPARSE_MAX_ROWS = 64
 _HIST = 4 * 256
 # A row's zeroed workspace: histograms, counts, barrier; the ticket is the last entry of row 0's.
 WORKSPACE_COLS = _HIST + 2 * MAX_PARTS + 2
