@@ -12,6 +12,7 @@ random global KV (and a full window ring), then the same decode step is replayed
 - roofline_ms: bytes the step must read (weights it touches + KV it reads) / copy bandwidth
   measured in the same run (a device-to-device copy reads and writes: 2 x bytes / time);
   roofline_pct = roofline_ms / forward_ms;
+- pdl: the kernels' programmatic dependent launch mode (kernels/pdl.py, WIDEEP_PDL; 0 = off);
 - moe_share (--moe-share): 1 - forward time with every MoE layer replaced by a no-op / full.
 `--index-topk-freq 1 4 16` adds rows with the indexer scoring in every n-th layer only
 (EngineConfig.index_topk_freq); their roofline counts only the index keys those layers read.
@@ -35,6 +36,7 @@ from engine.moe import MoE
 from engine.sampling import SamplingParams
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence, Status
+from kernels import pdl
 
 
 def copy_bandwidth(device, nbytes=2 << 30, rounds: int = 3) -> float:
@@ -478,7 +480,8 @@ def main(argv=None):
         row = dict(preset=args.preset, device=args.device, batch=args.batch, context=context, kv_dtype=kv_dtype,
                    index_dtype=str(engine.runner.kv.index_keys.dtype).removeprefix("torch.")
                    if engine.runner.kv.index_keys is not None else None, index_topk_freq=freq, moe_gemm=gemm,
-                   graphs=engine.runner.graphs is not None, forward_ms=round(fwd, 3), step_ms=round(step, 3),
+                   graphs=engine.runner.graphs is not None, pdl=pdl.pdl_mode(torch.empty(0, device=args.device)),
+                   forward_ms=round(fwd, 3), step_ms=round(step, 3),
                    tok_s=round(args.batch / fwd * 1e3, 1), bytes_per_step_gb=round(nbytes / 1e9, 3),
                    copy_gbs=bw and round(bw / 1e9, 1), roofline_ms=roof and round(roof, 3),
                    roofline_pct=roof and round(100 * roof / fwd, 1),

@@ -22,6 +22,7 @@ from .tuning import tuned_config
 try:
     import triton
     import triton.language as tl
+    from .pdl import pdl_enter, pdl_launch
 except Exception:  # a CPU-only install without triton still gets the reference
     triton = None
     tl = None
@@ -92,7 +93,8 @@ if triton is not None:
                            num_heads, head_dim, width, block_size, w_scale, zero_ptr, zero_per_row,
                            HEADS: tl.constexpr, DIM: tl.constexpr, TILE: tl.constexpr,
                            PRECISION: tl.constexpr, UPCAST: tl.constexpr, SCALED: tl.constexpr,
-                           ZERO: tl.constexpr, SKIP_DEAD: tl.constexpr):
+                           ZERO: tl.constexpr, SKIP_DEAD: tl.constexpr, PDL: tl.constexpr = 0):
+        pdl_enter(PDL)
         seq = tl.program_id(0)
         pos = tl.program_id(1) * TILE + tl.arange(0, TILE)
         if ZERO:  # the selection's zeroed workspace, cleared here instead of by a launch of its own:
@@ -158,19 +160,21 @@ if triton is not None:
         tl.store(state_ptr + (PASS * 2 + 1) * num_seqs + seq, rank)
 
     @triton.jit(do_not_specialize=["num_seqs", "k"])
-    def _radix_kth_kernel(hist_ptr, state_ptr, kth_ptr, num_seqs, k):
+    def _radix_kth_kernel(hist_ptr, state_ptr, kth_ptr, num_seqs, k, PDL: tl.constexpr = 0):
         """The k-th score of each row from the last histogram (kth_scores called on its own)."""
+        pdl_enter(PDL)
         seq = tl.program_id(0)
         prefix, _ = _radix_state(hist_ptr, state_ptr, seq, num_seqs, k, 3)
         tl.store(kth_ptr + seq, _key_to_score(prefix.to(tl.uint32, bitcast=True)))
 
     @triton.jit(do_not_specialize=["num_seqs", "span", "k"])
     def _radix_pass_kernel(scores_ptr, hist_ptr, state_ptr, stride_sb, width, num_seqs, span, k,
-                           PASS: tl.constexpr, BLOCK: tl.constexpr):
+                           PASS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
         """Histogram of the PASS-th byte (from the top) of the keys that match the k-th
         largest key in the bytes before it, over `span` positions of the row; counts are added
         into hist[PASS, seq]. The span is a runtime loop, not a block size, so one build serves
         every batch size and context."""
+        pdl_enter(PDL)
         seq = tl.program_id(0)
         start = tl.program_id(1) * span
         if PASS > 0:
@@ -196,7 +200,8 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["stride_cb", "num_seqs", "k"])
     def _count_chunk_kernel(scores_ptr, kth_ptr, lens_ptr, above_ptr, equal_ptr, hist_ptr, state_ptr,
-                            stride_sb, stride_cb, width, num_seqs, k, CHUNK: tl.constexpr, RADIX: tl.constexpr):
+                            stride_sb, stride_cb, width, num_seqs, k, CHUNK: tl.constexpr, RADIX: tl.constexpr, PDL: tl.constexpr = 0):
+        pdl_enter(PDL)
         seq = tl.program_id(0)
         chunk = tl.program_id(1)
         pos = chunk * CHUNK + tl.arange(0, CHUNK)
@@ -215,7 +220,8 @@ if triton is not None:
     @triton.jit(do_not_specialize=["stride_cb", "num_chunks", "k"])
     def _emit_chunk_kernel(scores_ptr, kth_ptr, lens_ptr, above_ptr, equal_ptr, out_ptr,
                            stride_sb, stride_cb, stride_ob, width, num_chunks, k, topk,
-                           CHUNK: tl.constexpr, SUMS: tl.constexpr, FILL: tl.constexpr):
+                           CHUNK: tl.constexpr, SUMS: tl.constexpr, FILL: tl.constexpr, PDL: tl.constexpr = 0):
+        pdl_enter(PDL)
         seq = tl.program_id(0)
         chunk = tl.program_id(1)
         # The per-chunk counts are summed SUMS at a time in a loop, so one build serves every width.
@@ -306,8 +312,7 @@ def _score_launch(q, w, index_keys, block_tables, g_lens, block_size,
         num_heads, head_dim, width, block_size, float(w_scale), zero if zero is not None else g_lens,
         zero.numel() // num_seqs if zero is not None else 0,
         HEADS=heads, DIM=dim, TILE=tile, PRECISION="ieee" if fp32 else "tf32", UPCAST=upcast, SCALED=scaled,
-        ZERO=zero is not None, SKIP_DEAD=skip_dead, num_warps=num_warps,
-    )
+        ZERO=zero is not None, SKIP_DEAD=skip_dead, num_warps=num_warps, **pdl_launch(q))
     return out
 
 
@@ -353,7 +358,7 @@ def kth_scores(scores: torch.Tensor, k: int, method: str | None = None, span: in
         return torch.topk(scores, k, dim=1, sorted=False).values.amin(dim=1)
     hist, state = radix_passes(scores, k, span, block, num_warps)
     kth = torch.empty(num_seqs, device=scores.device, dtype=torch.float32)
-    _radix_kth_kernel[(num_seqs,)](hist, state, kth, num_seqs, k, num_warps=1)
+    _radix_kth_kernel[(num_seqs,)](hist, state, kth, num_seqs, k, num_warps=1, **pdl_launch(hist))
     return kth
 
 
@@ -377,7 +382,7 @@ def radix_passes(scores: torch.Tensor, k: int, span: int | None = None, block: i
     for p in range(4):
         _radix_pass_kernel[(num_seqs, triton.cdiv(width, span))](
             scores, hist, state, scores.stride(0), width, num_seqs, span, k, PASS=p, BLOCK=block,
-            num_warps=num_warps)
+            num_warps=num_warps, **pdl_launch(scores))
     return hist, state
 
 
@@ -425,10 +430,10 @@ def select_topk_triton(scores: torch.Tensor, g_lens: torch.Tensor, topk: int,
     equal = torch.empty_like(above)
     grid = (num_seqs, num_chunks)
     _count_chunk_kernel[grid](scores, kth, g_lens, above, equal, hist, state, scores.stride(0), above.stride(0),
-                              width, num_seqs, k, CHUNK=chunk, RADIX=method == "radix", num_warps=4)
+                              width, num_seqs, k, CHUNK=chunk, RADIX=method == "radix", num_warps=4, **pdl_launch(scores))
     _emit_chunk_kernel[grid](scores, kth, g_lens, above, equal, out,
                              scores.stride(0), above.stride(0), out.stride(0), width, num_chunks, k, topk,
-                             CHUNK=chunk, SUMS=_EMIT_SUMS, FILL=fill, num_warps=4)
+                             CHUNK=chunk, SUMS=_EMIT_SUMS, FILL=fill, num_warps=4, **pdl_launch(scores))
     return out
 
 

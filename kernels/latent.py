@@ -19,6 +19,7 @@ from .rope import apply_rope_reference
 try:
     import triton
     import triton.language as tl
+    from .pdl import pdl_enter, pdl_launch
     from .rmsnorm import _rstd, cast_rne
 except Exception:  # the reference path must keep working where triton is absent
     triton = None
@@ -42,7 +43,8 @@ if triton is not None:
                        q_ptr, q_w_ptr, q_out_ptr, QC, stride_q, q_eps,
                        slot_ptr, slab_ptr, key_ptr, key_slab_ptr, KD, stride_key,
                        HALF: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                       INTERLEAVE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_KEY: tl.constexpr):
+                       INTERLEAVE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_KEY: tl.constexpr, PDL: tl.constexpr = 0):
+        pdl_enter(PDL)
         tok = tl.program_id(0).to(tl.int64)
         DTYPE: tl.constexpr = out_ptr.dtype.element_ty
         row = kv_ptr + tok * stride_kv
@@ -145,7 +147,7 @@ def latent_triton(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch
         BLOCK_Q=block_q, BLOCK_KEY=triton.next_power_of_2(key.shape[1]) if write is not None else 0,
         num_warps=max(1, min(8, max(block_c, block_q) // 512)),
         enable_fp_fusion=False,  # the rounding the interpreter (and so the CPU tests) sees
-    )
+        **pdl_launch(kv))
     return (out, q_out) if q_norm is not None else out
 
 

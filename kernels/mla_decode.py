@@ -30,6 +30,7 @@ from kernels.tuning import BATCH_BUCKETS, batch_bucket, tuned_config
 try:
     import triton
     import triton.language as tl
+    from .pdl import pdl_enter, pdl_launch
 except Exception:  # the reference path needs no Triton
     triton = None
 
@@ -137,7 +138,8 @@ if triton is not None:
             BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
             IS_FP8: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_WINDOW: tl.constexpr, RING: tl.constexpr,
             PREC: tl.constexpr, SLOTS: tl.constexpr, Q_RELOAD: tl.constexpr,
-            UPCAST: tl.constexpr):
+            UPCAST: tl.constexpr, PDL: tl.constexpr = 0):
+        pdl_enter(PDL)
         split = tl.program_id(0)
         head_group = tl.program_id(1)
         b = tl.program_id(2)
@@ -223,9 +225,10 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["stride_topk", "stride_tb", "table_keys", "num_topk"])
     def _resolve_slots_kernel(topk_ptr, stride_topk, table_ptr, stride_tb, table_keys, glen_ptr, out_ptr,
-                              num_topk, block_size, BLOCK: tl.constexpr):
+                              num_topk, block_size, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
         """Top-k positions to KV slots (-1 where none or past the sequence), once per layer: the
         attention programs then load a slot and its row, two dependent reads instead of three."""
+        pdl_enter(PDL)
         idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         b = tl.program_id(1)
         ok = idx < num_topk
@@ -239,7 +242,8 @@ if triton is not None:
     @triton.jit(do_not_specialize=["num_splits"])
     def _merge_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, stride_ob, stride_oh,
                       num_splits, num_heads, kv_lora,
-                      BLOCK_SC: tl.constexpr, BLOCK_CC: tl.constexpr):
+                      BLOCK_SC: tl.constexpr, BLOCK_CC: tl.constexpr, PDL: tl.constexpr = 0):
+        pdl_enter(PDL)
         col_block = tl.program_id(0)
         h = tl.program_id(1)
         b = tl.program_id(2)
@@ -396,7 +400,7 @@ def mla_decode_triton(q, kv, kv_scale, block_tables, g_lens, block_size: int, sm
         resolved = torch.empty(b, n_cap, dtype=torch.int32, device=q.device)
         _resolve_slots_kernel[(triton.cdiv(n_cap, 1024), b)](
             topk_pos, topk_pos.stride(0), block_tables, block_tables.stride(0), block_tables.shape[1] * block_size,
-            g_lens, resolved, n_cap, block_size, BLOCK=1024, num_warps=4)
+            g_lens, resolved, n_cap, block_size, BLOCK=1024, num_warps=4, **pdl_launch(topk_pos))
         topk_pos = resolved
     if split_kernel is _rows_split_kernel or split_kernel is _gluon_split_kernel:
         # One stage at 64-key tiles hit an illegal address on the H200 (Triton 3.6), with and
@@ -442,7 +446,7 @@ def mla_decode_triton(q, kv, kv_scale, block_tables, g_lens, block_size: int, sm
         h, kv_lora, rope, block_size, keys_per_split, num_global, sm_scale * _LOG2E)
     consts = dict(BLOCK_H=block_h, BLOCK_C=block_c, BLOCK_R=block_r, BLOCK_N=block_n, IS_FP8=is_fp8,
                   HAS_TOPK=has_topk, HAS_WINDOW=has_window, RING=ring is not None, PREC=prec, SLOTS=slots,
-                  Q_RELOAD=q_reload, UPCAST=upcast, num_warps=num_warps)
+                  Q_RELOAD=q_reload, UPCAST=upcast, num_warps=num_warps, **pdl_launch(q))
     grid = (total_splits, head_groups, b)
     if split_kernel is _gluon_split_kernel:
         try:
@@ -464,7 +468,7 @@ def mla_decode_triton(q, kv, kv_scale, block_tables, g_lens, block_size: int, sm
     _merge_kernel[(1, h, b)](
         part_acc, part_m, part_l, out, out.stride(0), out.stride(1),
         total_splits, h, kv_lora,
-        BLOCK_SC=16 if few_programs else 4, BLOCK_CC=block_c, num_warps=4)
+        BLOCK_SC=16 if few_programs else 4, BLOCK_CC=block_c, num_warps=4, **pdl_launch(part_acc))
     return out
 
 

@@ -31,6 +31,7 @@ try:
                                                                    warpgroup_mma_wait)
     # Triton 3.6 names the cp.async copy async_copy_global_to_shared, later releases async_load
     _async_load = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
+    from kernels.pdl import gdc_launch_dependents, gdc_wait
 except Exception:  # a Triton without Gluon, or without its Hopper ops
     gluon = None
 
@@ -197,7 +198,11 @@ if gluon is not None:
             BLOCK_H: gl.constexpr, BLOCK_C: gl.constexpr, BLOCK_R: gl.constexpr, BLOCK_N: gl.constexpr,
             IS_FP8: gl.constexpr, HAS_TOPK: gl.constexpr, HAS_WINDOW: gl.constexpr, RING: gl.constexpr,
             PREC: gl.constexpr, SLOTS: gl.constexpr, Q_RELOAD: gl.constexpr, UPCAST: gl.constexpr,
-            num_warps: gl.constexpr):
+            num_warps: gl.constexpr, PDL: gl.constexpr = 0):
+        if PDL >= 1:  # kernels/pdl.py
+            gdc_wait()
+        if PDL >= 2:
+            gdc_launch_dependents()
         split = gl.program_id(0)
         head_group = gl.program_id(1)
         b = gl.program_id(2)

@@ -19,6 +19,7 @@ from __future__ import annotations
 try:
     import triton
     import triton.language as tl
+    from .pdl import pdl_enter
 except Exception:
     triton = None
 
@@ -92,7 +93,8 @@ if triton is not None:
             BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
             IS_FP8: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_WINDOW: tl.constexpr, RING: tl.constexpr,
             PREC: tl.constexpr, SLOTS: tl.constexpr, Q_RELOAD: tl.constexpr,
-            UPCAST: tl.constexpr):
+            UPCAST: tl.constexpr, PDL: tl.constexpr = 0):
+        pdl_enter(PDL)
         split = tl.program_id(0)
         head_group = tl.program_id(1)
         b = tl.program_id(2)

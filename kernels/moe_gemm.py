@@ -26,6 +26,7 @@ from . import triton_ok
 try:
     import triton
     import triton.language as tl
+    from .pdl import pdl_enter, pdl_launch
     from .rmsnorm import cast_rne
 except ImportError:  # the reference path still works without Triton
     triton = tl = None
@@ -119,7 +120,8 @@ def align_pairs_reference(slot_of: torch.Tensor, num_slots: int, block_m: int) -
 
 # ---------------------------------------------------------------- Triton kernels
 
-def _count_kernel(slot_ptr, counts_ptr, rank_ptr, num_pairs, BLOCK: tl.constexpr):
+def _count_kernel(slot_ptr, counts_ptr, rank_ptr, num_pairs, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_enter(PDL)
     # The counter's old value is the pair's rank within its slot: no sort needed. The order
     # within a slot then varies from run to run, which no row's result depends on.
     pairs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -129,7 +131,8 @@ def _count_kernel(slot_ptr, counts_ptr, rank_ptr, num_pairs, BLOCK: tl.constexpr
     tl.store(rank_ptr + pairs, rank, mask=ok)
 
 
-def _offsets_kernel(counts_ptr, padded_start_ptr, num_slots, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr):
+def _offsets_kernel(counts_ptr, padded_start_ptr, num_slots, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_enter(PDL)
     # One program: exclusive prefix sum of the padded counts, a block of slots at a time
     # (a triangular masked sum inside the block).
     idx = tl.arange(0, BLOCK_S)
@@ -145,7 +148,8 @@ def _offsets_kernel(counts_ptr, padded_start_ptr, num_slots, BLOCK_M: tl.constex
 
 def _place_kernel(slot_ptr, rank_ptr, counts_ptr, padded_start_ptr, row_pair_ptr, tile_slot_ptr,
                   num_pairs, num_slots, num_tiles,
-                  BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr):
+                  BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_enter(PDL)
     # Program i places pairs block i into their padded rows, names the slots of tiles block i and
     # marks those tiles' padding rows -1 (disjoint from the pairs' rows: no fill launch before).
     pid = tl.program_id(0)
@@ -179,7 +183,8 @@ def _place_kernel(slot_ptr, rank_ptr, counts_ptr, padded_start_ptr, row_pair_ptr
 
 def _align_one_kernel(slot_ptr, counts_ptr, padded_start_ptr, row_pair_ptr, tile_slot_ptr,
                       num_pairs, num_slots, num_tiles,
-                      BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_enter(PDL)
     # The three passes of align_pairs_triton in one program, for the pair counts of decode steps
     # (where each of them ran as a single program anyway). It zeroes counts itself (no fill
     # launch before it). The barriers order this program's own global writes (counts, starts)
@@ -250,7 +255,8 @@ def _gate_up_kernel(x_ptr, w13_ptr, shared_w13_ptr, act_ptr, token_ptr, row_pair
                     H, I, num_slots, num_tiles, num_tokens, stride_xt, zero_ptr, zero_count,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, PAIRS_PER_TOKEN: tl.constexpr,
-                    SHARED: tl.constexpr):
+                    SHARED: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_enter(PDL)
     # One program: BLOCK_M padded rows (one slot) x BLOCK_N columns of both gate and up.
     # First its share of the down kernel's fp32 sum, zeroed here instead of by a launch of its own.
     programs = tl.num_programs(0) * tl.num_programs(1)
@@ -298,7 +304,8 @@ def _down_kernel(act_ptr, w2_ptr, shared_w2_ptr, out_ptr, token_ptr, weight_ptr,
                  H, I, num_slots, num_tiles, num_tokens, stride_ot,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, PAIRS_PER_TOKEN: tl.constexpr,
-                 SHARED: tl.constexpr):
+                 SHARED: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_enter(PDL)
     # One program: BLOCK_M padded rows (one slot) x BLOCK_N hidden columns, added into fp32 out.
     slot, is_shared, skip, rows, pair, is_pair, token = _tile_rows(
         token_ptr, row_pair_ptr, tile_slot_ptr, num_slots, num_tiles, num_tokens, BLOCK_M, PAIRS_PER_TOKEN, SHARED)
@@ -332,9 +339,10 @@ def _down_kernel(act_ptr, w2_ptr, shared_w2_ptr, out_ptr, token_ptr, weight_ptr,
     tl.atomic_add(out_ptrs, acc, mask=is_pair[:, None] & col_ok[None, :])
 
 
-def _round_add_kernel(acc_ptr, add_ptr, out_ptr, n, BLOCK: tl.constexpr):
+def _round_add_kernel(acc_ptr, add_ptr, out_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
     """out = acc (fp32) rounded to out's dtype, plus add, rounded again: torch's `acc.to(d) + add`
     bit for bit, in one launch instead of a cast and an add."""
+    pdl_enter(PDL)
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = i < n
     DTYPE: tl.constexpr = out_ptr.dtype.element_ty
@@ -378,15 +386,15 @@ def align_pairs_triton(slot_of: torch.Tensor, num_slots: int, block_m: int) -> A
         _jit(_align_one_kernel, "num_pairs", "num_tiles")[(1,)](
             slot_of, counts, padded_start, row_pair, tile_slot, num_pairs, num_slots, num_tiles,
             BLOCK_M=block_m, BLOCK_P=ALIGN_ONE_PROGRAM_PAIRS, BLOCK_S=block_s, BLOCK_T=max(16, 8192 // block_s),
-            num_warps=4)
+            num_warps=4, **pdl_launch(slot_of))
         return AlignedPairs(row_pair, tile_slot, counts)
     block_p, block_t, block_s = 1024, 64, 128
-    _jit(_count_kernel, "num_pairs")[(triton.cdiv(num_pairs, block_p),)](slot_of, counts, rank, num_pairs, BLOCK=block_p)
-    _jit(_offsets_kernel)[(1,)](counts, padded_start, num_slots, BLOCK_M=block_m, BLOCK_S=block_s)
+    _jit(_count_kernel, "num_pairs")[(triton.cdiv(num_pairs, block_p),)](slot_of, counts, rank, num_pairs, BLOCK=block_p, **pdl_launch(slot_of))
+    _jit(_offsets_kernel)[(1,)](counts, padded_start, num_slots, BLOCK_M=block_m, BLOCK_S=block_s, **pdl_launch(counts))
     grid = (max(triton.cdiv(num_pairs, block_p), triton.cdiv(num_tiles, block_t)),)
     _jit(_place_kernel, "num_pairs", "num_tiles")[grid](slot_of, rank, counts, padded_start, row_pair, tile_slot,
                               num_pairs, num_slots, num_tiles,
-                              BLOCK_M=block_m, BLOCK_P=block_p, BLOCK_T=block_t, BLOCK_S=block_s)
+                              BLOCK_M=block_m, BLOCK_P=block_p, BLOCK_T=block_t, BLOCK_S=block_s, **pdl_launch(slot_of))
     return AlignedPairs(row_pair, tile_slot, counts)
 
 
@@ -462,14 +470,14 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
         xw, w13, shared_w13, act, token_of, aligned.row_pair, aligned.tile_slot,
         hidden, inter, num_slots, num_tiles, num_tokens, xw.stride(0), out, out.numel(),
         BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, DOT_FP32=dot_fp32,
-        PAIRS_PER_TOKEN=k, SHARED=shared is not None, num_warps=warps, num_stages=stages)
+        PAIRS_PER_TOKEN=k, SHARED=shared is not None, num_warps=warps, num_stages=stages, **pdl_launch(xw))
 
     block_n, block_k, warps, stages = cfg.down
     _jit(_down_kernel, *plain)[(tiles, triton.cdiv(hidden, block_n))](
         act, w2, shared_w2, out, token_of, weight_of, aligned.row_pair, aligned.tile_slot,
         hidden, inter, num_slots, num_tiles, num_tokens, out.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, DOT_FP32=dot_fp32,
-        PAIRS_PER_TOKEN=k, SHARED=shared is not None, num_warps=warps, num_stages=stages)
+        PAIRS_PER_TOKEN=k, SHARED=shared is not None, num_warps=warps, num_stages=stages, **pdl_launch(act))
     if pending is not None:
         add = pending()
     if add is None:
@@ -479,7 +487,7 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     summed = torch.empty(add.shape, dtype=add.dtype, device=add.device)  # written as contiguous
     block = 1024
     _jit(_round_add_kernel, "n")[(triton.cdiv(out.numel(), block),)](
-        out, add.contiguous(), summed, out.numel(), BLOCK=block, num_warps=4)
+        out, add.contiguous(), summed, out.numel(), BLOCK=block, num_warps=4, **pdl_launch(out))
     return summed
 
 

@@ -19,6 +19,7 @@ from . import kernel_or_reference, triton_ok
 try:
     import triton
     import triton.language as tl
+    from .pdl import pdl_enter, pdl_launch
 except Exception:  # the reference path must keep working where triton is absent
     triton = None
 
@@ -63,7 +64,8 @@ if triton is not None:
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, res_ptr, h_ptr, D, stride_x, stride_r, eps,
-                         BLOCK_D: tl.constexpr, NUM_CHUNKS: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+                         BLOCK_D: tl.constexpr, NUM_CHUNKS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr = 0):
+        pdl_enter(PDL)
         row = tl.program_id(0).to(tl.int64)
         x_row = x_ptr + row * stride_x
         out_row = out_ptr + row * D
@@ -137,7 +139,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
         rows, weight.contiguous(), out, rows, rows, d, rows.stride(0), 0, float(eps),
         BLOCK_D=block, NUM_CHUNKS=triton.cdiv(d, block), HAS_RESIDUAL=False, num_warps=_num_warps(block),
         enable_fp_fusion=False,  # the rounding the interpreter (and so the CPU tests) sees
-    )
+        **pdl_launch(rows))
     return out
 
 
@@ -164,8 +166,7 @@ def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.T
     _rms_norm_kernel[(rows.shape[0],)](
         rows, weight.contiguous(), out, res, h, d, rows.stride(0), res.stride(0), float(eps),
         BLOCK_D=block, NUM_CHUNKS=1, HAS_RESIDUAL=True, num_warps=_num_warps(block),
-        enable_fp_fusion=False,
-    )
+        enable_fp_fusion=False, **pdl_launch(rows))
     return out, h
 
 

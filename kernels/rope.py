@@ -18,6 +18,7 @@ from . import kernel_or_reference, triton_ok
 try:
     import triton
     import triton.language as tl
+    from .pdl import pdl_enter, pdl_launch
     from .rmsnorm import cast_rne
 except Exception:  # the reference path must keep working where triton is absent
     triton = None
@@ -44,7 +45,8 @@ if triton is not None:
     @triton.jit
     def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, stride_xt, stride_xh, stride_ct, stride_st,
                      HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-                     INTERLEAVE: tl.constexpr):
+                     INTERLEAVE: tl.constexpr, PDL: tl.constexpr = 0):
+        pdl_enter(PDL)
         tok = tl.program_id(0).to(tl.int64)
         heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         i = tl.arange(0, BLOCK_HALF)
@@ -107,8 +109,7 @@ def apply_rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, int
     _rope_kernel[(t, triton.cdiv(h, block_h))](
         xv, cos, sin, out, h, xv.stride(0), xv.stride(1), cos.stride(0), sin.stride(0),
         HALF=half, BLOCK_HALF=block_half, BLOCK_H=block_h, INTERLEAVE=bool(interleave),
-        num_warps=max(1, min(4, elems // 1024)), enable_fp_fusion=False,
-    )
+        num_warps=max(1, min(4, elems // 1024)), enable_fp_fusion=False, **pdl_launch(xv))
     return out
 
 

@@ -18,6 +18,7 @@ from . import triton_ok
 try:
     import triton
     import triton.language as tl
+    from .pdl import pdl_enter, pdl_launch
 except Exception:  # the reference path must keep working where triton is absent
     triton = None
 
@@ -80,9 +81,10 @@ if triton is not None:
     # token counts vary with the batch: as plain integers they share one build
     @triton.jit(do_not_specialize=["T"])
     def _gate_parts_kernel(x_ptr, stride_x, w_ptr, stride_w, out_ptr, T, E, H, k_per_part,
-                           BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+                           BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = 0):
         """Partial router logits: out[part, t, e] = sum over this part's hidden columns k of
         float(x[t, k]) * float(w[e, k]), in fp32 FMAs (the products of the fp32 reference)."""
+        pdl_enter(PDL)
         rows = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
         experts = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
         part = tl.program_id(1)
@@ -108,7 +110,8 @@ if triton is not None:
                       N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr,
                       TOP_K: tl.constexpr, NORM: tl.constexpr, COUNT: tl.constexpr, NUM_PARTS: tl.constexpr,
                       BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
-                      BLOCK_K: tl.constexpr):
+                      BLOCK_K: tl.constexpr, PDL: tl.constexpr = 0):
+        pdl_enter(PDL)
         rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         cols = tl.arange(0, BLOCK_E)
         row_ok = rows < T
@@ -215,8 +218,7 @@ def route_triton(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk_gr
         N_GROUP=n_group, GROUP_SIZE=e // n_group, TOPK_GROUP=topk_group if n_group > 1 else 1,
         TOP_K=top_k, NORM=bool(norm_topk_prob), COUNT=slot_load is not None, NUM_PARTS=parts.shape[0],
         BLOCK_T=block_t, BLOCK_E=_pow2(e), BLOCK_G=max(2, _pow2(n_group)), BLOCK_K=max(2, _pow2(top_k)),
-        num_warps=warps,
-    )
+        num_warps=warps, **pdl_launch(parts))
     return ids, weights, slots
 
 
@@ -272,7 +274,7 @@ def gate_parts_triton(x: torch.Tensor, weight: torch.Tensor, parts: int | None =
     block_t = block_t or min(64, max(16, _pow2(t)))
     _gate_parts_kernel[(triton.cdiv(e, block_e), parts, triton.cdiv(t, block_t))](
         x, x.stride(0), weight, weight.stride(0), out, t, e, h, k_per_part,
-        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k, num_warps=num_warps)
+        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k, num_warps=num_warps, **pdl_launch(x))
     return out
 
 

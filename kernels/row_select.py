@@ -34,6 +34,7 @@ import torch
 try:
     import triton
     import triton.language as tl
+    from .pdl import pdl_enter, pdl_launch
 except Exception:  # a CPU-only install without triton: kernels/indexer.py uses the reference
     triton = None
     tl = None
@@ -106,10 +107,11 @@ if triton is not None:
                        width, num_seqs, parts, span, k, topk,
                        FIRST: tl.constexpr, LAST: tl.constexpr, BLOCK: tl.constexpr,
                        PARTS: tl.constexpr, FILL: tl.constexpr, SPARSE_FROM: tl.constexpr,
-                       SPARSE_MAX: tl.constexpr):
+                       SPARSE_MAX: tl.constexpr, PDL: tl.constexpr = 0):
         """Phases FIRST..LAST of the selection (see the module docstring). ws [B, row] int32,
         zeroed: per row the four byte histograms, the per-part above and equal counts, the
         barrier counter; ws[0, -1] the ticket counter."""
+        pdl_enter(PDL)
         if FIRST == LAST:  # a launch per phase: nobody waits on a partner
             ticket = tl.program_id(0)
         else:
@@ -275,5 +277,5 @@ def select_rows(scores: torch.Tensor, g_lens: torch.Tensor, out: torch.Tensor, k
             scores, g_lens, out, ws, scores.stride(0), out.stride(0), ws.stride(0),
             width, num_seqs, parts, span, k, topk,
             FIRST=first, LAST=last, BLOCK=block, PARTS=MAX_PARTS, FILL=fill,
-            SPARSE_FROM=sparse_from, SPARSE_MAX=SPARSE_MAX, num_warps=4)
+            SPARSE_FROM=sparse_from, SPARSE_MAX=SPARSE_MAX, num_warps=4, **pdl_launch(scores))
     return out

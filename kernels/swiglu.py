@@ -17,6 +17,7 @@ from . import kernel_or_reference, triton_ok
 try:
     import triton
     import triton.language as tl
+    from .pdl import pdl_enter, pdl_launch
     from triton.language.extra import libdevice
     from .rmsnorm import cast_rne
 except Exception:  # the reference path must keep working where triton is absent
@@ -34,7 +35,8 @@ def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
 
 if triton is not None:
     @triton.jit
-    def _silu_mul_kernel(gu_ptr, out_ptr, inter, stride_row, BLOCK: tl.constexpr, CUDA_EXP: tl.constexpr):
+    def _silu_mul_kernel(gu_ptr, out_ptr, inter, stride_row, BLOCK: tl.constexpr, CUDA_EXP: tl.constexpr, PDL: tl.constexpr = 0):
+        pdl_enter(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < inter
@@ -73,7 +75,7 @@ def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     _silu_mul_kernel[(rows.shape[0], triton.cdiv(inter, block))](
         rows, out, inter, rows.stride(0), BLOCK=block, CUDA_EXP=rows.is_cuda, num_warps=4,
         enable_fp_fusion=False,  # the rounding the interpreter (and so the CPU tests) sees
-    )
+        **pdl_launch(rows))
     return out
 
 

@@ -215,3 +215,35 @@ def test_graph_block_buckets_waste_at_most_a_quarter():
     widths = [blocks_bucket(n) for n in range(1, 1 << 14)]
     assert all(w >= n and (n <= 16 or w <= 1.25 * n) for n, w in zip(range(1, 1 << 14), widths))
     assert len(set(widths)) <= 4 * 10 + 1  # four per octave from 16 to 16K blocks
+
+
+def test_pdl_launches_are_plain_off_the_gpu(monkeypatch):
+    from kernels import pdl
+    monkeypatch.setattr(pdl, "MODE", pdl.MODES["early"])
+    assert pdl.pdl_launch(torch.zeros(1)) == {}
+
+
+def test_pdl_mode_is_checked_at_import():
+    env = dict(os.environ, WIDEEP_PDL="sometimes")
+    r = subprocess.run([sys.executable, "-c", "import kernels.pdl"], env=env, capture_output=True, text=True,
+                       timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r.returncode != 0 and "WIDEEP_PDL" in r.stderr and "early" in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("mode", ["wait", "early"])
+def test_decode_graphs_with_dependent_launches_match_plain_ones(tiny_v4_ckpt, monkeypatch, mode):
+    """Programmatic dependent launch (kernels/pdl.py) in captured decode graphs, with the indexer on
+    a side stream and the shared expert fused: the same tokens and logits as plain launches."""
+    from kernels import pdl
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs sm_90 or later")
+    prompts = _prompts([3, 30, 45, 1, 70])
+    monkeypatch.setattr(pdl, "MODE", 0)
+    base, base_logits, _ = _run(tiny_v4_ckpt, prompts, device="cuda", cuda_graphs=True)
+    monkeypatch.setattr(pdl, "MODE", pdl.MODES[mode])
+    assert pdl.pdl_launch(torch.zeros(1, device="cuda")) == {"PDL": pdl.MODES[mode], "launch_pdl": True}
+    out, logits, _ = _run(tiny_v4_ckpt, prompts, device="cuda", cuda_graphs=True)
+    assert out == base
+    for a, b in zip(logits, base_logits):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
