@@ -175,7 +175,8 @@ def latent_and_query(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: to
     attention layer's latent and its query's low-rank part, both read from the input GEMM.
     `write` = (slots [T], slab [S, C + R], index_key [T, Di], index_slab [S, Di]): also store
     each token's latent at slab[slots] and its indexer key at index_slab[slots] (a KV-source
-    layer's cache write at decode, in kv's dtype; the slots of padding rows may repeat).
+    layer's cache write at decode, in kv's dtype; the slots of padding rows may repeat, and
+    such a slot then holds each element from one of its rows, in no set order).
     Falls back to the references (and torch writes) where the kernel does not apply."""
     use_kernel = (triton is not None and triton_ok(kv) and kv.dim() == 2 and kv.dtype in _KERNEL_DTYPES
                   and weight.dtype == kv.dtype and weight.shape[0] <= MAX_KV_LORA
