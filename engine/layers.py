@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from kernels.gemv import linear
 from kernels.rmsnorm import add_rms_norm, rms_norm
 from kernels.rope import apply_rope
 from kernels.swiglu import silu_mul
@@ -82,7 +82,7 @@ def fused_linear(x: torch.Tensor, mods: list[nn.Linear], cache: DerivedWeight, s
     """[m(x) for m in mods] from one GEMM over the mods' concatenated weights (fused_weight);
     with split=False, the GEMM's output itself (the mods' outputs side by side)."""
     weight, bias = fused_weight(mods, cache)
-    out = F.linear(x, weight, bias)
+    out = linear(x, weight, bias)
     return list(out.split([m.out_features for m in mods], dim=-1)) if split else out
 
 

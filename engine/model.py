@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels.gemv import linear
 from kernels.latent import latent_and_query, norm_rope_latent
 
 from .attention import AttentionContext, attend, index_topk_mask
@@ -120,7 +121,8 @@ class MLAttention(nn.Module):
         if cfg.q_lora_rank is None:
             q = xp["q"]
         else:
-            q = self.q_b_proj(q_low if q_low is not None else self.q_a_layernorm(xp["q"]))
+            q_b = self.q_b_proj
+            q = linear(q_low if q_low is not None else self.q_a_layernorm(xp["q"]), q_b.weight, q_b.bias)
         q = q.view(t, self.n_heads, cfg.qk_head_dim)
         q_nope, q_rope = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
         q_rope = self.rotary.apply(q_rope, *ctx.rope)
@@ -141,7 +143,7 @@ class MLAttention(nn.Module):
         # output), so o_proj's input needs no copy.
         heads_out = torch.empty(t, self.n_heads, cfg.v_head_dim, dtype=q_lat.dtype, device=x.device)
         torch.bmm(out.to(q_lat.dtype).transpose(0, 1), w_uv.transpose(1, 2), out=heads_out.transpose(0, 1))
-        return self.o_proj(heads_out.view(t, -1))
+        return linear(heads_out.view(t, -1), self.o_proj.weight, self.o_proj.bias)
 
     def _attend_padded(self, q_full: torch.Tensor, idx_q: torch.Tensor | None, idx_w: torch.Tensor | None,
                        latent: torch.Tensor | None, ctx: AttentionContext) -> torch.Tensor:
@@ -216,7 +218,7 @@ class DeepseekForCausalLM(nn.Module):
         return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return linear(hidden, self.lm_head.weight).float()
 
     def moe_layers(self) -> list[MoE]:
         return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, MoE)]

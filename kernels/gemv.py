@@ -1,0 +1,74 @@
+"""Linear layers of a decode step at batch 1: out = W @ x, W [N, K] read once.
+
+At batch 1 a projection is a weight read of a few MB, and cuBLAS's small-batch GEMM
+takes about twice the read's time on an H200 (5.1 us for the bench model's 7.9 MB input
+projection, bench.forward's batch-1 profile). Here each program holds BLOCK_N whole rows of W in
+registers, and loads them *before* its programmatic-dependent-launch wait (kernels/pdl.py):
+weights are written by nothing a decode step runs, so the read overlaps the end of the kernel
+before, and only the short x read and the sums wait for it.
+
+Products and sums are in fp32, rounded once to x's dtype (cuBLAS sums in another order, so the
+last bit may differ).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import triton_ok
+
+try:
+    import triton
+    import triton.language as tl
+    from .pdl import pdl_enter, pdl_launch
+except Exception:  # the torch path needs no Triton
+    triton = None
+
+MAX_K = 2048      # a program's BLOCK_N rows of W stay in registers up to this width
+BLOCK_N = 8
+_DTYPES = (torch.bfloat16, torch.float16)
+
+if triton is not None:
+    @triton.jit(do_not_specialize=["N"])
+    def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, stride_wn,
+                     K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = 0):
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        ks = tl.arange(0, BLOCK_K)
+        n_ok = rows < N
+        k_ok = ks < K
+        # The weights before the wait: no kernel of the step writes them.
+        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_wn + ks[None, :],
+                    mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        pdl_enter(PDL)
+        x = tl.load(x_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+        acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        tl.store(out_ptr + rows, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+def gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    return (triton is not None and bias is None and x.dim() == 2 and x.shape[0] == 1
+            and x.shape[1] <= MAX_K and x.dtype in _DTYPES and weight.dtype == x.dtype and weight.dim() == 2
+            and weight.shape[1] == x.shape[1] and x.stride(1) == 1 and weight.stride(1) == 1
+            and weight.device == x.device and triton_ok(x))
+
+
+def gemv_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [1, K] (K <= MAX_K, its elements contiguous) @ weight [N, K]^T -> [1, N] in x's dtype."""
+    k = x.shape[1]
+    n = weight.shape[0]
+    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    block_k = triton.next_power_of_2(k)
+    _gemv_kernel[(triton.cdiv(n, BLOCK_N),)](
+        x, weight, out, n, weight.stride(0), K=k, BLOCK_K=block_k, BLOCK_N=BLOCK_N,
+        num_warps=8 if block_k >= 2048 else 4, **pdl_launch(x))
+    return out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, through the kernel above where it applies (one row on a GPU, bf16 or fp16, no
+    bias, K <= MAX_K). On the H200 with the bench model it took the batch-1 decode step from 1.489
+    to 1.435 ms; four rows in one program were slower than cuBLAS at batch 4 (2.066 against
+    2.050 ms; RESULTS, twelfth session), so more rows stay on cuBLAS."""
+    if gemv_applies(x, weight, bias):
+        return gemv_triton(x, weight)
+    return F.linear(x, weight, bias)
