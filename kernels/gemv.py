@@ -5,7 +5,9 @@ takes about twice the read's time on an H200 (5.1 us for the bench model's 7.9 M
 projection, bench.forward's batch-1 profile). Here each program holds BLOCK_N whole rows of W in
 registers, and loads them *before* its programmatic-dependent-launch wait (kernels/pdl.py):
 weights are written by nothing a decode step runs, so the read overlaps the end of the kernel
-before, and only the short x read and the sums wait for it.
+before, and only the short x read and the sums wait for it. (Weights are written only when
+loaded and when a fused weight is first concatenated, by torch kernels: a kernel that does not
+release its dependents early releases them only when all of its programs have finished.)
 
 Products and sums are in fp32, rounded once to x's dtype (cuBLAS sums in another order, so the
 last bit may differ).
