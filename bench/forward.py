@@ -393,18 +393,24 @@ def time_changed(engine: LLMEngine, batch: ScheduledBatch, iters: int, change) -
 @torch.inference_mode()
 def profile_step(engine: LLMEngine, batch: ScheduledBatch, path: str, title: str) -> int:
     """Profile one eager decode forward (graphs hide the kernels from the profiler): append
-    the table of kernels by device time to `path`; returns how many kernels the step launched."""
+    the table of kernels by device time to `path`; returns how many kernels the step launched.
+    Dependent launches (kernels/pdl.py) are off for it: each kernel's time would include its
+    wait for the one before."""
     from torch.profiler import ProfilerActivity, profile
     r = engine.runner
     graphs, r.graphs = r.graphs, None
-    inputs = r.decode_inputs(batch)
-    r.decode_forward(*inputs)
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if r.device.type == "cuda" else [])
-    with profile(activities=acts) as prof:
+    mode, pdl.MODE = pdl.MODE, 0
+    try:
+        inputs = r.decode_inputs(batch)
         r.decode_forward(*inputs)
-        if r.device.type == "cuda":
-            torch.cuda.synchronize()
-    r.graphs = graphs
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if r.device.type == "cuda" else [])
+        with profile(activities=acts) as prof:
+            r.decode_forward(*inputs)
+            if r.device.type == "cuda":
+                torch.cuda.synchronize()
+    finally:
+        r.graphs, pdl.MODE = graphs, mode
+    title += ", dependent launches off"
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     by = "cuda_time_total" if kernels else "cpu_time_total"
     with open(path, "a") as f:

@@ -33,3 +33,20 @@ def test_smoke_rows_per_sharing_choice(tmp_path, capsys):
     assert [r["index_topk_freq"] for r in rows] == [1, 2]
     assert all(r["forward_ms"] > 0 and r["bytes_per_step_gb"] >= 0 for r in rows)
     assert [json.loads(line)["index_topk_freq"] for line in out.read_text().splitlines()] == [1, 2]
+
+
+def test_profile_turns_dependent_launches_off_for_its_step_only(tmp_path, monkeypatch):
+    from kernels import pdl
+    from engine.model_runner import ModelRunner
+    monkeypatch.setattr(pdl, "MODE", pdl.MODES["early"])
+    modes, real = [], ModelRunner.decode_forward
+    monkeypatch.setattr(ModelRunner, "decode_forward", lambda self, *a: modes.append(pdl.MODE) or real(self, *a))
+    path = tmp_path / "profile.txt"
+    rows = forward.main(["--device", "cpu", "--preset", "tiny-v4", "--batch", "2", "--contexts", "64",
+                         "--iters", "2", "--profile", str(path)])
+    head = path.read_text().splitlines()[0]
+    assert head.startswith("## batch 2, context 64") and "dependent launches off" in head, head
+    assert rows[0]["kernels_per_step"] == 0  # no CUDA kernels on CPU; the table is of CPU ops
+    assert pdl.MODE == pdl.MODES["early"]
+    # the timed steps ran as configured, the profiled step (and its warm-up) without
+    assert modes[-2:] == [0, 0] and set(modes[:-2]) == {pdl.MODES["early"]}, modes
