@@ -50,7 +50,7 @@ if triton is not None:
 def gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     return (triton is not None and bias is None and x.dim() == 2 and x.shape[0] == 1
             and x.shape[1] <= MAX_K and x.dtype in _DTYPES and weight.dtype == x.dtype and weight.dim() == 2
-            and weight.shape[1] == x.shape[1] and x.stride(1) == 1 and weight.stride(1) == 1
+            and weight.shape[1] == x.shape[1] and weight.shape[0] > 0 and x.stride(1) == 1 and weight.stride(1) == 1
             and weight.device == x.device and triton_ok(x))
 
 

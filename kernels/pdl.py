@@ -17,6 +17,7 @@ batch 1, 2.90 / - / 2.79 at 16, 4.35 / 4.31 / 4.28 at 64 (bench.forward; RESULTS
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -38,12 +39,18 @@ if _mode_name not in MODES:
 MODE = MODES[_mode_name]
 
 
+@functools.cache
+def _hopper_or_later(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9 and os.environ.get("TRITON_INTERPRET") != "1"
+
+
 def pdl_mode(t: torch.Tensor) -> int:
     """The mode for a launch on `t`'s device: 0 off the GPU, before sm_90, or without Triton's
     grid-dependency calls."""
-    if MODE == 0 or gdc_wait is None or not t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+    if MODE == 0 or gdc_wait is None or not t.is_cuda:
         return 0
-    return MODE if torch.cuda.get_device_capability(t.device)[0] >= 9 else 0
+    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    return MODE if _hopper_or_later(index) else 0
 
 
 def pdl_launch(t: torch.Tensor) -> dict:
