@@ -200,7 +200,8 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["stride_cb", "num_seqs", "k"])
     def _count_chunk_kernel(scores_ptr, kth_ptr, lens_ptr, above_ptr, equal_ptr, hist_ptr, state_ptr,
-                            stride_sb, stride_cb, width, num_seqs, k, CHUNK: tl.constexpr, RADIX: tl.constexpr, PDL: tl.constexpr = 0):
+                            stride_sb, stride_cb, width, num_seqs, k, CHUNK: tl.constexpr, RADIX: tl.constexpr,
+                            PDL: tl.constexpr = 0):
         pdl_enter(PDL)
         seq = tl.program_id(0)
         chunk = tl.program_id(1)
@@ -430,7 +431,8 @@ def select_topk_triton(scores: torch.Tensor, g_lens: torch.Tensor, topk: int,
     equal = torch.empty_like(above)
     grid = (num_seqs, num_chunks)
     _count_chunk_kernel[grid](scores, kth, g_lens, above, equal, hist, state, scores.stride(0), above.stride(0),
-                              width, num_seqs, k, CHUNK=chunk, RADIX=method == "radix", num_warps=4, **pdl_launch(scores))
+                              width, num_seqs, k, CHUNK=chunk, RADIX=method == "radix", num_warps=4,
+                              **pdl_launch(scores))
     _emit_chunk_kernel[grid](scores, kth, g_lens, above, equal, out,
                              scores.stride(0), above.stride(0), out.stride(0), width, num_chunks, k, topk,
                              CHUNK=chunk, SUMS=_EMIT_SUMS, FILL=fill, num_warps=4, **pdl_launch(scores))

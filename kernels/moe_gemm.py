@@ -131,7 +131,8 @@ def _count_kernel(slot_ptr, counts_ptr, rank_ptr, num_pairs, BLOCK: tl.constexpr
     tl.store(rank_ptr + pairs, rank, mask=ok)
 
 
-def _offsets_kernel(counts_ptr, padded_start_ptr, num_slots, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = 0):
+def _offsets_kernel(counts_ptr, padded_start_ptr, num_slots, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr,
+                    PDL: tl.constexpr = 0):
     pdl_enter(PDL)
     # One program: exclusive prefix sum of the padded counts, a block of slots at a time
     # (a triangular masked sum inside the block).
@@ -148,7 +149,8 @@ def _offsets_kernel(counts_ptr, padded_start_ptr, num_slots, BLOCK_M: tl.constex
 
 def _place_kernel(slot_ptr, rank_ptr, counts_ptr, padded_start_ptr, row_pair_ptr, tile_slot_ptr,
                   num_pairs, num_slots, num_tiles,
-                  BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = 0):
+                  BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
+                  PDL: tl.constexpr = 0):
     pdl_enter(PDL)
     # Program i places pairs block i into their padded rows, names the slots of tiles block i and
     # marks those tiles' padding rows -1 (disjoint from the pairs' rows: no fill launch before).
@@ -183,7 +185,8 @@ def _place_kernel(slot_ptr, rank_ptr, counts_ptr, padded_start_ptr, row_pair_ptr
 
 def _align_one_kernel(slot_ptr, counts_ptr, padded_start_ptr, row_pair_ptr, tile_slot_ptr,
                       num_pairs, num_slots, num_tiles,
-                      BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr = 0):
+                      BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr,
+                      PDL: tl.constexpr = 0):
     pdl_enter(PDL)
     # The three passes of align_pairs_triton in one program, for the pair counts of decode steps
     # (where each of them ran as a single program anyway). It zeroes counts itself (no fill
@@ -389,7 +392,8 @@ def align_pairs_triton(slot_of: torch.Tensor, num_slots: int, block_m: int) -> A
             num_warps=4, **pdl_launch(slot_of))
         return AlignedPairs(row_pair, tile_slot, counts)
     block_p, block_t, block_s = 1024, 64, 128
-    _jit(_count_kernel, "num_pairs")[(triton.cdiv(num_pairs, block_p),)](slot_of, counts, rank, num_pairs, BLOCK=block_p, **pdl_launch(slot_of))
+    _jit(_count_kernel, "num_pairs")[(triton.cdiv(num_pairs, block_p),)](
+        slot_of, counts, rank, num_pairs, BLOCK=block_p, **pdl_launch(slot_of))
     _jit(_offsets_kernel)[(1,)](counts, padded_start, num_slots, BLOCK_M=block_m, BLOCK_S=block_s, **pdl_launch(counts))
     grid = (max(triton.cdiv(num_pairs, block_p), triton.cdiv(num_tiles, block_t)),)
     _jit(_place_kernel, "num_pairs", "num_tiles")[grid](slot_of, rank, counts, padded_start, row_pair, tile_slot,

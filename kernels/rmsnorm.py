@@ -64,7 +64,8 @@ if triton is not None:
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, res_ptr, h_ptr, D, stride_x, stride_r, eps,
-                         BLOCK_D: tl.constexpr, NUM_CHUNKS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr = 0):
+                         BLOCK_D: tl.constexpr, NUM_CHUNKS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                         PDL: tl.constexpr = 0):
         pdl_enter(PDL)
         row = tl.program_id(0).to(tl.int64)
         x_row = x_ptr + row * stride_x

@@ -35,7 +35,8 @@ def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
 
 if triton is not None:
     @triton.jit
-    def _silu_mul_kernel(gu_ptr, out_ptr, inter, stride_row, BLOCK: tl.constexpr, CUDA_EXP: tl.constexpr, PDL: tl.constexpr = 0):
+    def _silu_mul_kernel(gu_ptr, out_ptr, inter, stride_row, BLOCK: tl.constexpr, CUDA_EXP: tl.constexpr,
+                         PDL: tl.constexpr = 0):
         pdl_enter(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)

@@ -43,7 +43,8 @@ def test_every_dependent_launch_waits_first():
             waits = [i for i, s in enumerate(body) if _is_wait(s)]
             assert waits, f"{file}:{fn.name} never waits"
             before = "\n".join(ast.unparse(s) for s in body[:waits[0]])
-            assert "tl.store" not in before and "x_ptr" not in before, f"{file}:{fn.name} touches more than weights first"
+            assert "tl.store" not in before and "x_ptr" not in before, \
+                f"{file}:{fn.name} touches more than weights first"
         else:
             assert body and _is_wait(body[0]), f"{file}:{fn.name} does something before its dependent-launch wait"
 
