@@ -140,8 +140,10 @@ def test_index_topk_at_least_context_is_dense_attention():
         results.append((out.output_token_ids, seen))
     for tokens, logits in results[:2]:
         assert tokens == results[2][0]
+        # The same attention; the input projection's GEMM is wider with the indexer's rows fused
+        # in, and some BLAS builds (MKL with AVX-512, for one row) round the shared columns differently.
         for x, y in zip(logits, results[2][1]):
-            assert torch.equal(x, y)
+            torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-5)
 
 
 def test_small_topk_reads_only_the_chosen_entries():
