@@ -199,6 +199,12 @@ class EngineConfig(BaseModel):
         True, description="in CUDA-graph decode steps, run the indexer's top-k beside the query projections "
                           "and the shared experts beside the routed ones, on a second stream "
                           "(engine/streams.py)")
+    async_scheduling: bool | None = Field(
+        None, description="launch the next decode step before this one's tokens are read back (its input "
+                          "tokens stay on the device), so the host's work between steps overlaps the GPU's; a "
+                          "request that stops on a token costs one discarded row of the step after. None: on "
+                          "GPU only (on CPU the step ahead runs before the outputs return, a step of latency "
+                          "for nothing). Not with expert parallelism.")
     warmup: bool = Field(
         True, description="on GPU, run a few short requests at start so kernel compilation and the first "
                           "CUDA graph capture do not delay the first users")

@@ -74,14 +74,16 @@ class DecodeGraphs:
             self.staging_host = self.staging.numpy()
         return self.staging_host
 
-    def run(self, batch, longest: int | None = None) -> torch.Tensor:
+    def run(self, batch, longest: int | None = None, ahead_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Replay (capturing first if new) the graph of this decode step's shape; `longest`: the
-        tokens of its longest sequence, when the caller has them."""
+        tokens of its longest sequence, when the caller has them. ahead_ids: the input tokens,
+        on the device, of a step launched ahead (ModelRunner.run_ahead); `longest` counts them."""
         r = self.runner
-        pad_b = next(s for s in self.sizes if s >= len(batch))
+        b, ahead = len(batch), int(ahead_ids is not None)
+        pad_b = next(s for s in self.sizes if s >= b)
         pad_m = self._blocks_bucket(r.decode_width(batch, longest))
         nbytes = r.decode_input_bytes(pad_b, pad_m)[1]
-        sparse = r.fill_decode_inputs(batch, self._host_buffer(nbytes), pad_b, pad_m)
+        sparse = r.fill_decode_inputs(batch, self._host_buffer(nbytes), pad_b, pad_m, ahead)
         if self._tables_moved():
             self.clear()  # they read the rope tables a longer context has since replaced
         key = (pad_b, pad_m, sparse)
@@ -94,9 +96,14 @@ class DecodeGraphs:
                 self.failed.add(key)
                 torch.cuda.synchronize()
         if key in self.failed:
-            return r.decode_forward(*r.decode_inputs(batch, pad_batch=pad_b, pad_blocks=pad_m))
+            ids, *rest = r.decode_inputs(batch, pad_batch=pad_b, pad_blocks=pad_m, ahead=ahead)
+            if ahead:
+                ids[:b].copy_(ahead_ids)
+            return r.decode_forward(ids, *rest)
         graph, static, logits = self.graphs[key]
         self._upload(static, nbytes)
+        if ahead:  # the ids are the buffer's first int64 row
+            static[:8 * b].view(torch.int64).copy_(ahead_ids)
         graph.replay()
         self.last = graph  # benchmarks time the replay alone
         return logits

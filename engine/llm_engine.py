@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -13,8 +14,8 @@ from .checkpoint import ensure_checkpoint, load_model
 from .config import EngineConfig
 from .model import DeepseekForCausalLM
 from .model_runner import ModelRunner
-from .sampling import SamplingParams
-from .scheduler import Scheduler
+from .sampling import SamplingParams, host_to_device
+from .scheduler import ScheduledBatch, Scheduler
 from .sequence import RequestOutput, Sequence
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -60,6 +61,17 @@ def context_limit(model_cfg, cfg: EngineConfig) -> int:
     return cfg.max_model_len or limit
 
 
+@dataclass
+class LaunchedStep:
+    """A forward queued on the device whose tokens have not been read yet."""
+    batch: ScheduledBatch
+    done: list[int] = field(default_factory=list)   # rows whose next token was sampled
+    tokens: torch.Tensor | None = None              # on the device, one per done row
+    host: torch.Tensor | None = None                # their pinned copy, valid once `ready`
+    ready: torch.cuda.Event | None = None
+    error: Exception | None = None
+
+
 class LLMEngine:
     def __init__(self, model: DeepseekForCausalLM, tokenizer: Tokenizer | None, cfg: EngineConfig | None = None,
                  ep=None):
@@ -79,6 +91,13 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self.eos_token_id = tokenizer.eos_token_id if tokenizer is not None else None
         self.num_steps = 0
+        self._inflight: LaunchedStep | None = None
+        cuda = self.runner.device.type == "cuda"
+        self._run_ahead = (cuda if cfg.async_scheduling is None else cfg.async_scheduling) and (
+            cfg.decode_kernels and ep is None)
+        # Pinned landing places of the sampled tokens of the (at most two) steps in flight.
+        self._token_buffers = ([torch.empty(cfg.max_num_seqs, dtype=torch.long, pin_memory=True) for _ in range(2)]
+                               if self._run_ahead and cuda else None)
         # A lockstep (expert-parallel) rank cannot run forwards on its own.
         if cfg.warmup and self.runner.device.type == "cuda" and ep is None:
             self.warmup()
@@ -178,6 +197,7 @@ class LLMEngine:
         Returns what the prefill server needs, or None when the pool is full right now (the
         request is then queued for local prefill instead)."""
         seq = self._new_sequence(request_id, prompt, params, messages)
+        self.wait_inflight()
         reserved = self.scheduler.reserve_for_remote(seq)
         if reserved is None:
             self.scheduler.add(seq)
@@ -252,30 +272,114 @@ class LLMEngine:
 
     # stepping ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        batch = self.scheduler.schedule()
-        if not batch.seqs:
-            if self.ep is not None:  # the other ranks' MoE layers need this rank's collectives
-                self.runner.run_idle()
-                self.num_steps += 1
-            return []
+        """Run one forward and return its outputs. With async scheduling the next decode step is
+        launched before this one's tokens are read back, and stays in flight past the return:
+        the host's work between two steps (outputs, stop checks, the next step's inputs) then
+        overlaps the GPU's."""
+        cur, self._inflight = self._inflight, None
+        if cur is not None and all(seq.is_finished for seq in cur.batch.seqs):
+            self._complete(cur)  # ran ahead of requests that have ended since: nothing to report
+            cur = None
+        if cur is None:
+            batch = self.scheduler.schedule()
+            if not batch.seqs:
+                if self.ep is not None:  # the other ranks' MoE layers need this rank's collectives
+                    self.runner.run_idle()
+                    self.num_steps += 1
+                return []
+            cur = self._launch(batch)
+        rows = self._ahead_rows(cur)
+        if rows:
+            self._inflight = self._launch_ahead(cur, rows)
+        return self._complete(cur)
+
+    def _launch(self, batch: ScheduledBatch, ahead_ids: torch.Tensor | None = None) -> "LaunchedStep":
+        """Queue a forward and its sampling on the device; the tokens are read by _complete.
+        ahead_ids: a decode step whose input tokens are these, sampled by the step before and
+        still on the device."""
         self.num_steps += 1
+        step = LaunchedStep(batch)
         try:
-            done, logits = self.runner.run(batch)
-            tokens = self.runner.sample([batch.seqs[i] for i in done], logits) if done else []
+            if ahead_ids is None:
+                step.done, logits = self.runner.run(batch)
+            else:
+                step.done, logits = list(range(len(batch))), self.runner.run_ahead(batch, ahead_ids)
+            if step.done:
+                step.tokens = self.runner.sample([batch.seqs[i] for i in step.done], logits)
         except Exception as e:  # a failed step fails its requests, never leaks their blocks
-            outputs = []
-            for seq in batch.seqs:
+            step.error = e
+            return step
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            seq.num_computed_tokens += n
+            self.scheduler.blocks.publish(seq)
+        if self._token_buffers is not None and step.tokens is not None:
+            # Read back through pinned memory and an event: reading the tokens directly would wait
+            # for everything queued after them, the step launched ahead included.
+            step.host = self._token_buffers[self.num_steps % 2][:len(step.done)]
+            step.host.copy_(step.tokens, non_blocking=True)
+            step.ready = torch.cuda.Event()
+            step.ready.record()
+        return step
+
+    def _complete(self, step: "LaunchedStep") -> list[RequestOutput]:
+        """Wait for a launched step's tokens and turn them into outputs. Sequences that ended
+        while it ran (aborted, or stopped by the step before when this one ran ahead) get none."""
+        live = [seq for seq in step.batch.seqs if not seq.is_finished]
+        if step.error is not None:
+            e, outputs = step.error, []
+            for seq in live:
                 self.scheduler.finish(seq, "error", f"{type(e).__name__}: {e}")
                 self.requests.pop(seq.request_id, None)
                 outputs.append(self._output(seq, [], ""))
             return outputs
-        for seq, n in zip(batch.seqs, batch.num_tokens):
-            seq.num_computed_tokens += n
-            self.scheduler.blocks.publish(seq)
-        outputs = []
-        for i, token in zip(done, tokens):
-            outputs.append(self._append(batch.seqs[i], token))
-        return outputs
+        if step.tokens is None:
+            return []
+        if step.ready is not None:
+            step.ready.synchronize()
+        tokens = (step.host if step.host is not None else step.tokens).tolist()
+        return [self._append(step.batch.seqs[i], token) for i, token in zip(step.done, tokens)
+                if not step.batch.seqs[i].is_finished]
+
+    def _ahead_rows(self, cur: "LaunchedStep") -> list[int]:
+        """The rows of `cur` whose next step can be launched before cur's tokens are known: those
+        still running that cur's token cannot end by length (a stop token or string shows only
+        once read: such a row is computed and dropped). Nothing when cur did not sample every row
+        (a prefill chunk), when the scheduler runs other sequences, when a waiting request could
+        be admitted (the scheduler plans that step), or when the pool lacks a block for one more
+        position of each (preemption is the scheduler's)."""
+        if not self._run_ahead or cur.tokens is None:
+            return []
+        s, seqs = self.scheduler, cur.batch.seqs
+        live = [seq for seq in seqs if not seq.is_finished]
+        if (len(cur.done) != len(seqs) or len(s.running) != len(live)
+                or any(a is not b for a, b in zip(s.running, live))):
+            return []
+        if s.waiting and len(s.running) < self.cfg.max_num_seqs:
+            return []
+        rows, need = [], 0
+        for i, seq in enumerate(seqs):
+            if (seq.is_finished or seq.hold_kv or len(seq.output_ids) + 1 >= seq.params.max_tokens
+                    or seq.num_tokens + 1 >= self.max_model_len):
+                continue
+            rows.append(i)
+            need += s.blocks.blocks_needed(seq.num_tokens + 1) - len(seq.block_table)
+        return rows if need <= s.blocks.num_free_blocks else []
+
+    def _launch_ahead(self, cur: "LaunchedStep", rows: list[int]) -> "LaunchedStep":
+        seqs = [cur.batch.seqs[i] for i in rows]
+        for seq in seqs:
+            self.scheduler.blocks.grow(seq, seq.num_tokens + 1)
+        ids = cur.tokens
+        if len(rows) < len(cur.batch):
+            ids = ids.index_select(0, host_to_device(ids.device, rows))
+        return self._launch(ScheduledBatch(seqs=seqs, num_tokens=[1] * len(seqs)), ahead_ids=ids)
+
+    def wait_inflight(self) -> None:
+        """Block until the step in flight (if any) has finished on the device: before handing
+        out blocks to a writer outside the device's stream order (a remote prefill), since that
+        step may still write into blocks of a request that ended meanwhile."""
+        if self._inflight is not None and self._inflight.ready is not None:
+            self._inflight.ready.synchronize()
 
     def _append(self, seq: Sequence, token: int) -> RequestOutput:
         seq.output_ids.append(token)

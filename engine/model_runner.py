@@ -150,10 +150,13 @@ class ModelRunner:
         longest = longest or max(seq.num_tokens for seq in batch.seqs)
         return (longest - 1) // self.cfg.block_size + 1
 
-    def fill_decode_inputs(self, batch: ScheduledBatch, host: np.ndarray, rows: int, width: int) -> bool:
+    def fill_decode_inputs(self, batch: ScheduledBatch, host: np.ndarray, rows: int, width: int,
+                           ahead: int = 0) -> bool:
         """Write a decode step's index tensors into `host` (uint8, laid out as decode_input_bytes
         says, any content) and return whether any sequence needs the sparse (indexer) path.
-        Padded rows write to the scratch slot and ring and read block 0."""
+        Padded rows write to the scratch slot and ring and read block 0. ahead=1: each sequence's
+        input token is still on the device (run_ahead), one past its last known token; its id
+        here is 0."""
         bs, mc = self.cfg.block_size, self.model.cfg
         head, total = self.decode_input_bytes(rows, width)
         host[:total] = 0
@@ -166,8 +169,8 @@ class ModelRunner:
         last, where, write, ring = [], [], [], []
         for i, seq in enumerate(batch.seqs):
             out = seq.output_ids
-            p = len(seq.prompt_ids) + len(out) - 1
-            last.append(out[-1] if out else seq.prompt_ids[-1])
+            p = len(seq.prompt_ids) + len(out) - 1 + ahead
+            last.append(0 if ahead else out[-1] if out else seq.prompt_ids[-1])
             where.append(p)
             write.append(seq.block_table[p // bs] * bs + p % bs)
             t = _table_array(seq)[:width]
@@ -179,13 +182,15 @@ class ModelRunner:
         g_max = p_max + 1 - (mc.sliding_window - 1 if mc.sliding_window else 0)
         return bool(mc.index_topk) and g_max > mc.index_topk
 
-    def decode_inputs(self, batch: ScheduledBatch, pad_batch: int | None = None, pad_blocks: int | None = None):
+    def decode_inputs(self, batch: ScheduledBatch, pad_batch: int | None = None, pad_blocks: int | None = None,
+                      ahead: int = 0):
         """Index tensors of a decode step on the device (one host-to-device copy): token ids,
         positions, KV write slots, block tables, window rings, and whether any sequence needs
         the sparse (indexer) path. Padded rows write to the scratch slot and ring."""
-        rows, width = pad_batch or len(batch), pad_blocks or self.decode_width(batch)
+        longest = max(seq.num_tokens for seq in batch.seqs) + ahead
+        rows, width = pad_batch or len(batch), pad_blocks or self.decode_width(batch, longest)
         host = np.empty(self.decode_input_bytes(rows, width)[1], dtype=np.uint8)
-        sparse = self.fill_decode_inputs(batch, host, rows, width)
+        sparse = self.fill_decode_inputs(batch, host, rows, width, ahead)
         dev = torch.from_numpy(host).to(self.device, non_blocking=True)
         return (*self.decode_input_views(dev, rows, width), sparse)
 
@@ -324,6 +329,21 @@ class ModelRunner:
         return done, (self.model.compute_logits(hidden[logit_rows]) if done else None)
 
     @torch.inference_mode()
+    def run_ahead(self, batch: ScheduledBatch, input_ids: torch.Tensor) -> torch.Tensor:
+        """A decode step launched before the previous step's tokens were read back: each
+        sequence's input token is `input_ids` (on the device, one per sequence, in batch order),
+        at the position after its last known token, for which it holds a block. Returns the
+        next-token logits of every sequence."""
+        b = len(batch)
+        longest = max(seq.num_tokens for seq in batch.seqs) + 1
+        self.model.model.rotary.ensure(longest)
+        if self.graphs is not None and self.graphs.covers(b):
+            return self.graphs.run(batch, longest, input_ids)[:b]
+        ids, *rest = self.decode_inputs(batch, ahead=1)
+        ids[:b].copy_(input_ids)
+        return self.decode_forward(ids, *rest)[:b]
+
+    @torch.inference_mode()
     def run_idle(self) -> None:
         """A forward with no tokens: only the MoE layers' collectives, in the same order as a
         real forward (expert parallelism)."""
@@ -331,5 +351,6 @@ class ModelRunner:
         for moe in self.model.moe_layers():
             moe(empty)
 
-    def sample(self, seqs, logits: torch.Tensor) -> list[int]:
-        return self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
+    def sample(self, seqs, logits: torch.Tensor) -> torch.Tensor:
+        """The next token of each sequence, on the device (not waited for)."""
+        return self.sampler.sample(logits, [s.params for s in seqs], [s.generator for s in seqs])

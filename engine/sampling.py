@@ -67,20 +67,34 @@ class SamplingParams:
         return self.temperature == 0 or self.top_k == 1
 
 
+def host_to_device(device: torch.device, data: list, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A short host list as a tensor on `device`. The copy goes through pinned memory: a plain
+    copy to a GPU waits for everything queued on the stream, a decode step launched ahead
+    included (engine/llm_engine.py)."""
+    t = torch.tensor(data, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
 class Sampler:
     """Samples one token per row. Rows with a seed draw from their own generator, so a
     seeded request gives the same tokens whatever else is in the batch."""
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None]) -> list[int]:
+        return self.sample(logits, params, generators).tolist()
+
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams],
+               generators: list[torch.Generator | None]) -> torch.Tensor:
+        """The tokens as an int64 tensor on the logits' device, queued without waiting for it."""
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if not rows:  # the fp32 cast is exact, so the same argmax; two calls a step fewer
-            return logits.argmax(-1).tolist()
+            return logits.argmax(-1)
         logits = logits.float()
         out = logits.argmax(-1)
-        idx = torch.tensor(rows, device=logits.device)
+        dev = logits.device
+        idx = host_to_device(dev, rows)
         sub = logits[idx]
-        temp = torch.tensor([params[i].temperature for i in rows], device=logits.device)
+        temp = host_to_device(dev, [params[i].temperature for i in rows])
         probs = self._filter(sub / temp[:, None], [params[i] for i in rows]).softmax(-1)
         # Exponential race: argmax(p / E) with E ~ Exp(1) samples from p. Unseeded rows draw
         # in one call; a seeded row draws its own row from its generator (the same numbers
@@ -92,12 +106,12 @@ class Sampler:
             e.exponential_(1.0)
         elif len(seeded) < len(rows):
             unseeded = [j for j in range(len(rows)) if generators[rows[j]] is None]
-            e[torch.tensor(unseeded, device=e.device)] = torch.empty(
+            e[host_to_device(dev, unseeded)] = torch.empty(
                 len(unseeded), e.shape[1], device=e.device).exponential_(1.0)
         for j in seeded:
             e[j].exponential_(1.0, generator=generators[rows[j]])
         out[idx] = (probs / e).argmax(-1)
-        return out.tolist()
+        return out
 
     @staticmethod
     def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -105,12 +119,12 @@ class Sampler:
         top_p = [p.top_p for p in params]
         if any(k > 0 for k in top_k):
             vocab = logits.shape[-1]
-            k = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_k], device=logits.device)
+            k = host_to_device(logits.device, [min(k, vocab) if k > 0 else vocab for k in top_k])
             sorted_desc = logits.sort(-1, descending=True).values
             kth = sorted_desc.gather(1, (k - 1)[:, None])
             logits = logits.masked_fill(logits < kth, float("-inf"))
         if any(p < 1 for p in top_p):
-            p = torch.tensor(top_p, device=logits.device)[:, None]
+            p = host_to_device(logits.device, top_p)[:, None]
             sorted_logits, order = logits.sort(-1, descending=True)
             probs = sorted_logits.softmax(-1)
             # drop tokens once the mass before them already reaches top_p; the top token always stays
