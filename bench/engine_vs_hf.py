@@ -6,7 +6,8 @@
 transformers only knows DeepSeek-V3, so the comparison runs the preset with the V4.1-style
 options off (same weights minus the indexer's); our engine is also timed with them on.
 Tokens/s = batch x generated tokens / wall time of the whole generation (prompt included;
-prompts are short so decode dominates). Writes a JSON line per measurement.
+prompts are short so decode dominates). Our engine runs as configured by default (on GPU, with
+async scheduling); `--sync-too` also times it stepping one forward at a time. Writes a JSON line per measurement.
 """
 from __future__ import annotations
 
@@ -76,11 +77,12 @@ def peak_gib(device):
     return torch.cuda.max_memory_allocated() / 2**30 if torch.device(device).type == "cuda" else None
 
 
-def time_ours(model, batch, prompt_len, gen, device, dtype_name, repeats=2):
+def time_ours(model, batch, prompt_len, gen, device, dtype_name, repeats=2, async_scheduling=None):
     bs = 16
     blocks = batch * (-(-(prompt_len + gen + 1) // bs)) + 8
     cfg = EngineConfig(device=str(device), dtype=dtype_name, block_size=bs, num_blocks=blocks, max_num_seqs=batch,
-                       max_num_batched_tokens=max(batch * prompt_len, 512), enable_prefix_caching=False)
+                       max_num_batched_tokens=max(batch * prompt_len, 512), enable_prefix_caching=False,
+                       async_scheduling=async_scheduling)
     engine = LLMEngine(model, None, cfg)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(4, model.cfg.vocab_size, (prompt_len,), generator=g).tolist() for _ in range(batch)]
@@ -125,6 +127,8 @@ def main(argv=None):
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--gen", type=int, default=64)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--sync-too", action="store_true",
+                    help="also time our engine stepping one forward at a time (async_scheduling off)")
     ap.add_argument("--out", default=None, help="append JSON lines here")
     args = ap.parse_args(argv)
     dtype = getattr(torch, args.dtype)
@@ -140,6 +144,10 @@ def main(argv=None):
             rows.append(dict(preset=args.preset, mode=label, batch=b, device=args.device, dtype=args.dtype,
                              prompt_len=args.prompt_len, gen=args.gen, ours_tok_s=round(tps, 1),
                              ours_peak_gib=peak and round(peak, 2), ours_kv_pool_gib=round(kv_gib, 3)))
+            if args.sync_too:
+                sync_tps = time_ours(ours, b, args.prompt_len, args.gen, args.device, args.dtype,
+                                     async_scheduling=False)[0]
+                rows[-1].update(ours_sync_tok_s=round(sync_tps, 1), async_gain=round(tps / sync_tps, 3))
         del ours
         free_cache(args.device)
         if label == "v3" and not args.skip_hf:
