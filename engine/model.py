@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from kernels.gemv import linear
+from kernels.head_gemv import head_gemv, head_gemv_applies, head_gemv_triton
 from kernels.latent import latent_and_query, norm_rope_latent
 
 from .attention import AttentionContext, attend, index_topk_mask
@@ -128,7 +129,7 @@ class MLAttention(nn.Module):
         q_rope = self.rotary.apply(q_rope, *ctx.rope)
         w_kv = self.kv_b_proj.weight.view(self.n_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
         w_uk, w_uv = w_kv[:, :cfg.qk_nope_head_dim], w_kv[:, cfg.qk_nope_head_dim:]
-        q_lat = torch.einsum("thd,hdc->thc", q_nope, w_uk)
+        q_lat = head_gemv(q_nope, w_uk)
 
         if ctx.decode is not None:  # the kernel takes the two query parts as they are
             if topk is not None:
@@ -139,10 +140,14 @@ class MLAttention(nn.Module):
                 idx_w = idx_w.float() * self.indexer.n_heads ** -0.5
             q_full = torch.cat([q_lat, q_rope], dim=-1)  # [T, H, D]
             out = self._attend_padded(q_full[ctx.q_index], idx_q, idx_w, latent, ctx)
-        # The value up-projection writes [T, H, V] in place (the batched GEMM takes the strided
-        # output), so o_proj's input needs no copy.
-        heads_out = torch.empty(t, self.n_heads, cfg.v_head_dim, dtype=q_lat.dtype, device=x.device)
-        torch.bmm(out.to(q_lat.dtype).transpose(0, 1), w_uv.transpose(1, 2), out=heads_out.transpose(0, 1))
+        out, w_uv = out.to(q_lat.dtype), w_uv.transpose(1, 2)
+        if head_gemv_applies(out, w_uv):
+            heads_out = head_gemv_triton(out, w_uv)
+        else:
+            # The value up-projection writes [T, H, V] in place (the batched GEMM takes the strided
+            # output), so o_proj's input needs no copy.
+            heads_out = torch.empty(t, self.n_heads, cfg.v_head_dim, dtype=q_lat.dtype, device=x.device)
+            torch.bmm(out.transpose(0, 1), w_uv, out=heads_out.transpose(0, 1))
         return linear(heads_out.view(t, -1), self.o_proj.weight, self.o_proj.bias)
 
     def _attend_padded(self, q_full: torch.Tensor, idx_q: torch.Tensor | None, idx_w: torch.Tensor | None,
