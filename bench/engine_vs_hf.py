@@ -78,7 +78,8 @@ def peak_gib(device):
     return torch.cuda.max_memory_allocated() / 2**30 if torch.device(device).type == "cuda" else None
 
 
-def time_ours(model, batch, prompt_len, gen, device, dtype_name, repeats=2, async_scheduling=None):
+def time_ours(model, batch, prompt_len, gen, device, dtype_name, repeats=2, async_scheduling=None,
+              profile_path=None):
     bs = 16
     blocks = batch * (-(-(prompt_len + gen + 1) // bs)) + 8
     cfg = EngineConfig(device=str(device), dtype=dtype_name, block_size=bs, num_blocks=blocks, max_num_seqs=batch,
@@ -112,7 +113,28 @@ def time_ours(model, batch, prompt_len, gen, device, dtype_name, repeats=2, asyn
     # returns one decode step's tokens.
     step_ms = dict(first_step_ms=round(best_steps[0] * 1e3, 3),
                    decode_step_ms=round(statistics.median(best_steps[1:]) * 1e3, 3))
+    if profile_path:
+        profile_first_step(engine, prompts, profile_path, f"batch {batch}, prompt {prompt_len}")
     return batch * gen / best, peak_gib(device), engine.runner.kv.nbytes() / 2**30, step_ms
+
+
+def profile_first_step(engine, prompts, path, title):
+    """Profile a generate of one token per prompt (the prefill step, with its sampling): by
+    self host time, where the host's share of a step shows, and by device time."""
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.runner.device.type == "cuda" else [])
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    engine.generate(prompts, one)
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        engine.generate(prompts, one)
+        sync(engine.runner.device)
+        wall = time.perf_counter() - t0
+    table = prof.key_averages()
+    with open(path, "a") as f:
+        f.write(f"## {title}: {wall * 1e3:.2f} ms wall under the profiler\n")
+        for key in ("self_cpu_time_total", "cuda_time_total"):
+            f.write(f"### by {key}\n" + table.table(sort_by=key, row_limit=40, max_name_column_width=60) + "\n\n")
 
 
 @torch.inference_mode()
@@ -145,6 +167,9 @@ def main(argv=None):
     ap.add_argument("--sync-too", action="store_true",
                     help="also time our engine stepping one forward at a time (async_scheduling off)")
     ap.add_argument("--out", default=None, help="append JSON lines here")
+    ap.add_argument("--profile-prefill", default=None, metavar="PATH",
+                    help="after timing, profile our engine's first step (the prefill) at each batch, host and "
+                         "device, and append the tables here")
     args = ap.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     results = []
@@ -155,7 +180,8 @@ def main(argv=None):
         ours = build_ours(cfg, args.device, dtype)
         rows = []
         for b in args.batches:
-            tps, peak, kv_gib, step_ms = time_ours(ours, b, args.prompt_len, args.gen, args.device, args.dtype)
+            tps, peak, kv_gib, step_ms = time_ours(ours, b, args.prompt_len, args.gen, args.device, args.dtype,
+                                                   profile_path=args.profile_prefill)
             rows.append(dict(preset=args.preset, mode=label, batch=b, device=args.device, dtype=args.dtype,
                              prompt_len=args.prompt_len, gen=args.gen, ours_tok_s=round(tps, 1),
                              ours_peak_gib=peak and round(peak, 2), ours_kv_pool_gib=round(kv_gib, 3),

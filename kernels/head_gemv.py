@@ -4,7 +4,7 @@ Two of them run in every attention layer of a decode step: the query absorbed in
 space (x: the query's no-rope part [T, H, 128], w: kv_b_proj's key rows [H, 128, 512]) and the
 value up-projection (x: attention's latent output [T, H, 512], w: kv_b_proj's value rows,
 transposed [H, 512, 128]). At batch 1 each is a 2 MB weight read that cuBLAS's batched GEMM
-took 3.4 us for on an H200 (bench.forward's profile), and a kernel that is not ours cannot
+took 2.7-3.3 us for on an H200, and a kernel that is not ours cannot
 take part in dependent launches (kernels/pdl.py): the kernel after it waits for its end.
 
 Each program holds a [K, BLOCK_N] tile of one head's weight in registers, loaded before its
@@ -24,7 +24,10 @@ try:
 except Exception:  # the torch path needs no Triton
     triton = None
 
-MAX_ROWS = 16         # past this many rows cuBLAS reuses each weight tile better
+# Each row repeats the program's whole multiply: on the H200 (bench.kernel_head_gemv) the kernel
+# took 1.7 against cuBLAS's 2.7-3.3 us at one row, 2.2-2.6 against 3.0-3.3 at two, and lost from
+# four rows on (3.9 against 3.0 for the absorption).
+MAX_ROWS = 2
 TILE_ELEMENTS = 8192  # of one program's weight tile: 64 bf16 values a thread at 4 warps
 _DTYPES = (torch.bfloat16, torch.float16)
 

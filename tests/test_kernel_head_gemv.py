@@ -66,7 +66,7 @@ def test_dispatcher_uses_the_kernel_only_where_it_applies(monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-@pytest.mark.parametrize("rows", [1, 16])
+@pytest.mark.parametrize("rows", [1, 2])
 def test_bench_model_shapes_in_a_cuda_graph(rows):
     """The bench model's heads (16, nope 128, value 128, latent 512), captured in a graph behind
     another kernel and replayed with new inputs."""
