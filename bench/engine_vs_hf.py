@@ -6,7 +6,9 @@
 transformers only knows DeepSeek-V3, so the comparison runs the preset with the V4.1-style
 options off (same weights minus the indexer's); our engine is also timed with them on.
 Tokens/s = batch x generated tokens / wall time of the whole generation (prompt included;
-prompts are short so decode dominates). Our engine runs as configured by default (on GPU, with
+prompts are short so decode dominates). Decode tokens/s (`*_decode_tok_s`, `decode_ratio`) leave
+the prefill out, the same way for both engines: the tokens after the first over the whole
+generation's time less a one-token generation's. Our engine runs as configured by default (on GPU, with
 async scheduling); `--sync-too` also times it stepping one forward at a time. Writes a JSON line per measurement.
 """
 from __future__ import annotations
@@ -113,9 +115,26 @@ def time_ours(model, batch, prompt_len, gen, device, dtype_name, repeats=2, asyn
     # returns one decode step's tokens.
     step_ms = dict(first_step_ms=round(best_steps[0] * 1e3, 3),
                    decode_step_ms=round(statistics.median(best_steps[1:]) * 1e3, 3))
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    step_ms["decode_tok_s"] = round(decode_rate(batch, gen, best, lambda: engine.generate(prompts, one), device,
+                                                repeats), 1)
     if profile_path:
         profile_first_step(engine, prompts, profile_path, f"batch {batch}, prompt {prompt_len}")
     return batch * gen / best, peak_gib(device), engine.runner.kv.nbytes() / 2**30, step_ms
+
+
+def decode_rate(batch, gen, best_full_s, generate_one, device, repeats) -> float:
+    """Decode tokens/s alone: the generated tokens after the first, over the best whole
+    generation's time less the best time of a generation of one token (the prefill, sampling
+    and the call's own overhead), measured here the same way for both engines."""
+    best_one = float("inf")
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        generate_one()
+        sync(device)
+        best_one = min(best_one, time.perf_counter() - t0)
+    return batch * (gen - 1) / (best_full_s - best_one)
 
 
 def profile_first_step(engine, prompts, path, title):
@@ -152,7 +171,9 @@ def time_hf(hf, batch, prompt_len, gen, device, vocab, repeats=2):
         sync(device)
         best = min(best, time.perf_counter() - t0)
         assert out.shape[1] == prompt_len + gen
-    return batch * gen / best, peak_gib(device)
+    peak = peak_gib(device)
+    one = dict(kw, max_new_tokens=1, min_new_tokens=1)
+    return batch * gen / best, peak, decode_rate(batch, gen, best, lambda: hf.generate(ids, **one), device, repeats)
 
 
 def main(argv=None):
@@ -195,9 +216,10 @@ def main(argv=None):
         if label == "v3" and not args.skip_hf:
             hf = build_hf(cfg, args.device, dtype)
             for row in rows:
-                htps, hpeak = time_hf(hf, row["batch"], args.prompt_len, args.gen, args.device, cfg.vocab_size)
+                htps, hpeak, hdec = time_hf(hf, row["batch"], args.prompt_len, args.gen, args.device, cfg.vocab_size)
                 row.update(hf_tok_s=round(htps, 1), hf_peak_gib=hpeak and round(hpeak, 2),
-                           ratio=round(row["ours_tok_s"] / htps, 2))
+                           ratio=round(row["ours_tok_s"] / htps, 2), hf_decode_tok_s=round(hdec, 1),
+                           decode_ratio=round(row["ours_decode_tok_s"] / hdec, 2))
             del hf
             free_cache(args.device)
         for row in rows:
