@@ -44,9 +44,11 @@ class DecodeGraphs:
     def __init__(self, runner, max_batch: int):
         self.runner = runner
         self.sizes = _batch_sizes(min(max_batch, runner.cfg.max_num_seqs))
-        self.graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        # (form, padded rows, padded block-table width, sparse) -> (graph, static inputs, logits);
+        # form "decode" (a token per sequence) or "chunk" (prompt chunks: a row per token).
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.pool = None
-        self.failed: set[tuple[int, int, bool]] = set()
+        self.failed: set[tuple] = set()
         cfg = runner.cfg
         limit = min(runner.model.cfg.max_position_embeddings, cfg.num_blocks * cfg.block_size)
         self.rotary = runner.model.model.rotary
@@ -84,26 +86,49 @@ class DecodeGraphs:
         pad_m = self._blocks_bucket(r.decode_width(batch, longest))
         nbytes = r.decode_input_bytes(pad_b, pad_m)[1]
         sparse = r.fill_decode_inputs(batch, self._host_buffer(nbytes), pad_b, pad_m, ahead)
+        fill_ids = (lambda static: static[:8 * b].view(torch.int64).copy_(ahead_ids)) if ahead else None
+        return self._replay(("decode", pad_b, pad_m, sparse), nbytes, fill_ids,
+                            lambda static: r.decode_forward(*r.decode_input_views(static, pad_b, pad_m), sparse))
+
+    def run_chunk(self, batch, rows: int) -> tuple[torch.Tensor, list[int]]:
+        """Replay (capturing first if new) the graph of a step of `rows` tokens, each a kernel row
+        (ModelRunner.chunk_forward): prompt chunks, alone or beside decoding sequences. Returns
+        the logits of every padded row and the rows whose next token is due."""
+        r = self.runner
+        pad_r = next(s for s in self.sizes if s >= rows)
+        longest = max(seq.num_computed_tokens + n for seq, n in zip(batch.seqs, batch.num_tokens))
+        pad_m = self._blocks_bucket(r.decode_width(batch, longest))
+        nbytes = r.chunk_input_bytes(pad_r, pad_m)[1]
+        sparse, logit_rows = r.fill_chunk_inputs(batch, self._host_buffer(nbytes), pad_r, pad_m)
+        logits = self._replay(("chunk", pad_r, pad_m, sparse), nbytes, None,
+                              lambda static: r.chunk_forward(*r.chunk_input_views(static, pad_r, pad_m), sparse),
+                              keep=lambda: r.window_snapshot(batch))
+        return logits, logit_rows
+
+    def _replay(self, key: tuple, nbytes: int, fill, forward, keep=None) -> torch.Tensor:
+        """Upload the staged inputs into the graph of `key` (forward(static buffer) -> logits,
+        captured first if new), let fill(static) change them on the device, and replay. A shape
+        that cannot be captured runs eagerly on the same buffer. keep() -> restore(): state the
+        capture's warm-up run changes and the replay must see as it was."""
         if self._tables_moved():
             self.clear()  # they read the rope tables a longer context has since replaced
-        key = (pad_b, pad_m, sparse)
         if key not in self.graphs and key not in self.failed:
             try:
-                self.graphs[key] = self._capture(pad_b, pad_m, sparse, nbytes)
-            except RuntimeError as e:  # a shape that cannot be captured still runs, eagerly
-                log.warning("CUDA graph capture failed for batch %d x %d blocks (%s); running it eagerly",
-                            pad_b, pad_m, e)
+                self.graphs[key] = self._capture(nbytes, fill, forward, keep)
+            except RuntimeError as e:
+                log.warning("CUDA graph capture failed for %s (%s); running it eagerly", key, e)
                 self.failed.add(key)
                 torch.cuda.synchronize()
         if key in self.failed:
-            ids, *rest = r.decode_inputs(batch, pad_batch=pad_b, pad_blocks=pad_m, ahead=ahead)
-            if ahead:
-                ids[:b].copy_(ahead_ids)
-            return r.decode_forward(ids, *rest)
+            static = torch.empty(nbytes, dtype=torch.uint8, device=self.runner.device)
+            self._upload(static, nbytes)
+            if fill is not None:
+                fill(static)
+            return forward(static)
         graph, static, logits = self.graphs[key]
         self._upload(static, nbytes)
-        if ahead:  # the ids are the buffer's first int64 row
-            static[:8 * b].view(torch.int64).copy_(ahead_ids)
+        if fill is not None:
+            fill(static)
         graph.replay()
         self.last = graph  # benchmarks time the replay alone
         return logits
@@ -125,19 +150,25 @@ class DecodeGraphs:
         self._cos_ptr = ptr
         return moved
 
-    def _capture(self, pad_b: int, pad_m: int, sparse: bool, nbytes: int):
-        """Capture the step of this shape, its inputs views of a static buffer that already holds
-        this step's values (so the warm-up run and the capture compute a real step)."""
+    def _capture(self, nbytes: int, fill, forward, keep=None):
+        """Capture forward(static), its inputs a static buffer that already holds this step's
+        values (so the warm-up run and the capture compute a real step). A decode step's warm-up
+        run leaves nothing its replay reads differently; a prompt chunk's does (its window ring
+        then already holds the chunk's later positions), so keep() restores that."""
         r = self.runner
         static = torch.empty(nbytes, dtype=torch.uint8, device=r.device)
         self._upload(static, nbytes)
-        inputs = r.decode_input_views(static, pad_b, pad_m)
+        if fill is not None:
+            fill(static)
         # Warm up on a side stream (lazy initialisation, allocator) before capturing.
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
+        restore = keep() if keep is not None else None
         with torch.cuda.stream(stream):
-            r.decode_forward(*inputs, sparse)
+            forward(static)
         torch.cuda.current_stream().wait_stream(stream)
+        if restore is not None:
+            restore()
         graph = torch.cuda.CUDAGraph()
         # A CUDA graph destroyed while another is being captured (an unreachable engine's graphs,
         # freed by the cyclic collector at some allocation) invalidates the capture: collect
@@ -147,7 +178,7 @@ class DecodeGraphs:
         side_stream(r.device)  # made before the capture, which forks onto it
         try:
             with torch.cuda.graph(graph, pool=self.pool):
-                logits = r.decode_forward(*inputs, sparse)
+                logits = forward(static)
         finally:
             gc.enable()
         if self.pool is None:

@@ -12,7 +12,7 @@ from .decode_attention import build_decode_batch, build_token_batch
 from .config import EngineConfig
 from .model import DeepseekForCausalLM
 from .moe import MoE
-from .sampling import Sampler
+from .sampling import Sampler, host_to_device
 from .scheduler import ScheduledBatch
 
 
@@ -194,6 +194,103 @@ class ModelRunner:
         dev = torch.from_numpy(host).to(self.device, non_blocking=True)
         return (*self.decode_input_views(dev, rows, width), sparse)
 
+    def chunk_rows(self, batch: ScheduledBatch) -> int:
+        """Tokens of a step that is not a decode step, when the chunk graphs take it (a kernel row
+        per token, CUDA graphs): at most the graphs' largest batch of them, and no sequence
+        computing more tokens than the window holds (its ring entries would collide). 0 otherwise."""
+        if self.graphs is None or not self.cfg.decode_kernels:
+            return 0
+        total = sum(batch.num_tokens)
+        if not self.graphs.covers(total) or (self.kv.window and max(batch.num_tokens) > self.kv.window):
+            return 0
+        return total
+
+    @staticmethod
+    def chunk_input_bytes(rows: int, width: int) -> tuple[int, int]:
+        """Layout of a chunk step's index tensors: six int64 rows (ids, positions, write slots,
+        window slots by sequence, chunk starts, each row's sequence), then the int32 block tables
+        [rows, width] by sequence (at most one sequence per row)."""
+        head = 6 * (rows + rows % 2) * 8
+        return head, head + rows * width * 4
+
+    @classmethod
+    def chunk_input_views(cls, buf: torch.Tensor, rows: int, width: int) -> tuple[torch.Tensor, ...]:
+        """(ids, positions, write slots, block tables, window slots, starts, sequence of each row)."""
+        head, total = cls.chunk_input_bytes(rows, width)
+        ids, pos, slots, wslots, starts, seq_of = buf[:head].view(torch.int64).view(6, -1)[:, :rows]
+        return ids, pos, slots, buf[head:total].view(torch.int32).view(rows, width), wslots, starts, seq_of
+
+    def fill_chunk_inputs(self, batch: ScheduledBatch, host: np.ndarray, rows: int, width: int
+                          ) -> tuple[bool, list[int]]:
+        """Write a chunk step's index tensors into `host` (laid out as chunk_input_bytes says);
+        returns whether any row needs the sparse (indexer) path and the rows whose next token is
+        due. Positions whose KV the prefix cache holds (a replayed window) write to the scratch
+        slot; padded rows too, and they belong to a last, empty sequence."""
+        bs, mc = self.cfg.block_size, self.model.cfg
+        head, total = self.chunk_input_bytes(rows, width)
+        host[:total] = 0
+        ids, pos, slots, wslots, starts, seq_of = host[:head].view(np.int64).reshape(6, -1)[:, :rows]
+        tables = host[head:total].view(np.int32).reshape(rows, width)
+        slots[:] = self.kv.scratch_slot
+        wslots[:] = self.kv.scratch_window
+        seq_of[:] = rows - 1
+        r, logit_rows, p_max = 0, [], 0
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
+            start, table = seq.num_computed_tokens, seq.block_table
+            ids[r:r + n] = seq.token_slice(start, start + n)
+            pos[r:r + n] = range(start, start + n)
+            slots[r:r + n] = [table[p // bs] * bs + p % bs if p >= seq.num_cached_tokens else self.kv.scratch_slot
+                              for p in range(start, start + n)]
+            starts[r:r + n] = start
+            seq_of[r:r + n] = i
+            if seq.window_slot is not None:
+                wslots[i] = seq.window_slot
+            t = _table_array(seq)[:width]
+            tables[i, :len(t)] = t
+            r += n
+            p_max = max(p_max, start + n - 1)
+            if start + n == seq.num_tokens:
+                logit_rows.append(r - 1)
+        g_max = p_max + 1 - (mc.sliding_window - 1 if mc.sliding_window else 0)
+        return bool(mc.index_topk) and g_max > mc.index_topk, logit_rows
+
+    def chunk_forward(self, input_ids, positions, write_slots, block_tables, window_slots, starts, seq_of,
+                      sparse) -> torch.Tensor:
+        """A step with a kernel row per token (capturable): prompt chunks, their rows of a
+        sequence consecutive and in position order, as build_token_batch reads them -> logits of
+        every row."""
+        ctx = AttentionContext(
+            positions=positions, rope=self.model.model.rotary.tables(positions), write_rows=None,
+            write_slots=write_slots, q_index=None, q_flat=None, q_pos=None, key_slots=None, g_mask=None,
+            global_kv=self.kv.global_kv, index_keys=self.kv.index_keys, kv_scale=self.kv.kv_scale,
+            index_scale=self.kv.index_scale, compute_dtype=self.dtype)
+        ring_pos = None
+        if self.kv.window:
+            ctx.window_kv, ctx.window_slots = self.kv.window_kv, window_slots
+            ring_pos = self.kv.window_pos[window_slots]
+            ctx.win_write_rows = torch.arange(positions.shape[0], device=positions.device)
+            ctx.win_write_slot, ctx.win_write_idx = window_slots[seq_of], positions % self.kv.window
+        ctx.decode = build_token_batch(positions, starts, seq_of, block_tables, self.cfg.block_size, self.kv.window,
+                                       ring_pos, sparse)
+        hidden = self.model(input_ids, ctx)
+        if self.kv.window:
+            self.kv.window_pos[ctx.win_write_slot, ctx.win_write_idx] = positions
+        return self.model.compute_logits(hidden)
+
+    def window_snapshot(self, batch: ScheduledBatch):
+        """The window rings and positions of the batch's sequences as they are now; returns a
+        function that puts them back."""
+        slots = sorted({seq.window_slot for seq in batch.seqs if seq.window_slot is not None})
+        if not self.kv.window or not slots:
+            return lambda: None
+        idx = torch.tensor(slots, device=self.device)
+        pos, ring = self.kv.window_pos[idx].clone(), self.kv.window_kv[idx].clone()
+
+        def restore():
+            self.kv.window_pos[idx] = pos
+            self.kv.window_kv[idx] = ring
+        return restore
+
     def decode_context(self, positions: torch.Tensor, write_slots: torch.Tensor, block_tables: torch.Tensor,
                        window_slots: torch.Tensor, sparse: bool) -> AttentionContext:
         """Device-only (capturable): the attention metadata of a decode step."""
@@ -320,6 +417,17 @@ class ModelRunner:
             else:
                 logits = self.decode_forward(*self.decode_inputs(batch))
             return list(range(b)), logits[:b]
+        rows = self.chunk_rows(batch)
+        if rows:
+            for s in batch.new_window_slots:
+                self.kv.window_pos[s] = -1
+            self.model.model.rotary.ensure(max(seq.num_computed_tokens + n
+                                               for seq, n in zip(batch.seqs, batch.num_tokens)))
+            logits, logit_rows = self.graphs.run_chunk(batch, rows)
+            done = [i for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens))
+                    if seq.num_computed_tokens + n == seq.num_tokens]
+            # A list index would be a blocking copy, which waits for a step launched ahead.
+            return done, (logits.index_select(0, host_to_device(self.device, logit_rows)) if done else None)
         input_ids, ctx, logit_rows = self.prepare(batch)
         hidden = self.model(input_ids, ctx)
         if self.kv.window:

@@ -1,0 +1,124 @@
+"""Prompt chunks as kernel rows (ModelRunner.chunk_forward, replayed from CUDA graphs on a GPU):
+each token a row of the decode kernels, several rows a sequence, beside decoding sequences.
+
+On CPU the runner gets a stand-in for its graphs that runs the same functions eagerly on the
+same input buffers, padding included; every request must come out as the padded path makes it.
+"""
+import numpy as np
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling import SamplingParams
+
+
+class EagerGraphs:
+    """DecodeGraphs' interface without graphs: rows padded to a multiple of 4, block tables to
+    a multiple of 8 entries, as the captured shapes would be."""
+
+    def __init__(self, runner, max_rows=64):
+        self.runner, self.max_rows, self.chunks = runner, max_rows, []
+
+    def covers(self, n):
+        return n <= self.max_rows
+
+    def run(self, batch, longest=None, ahead_ids=None):
+        r = self.runner
+        ids, *rest = r.decode_inputs(batch, ahead=int(ahead_ids is not None))
+        if ahead_ids is not None:
+            ids[:len(batch)].copy_(ahead_ids)
+        return r.decode_forward(ids, *rest)
+
+    def run_chunk(self, batch, rows):
+        r = self.runner
+        self.chunks.append(list(batch.num_tokens))
+        pad_r = -(-rows // 4) * 4
+        longest = max(seq.num_computed_tokens + n for seq, n in zip(batch.seqs, batch.num_tokens))
+        pad_m = -(-r.decode_width(batch, longest) // 8) * 8
+        host = np.random.default_rng(0).integers(0, 255, r.chunk_input_bytes(pad_r, pad_m)[1], dtype=np.uint8)
+        sparse, logit_rows = r.fill_chunk_inputs(batch, host, pad_r, pad_m)
+        views = r.chunk_input_views(torch.from_numpy(host), pad_r, pad_m)
+        return r.chunk_forward(*views, sparse), logit_rows
+
+
+def _engine(ckpt, chunks: bool, **cfg):
+    cfg = dict(dict(block_size=4, num_blocks=256, max_num_seqs=8), **cfg)
+    engine = LLMEngine.from_pretrained(ckpt, EngineConfig(**cfg), progress=False)
+    if chunks:
+        engine.runner.graphs = EagerGraphs(engine.runner)
+    return engine
+
+
+def _prompts(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(4, 500, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("which", ["tiny", "tiny-v4"])
+def test_chunk_rows_compute_what_the_padded_path_computes(which, tiny_ckpt, tiny_v4_ckpt):
+    """Prompts alone, several in a step, in chunks of a small token budget (a later chunk reads
+    the ring and KV the earlier wrote), beside decoding sequences, and a second turn that hits the
+    prefix cache (tiny-v4: its window replayed, rows that write no global KV)."""
+    ckpt = tiny_ckpt if which == "tiny" else tiny_v4_ckpt
+    # tiny-v4's window is 8 tokens: a step's chunk of a sequence must fit it
+    budget = 8 if which == "tiny-v4" else 24
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    prompts = _prompts([5, 21, 2, 13, 30])
+    outs, logits = {}, {}
+    for chunks in (False, True):
+        e = _engine(ckpt, chunks, max_num_batched_tokens=budget)
+        seen, sample = [], e.runner.sample
+        e.runner.sample = lambda seqs, lg, seen=seen, sample=sample: (seen.append(lg.clone()), sample(seqs, lg))[1]
+        first = e.generate(prompts, params)
+        second = e.generate([p + [7, 8, 9] for p in prompts[:2]], params)
+        outs[chunks] = [o.output_token_ids for o in first + second]
+        logits[chunks] = seen
+        assert e.scheduler.blocks.num_used_blocks == 0
+        if chunks:
+            assert len(e.runner.graphs.chunks) >= 4 and any(len(c) > 1 for c in e.runner.graphs.chunks)
+            assert e.scheduler.prefix_hit_tokens > 0
+            if which == "tiny-v4":
+                assert e.scheduler.replayed_tokens > 0
+    assert outs[True] == outs[False]
+    assert len(logits[True]) == len(logits[False])
+    for a, b in zip(logits[True], logits[False]):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_steps_the_chunk_rows_do_not_take(tiny_v4_ckpt):
+    e = _engine(tiny_v4_ckpt, True, max_num_batched_tokens=64)
+    r = e.runner
+    e.add_request("long", _prompts([9])[0], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    batch = e.scheduler.schedule()
+    assert batch.num_tokens == [9] and r.chunk_rows(batch) == 0  # more than the window of 8
+    r.graphs.max_rows = 4
+    e2 = _engine(tiny_v4_ckpt, True, max_num_batched_tokens=64)
+    e2.runner.graphs.max_rows = 4
+    e2.add_request("a", _prompts([3])[0], SamplingParams(max_tokens=2))
+    e2.add_request("b", _prompts([3], seed=1)[0], SamplingParams(max_tokens=2))
+    assert e2.runner.chunk_rows(e2.scheduler.schedule()) == 0  # 6 rows, more than the graphs hold
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("which", ["tiny", "tiny-v4"])
+def test_chunk_graphs_on_cuda_match_the_eager_padded_path(which, tiny_ckpt, tiny_v4_ckpt):
+    """On the GPU the chunk steps replay captured graphs (a capture's warm-up run must leave the
+    window rings as they were); the outputs are the eager padded path's."""
+    ckpt = tiny_ckpt if which == "tiny" else tiny_v4_ckpt
+    budget = 8 if which == "tiny-v4" else 24
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    prompts = _prompts([5, 21, 2, 13, 30])
+    outs, logits = {}, {}
+    for graphs in (False, True):
+        e = _engine(ckpt, False, device="cuda", cuda_graphs=graphs, max_num_batched_tokens=budget, warmup=False)
+        seen, sample = [], e.runner.sample
+        e.runner.sample = lambda seqs, lg, seen=seen, sample=sample: (seen.append(lg.clone()), sample(seqs, lg))[1]
+        first = e.generate(prompts, params)
+        second = e.generate([p + [7, 8, 9] for p in prompts[:2]], params)
+        outs[graphs], logits[graphs] = [o.output_token_ids for o in first + second], seen
+        if graphs:
+            assert any(key[0] == "chunk" for key in e.runner.graphs.graphs)
+    assert outs[True] == outs[False]
+    for a, b in zip(logits[True], logits[False]):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
