@@ -44,6 +44,8 @@ class DecodeGraphs:
     def __init__(self, runner, max_batch: int):
         self.runner = runner
         self.sizes = _batch_sizes(min(max_batch, runner.cfg.max_num_seqs))
+        # Chunk steps have a row per token: up to max_batch of them, whatever the sequences.
+        self.chunk_sizes = _batch_sizes(min(max_batch, runner.cfg.max_num_batched_tokens))
         # (form, padded rows, padded block-table width, sparse) -> (graph, static inputs, logits);
         # form "decode" (a token per sequence) or "chunk" (prompt chunks: a row per token).
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
@@ -62,6 +64,9 @@ class DecodeGraphs:
 
     def covers(self, batch_size: int) -> bool:
         return batch_size <= self.sizes[-1]
+
+    def covers_chunk(self, rows: int) -> bool:
+        return rows <= self.chunk_sizes[-1]
 
     @staticmethod
     def _blocks_bucket(num_blocks: int) -> int:
@@ -95,7 +100,7 @@ class DecodeGraphs:
         (ModelRunner.chunk_forward): prompt chunks, alone or beside decoding sequences. Returns
         the logits of every padded row and the rows whose next token is due."""
         r = self.runner
-        pad_r = next(s for s in self.sizes if s >= rows)
+        pad_r = next(s for s in self.chunk_sizes if s >= rows)
         longest = max(seq.num_computed_tokens + n for seq, n in zip(batch.seqs, batch.num_tokens))
         pad_m = self._blocks_bucket(r.decode_width(batch, longest))
         nbytes = r.chunk_input_bytes(pad_r, pad_m)[1]

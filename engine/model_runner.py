@@ -196,12 +196,12 @@ class ModelRunner:
 
     def chunk_rows(self, batch: ScheduledBatch) -> int:
         """Tokens of a step that is not a decode step, when the chunk graphs take it (a kernel row
-        per token, CUDA graphs): at most the graphs' largest batch of them, and no sequence
+        per token, CUDA graphs): at most cuda_graph_max_batch of them, and no sequence
         computing more tokens than the window holds (its ring entries would collide). 0 otherwise."""
         if self.graphs is None or not self.cfg.decode_kernels:
             return 0
         total = sum(batch.num_tokens)
-        if not self.graphs.covers(total) or (self.kv.window and max(batch.num_tokens) > self.kv.window):
+        if not self.graphs.covers_chunk(total) or (self.kv.window and max(batch.num_tokens) > self.kv.window):
             return 0
         return total
 

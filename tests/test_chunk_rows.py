@@ -23,6 +23,8 @@ class EagerGraphs:
     def covers(self, n):
         return n <= self.max_rows
 
+    covers_chunk = covers
+
     def run(self, batch, longest=None, ahead_ids=None):
         r = self.runner
         ids, *rest = r.decode_inputs(batch, ahead=int(ahead_ids is not None))
@@ -122,3 +124,7 @@ def test_chunk_graphs_on_cuda_match_the_eager_padded_path(which, tiny_ckpt, tiny
     assert outs[True] == outs[False]
     for a, b in zip(logits[True], logits[False]):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    # One sequence at a time, as a batch-1 server runs: its whole short prompt is one chunk graph.
+    e = _engine(ckpt, False, device="cuda", max_num_seqs=1, max_num_batched_tokens=512, warmup=False)
+    e.generate(_prompts([30 if which == "tiny" else 7]), params)
+    assert any(key[:2] == ("chunk", 32 if which == "tiny" else 8) for key in e.runner.graphs.graphs)
