@@ -44,8 +44,9 @@ class DecodeGraphs:
     def __init__(self, runner, max_batch: int):
         self.runner = runner
         self.sizes = _batch_sizes(min(max_batch, runner.cfg.max_num_seqs))
-        # Chunk steps have a row per token: up to max_batch of them, whatever the sequences.
-        self.chunk_sizes = _batch_sizes(min(max_batch, runner.cfg.max_num_batched_tokens))
+        # Chunk steps have a row per token, whatever the number of sequences.
+        max_chunk = min(runner.cfg.cuda_graph_max_chunk, runner.cfg.max_num_batched_tokens)
+        self.chunk_sizes = _batch_sizes(max_chunk) if max_chunk else [0]
         # (form, padded rows, padded block-table width, sparse) -> (graph, static inputs, logits);
         # form "decode" (a token per sequence) or "chunk" (prompt chunks: a row per token).
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}

@@ -196,7 +196,7 @@ class ModelRunner:
 
     def chunk_rows(self, batch: ScheduledBatch) -> int:
         """Tokens of a step that is not a decode step, when the chunk graphs take it (a kernel row
-        per token, CUDA graphs): at most cuda_graph_max_batch of them, and no sequence
+        per token, CUDA graphs): at most cuda_graph_max_chunk of them, and no sequence
         computing more tokens than the window holds (its ring entries would collide). 0 otherwise."""
         if self.graphs is None or not self.cfg.decode_kernels:
             return 0
