@@ -103,17 +103,18 @@ def test_steps_the_chunk_rows_do_not_take(tiny_v4_ckpt):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-@pytest.mark.parametrize("which", ["tiny", "tiny-v4"])
-def test_chunk_graphs_on_cuda_match_the_eager_padded_path(which, tiny_ckpt, tiny_v4_ckpt):
+@pytest.mark.parametrize("which,kv", [("tiny", "auto"), ("tiny-v4", "auto"), ("tiny-v4", "fp8_e4m3")])
+def test_chunk_graphs_on_cuda_match_the_eager_padded_path(which, kv, tiny_ckpt, tiny_v4_ckpt):
     """On the GPU the chunk steps replay captured graphs (a capture's warm-up run must leave the
-    window rings as they were); the outputs are the eager padded path's."""
+    window rings as they were); the outputs are the eager padded path's, FP8 KV included."""
     ckpt = tiny_ckpt if which == "tiny" else tiny_v4_ckpt
     budget = 8 if which == "tiny-v4" else 24
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     prompts = _prompts([5, 21, 2, 13, 30])
     outs, logits = {}, {}
     for graphs in (False, True):
-        e = _engine(ckpt, False, device="cuda", cuda_graphs=graphs, max_num_batched_tokens=budget, warmup=False)
+        e = _engine(ckpt, False, device="cuda", cuda_graphs=graphs, max_num_batched_tokens=budget, warmup=False,
+                    kv_cache_dtype=kv)
         seen, sample = [], e.runner.sample
         e.runner.sample = lambda seqs, lg, seen=seen, sample=sample: (seen.append(lg.clone()), sample(seqs, lg))[1]
         first = e.generate(prompts, params)
