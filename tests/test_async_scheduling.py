@@ -164,3 +164,40 @@ def test_running_ahead_on_cuda_graphs_and_eager_decode(tiny_v4_ckpt, graph_max_b
     assert ahead._token_buffers is not None and ahead.ahead_steps == ahead.num_steps - 1
     ahead.step()
     assert ahead.scheduler.blocks.num_used_blocks == 0 and ahead._inflight is None
+
+
+def test_the_serving_loop_with_steps_run_ahead(tiny_ckpt):
+    """AsyncLLMEngine's thread steps an engine that runs ahead: concurrent streams get the
+    offline outputs, and a client that goes away mid-stream leaves no block behind."""
+    import asyncio
+
+    from engine.async_engine import AsyncLLMEngine
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    prompts = _prompts([6, 17, 3], seed=4)
+    expect = [o.output_token_ids for o in _engine(tiny_ckpt, False).generate(prompts, params)]
+    inner = _engine(tiny_ckpt, True)
+    aengine = AsyncLLMEngine(inner)
+    try:
+        async def one(i, prompt):
+            tokens = []
+            async for out in aengine.generate(f"req-{i}", prompt, params):
+                tokens += out.new_token_ids
+            return tokens
+
+        async def cancelled():
+            seen = 0
+            async for _ in aengine.generate("long", prompts[0], SamplingParams(max_tokens=10_000, ignore_eos=True)):
+                seen += 1
+                if seen == 4:
+                    break
+            return seen
+
+        async def main():
+            return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)), cancelled())
+        *got, seen = asyncio.run(asyncio.wait_for(main(), 60))
+        assert got == expect and seen == 4
+        assert inner.ahead_steps > 0
+        stats = aengine.stats()
+        assert stats["running"] == 0 and stats["waiting"] == 0 and stats["kv_blocks_used"] == 0
+    finally:
+        aengine.shutdown()
