@@ -57,6 +57,16 @@ def _prompts(lengths, seed=0):
     return [torch.randint(4, 500, (n,), generator=g).tolist() for n in lengths]
 
 
+def _two_turns(e, prompts, params):
+    """Every request's output tokens, and the logits of every sampled step, over the prompts and
+    then a next turn on the first two (prefix hits)."""
+    seen, sample = [], e.runner.sample
+    e.runner.sample = lambda seqs, lg: (seen.append(lg.clone()), sample(seqs, lg))[1]
+    first = e.generate(prompts, params)
+    second = e.generate([p + [7, 8, 9] for p in prompts[:2]], params)
+    return [o.output_token_ids for o in first + second], seen
+
+
 @pytest.mark.parametrize("which", ["tiny", "tiny-v4"])
 def test_chunk_rows_compute_what_the_padded_path_computes(which, tiny_ckpt, tiny_v4_ckpt):
     """Prompts alone, several in a step, in chunks of a small token budget (a later chunk reads
@@ -70,12 +80,7 @@ def test_chunk_rows_compute_what_the_padded_path_computes(which, tiny_ckpt, tiny
     outs, logits = {}, {}
     for chunks in (False, True):
         e = _engine(ckpt, chunks, max_num_batched_tokens=budget)
-        seen, sample = [], e.runner.sample
-        e.runner.sample = lambda seqs, lg, seen=seen, sample=sample: (seen.append(lg.clone()), sample(seqs, lg))[1]
-        first = e.generate(prompts, params)
-        second = e.generate([p + [7, 8, 9] for p in prompts[:2]], params)
-        outs[chunks] = [o.output_token_ids for o in first + second]
-        logits[chunks] = seen
+        outs[chunks], logits[chunks] = _two_turns(e, prompts, params)
         assert e.scheduler.blocks.num_used_blocks == 0
         if chunks:
             assert len(e.runner.graphs.chunks) >= 4 and any(len(c) > 1 for c in e.runner.graphs.chunks)
@@ -115,11 +120,7 @@ def test_chunk_graphs_on_cuda_match_the_eager_padded_path(which, kv, tiny_ckpt, 
     for graphs in (False, True):
         e = _engine(ckpt, False, device="cuda", cuda_graphs=graphs, max_num_batched_tokens=budget, warmup=False,
                     kv_cache_dtype=kv)
-        seen, sample = [], e.runner.sample
-        e.runner.sample = lambda seqs, lg, seen=seen, sample=sample: (seen.append(lg.clone()), sample(seqs, lg))[1]
-        first = e.generate(prompts, params)
-        second = e.generate([p + [7, 8, 9] for p in prompts[:2]], params)
-        outs[graphs], logits[graphs] = [o.output_token_ids for o in first + second], seen
+        outs[graphs], logits[graphs] = _two_turns(e, prompts, params)
         if graphs:
             assert any(key[0] == "chunk" for key in e.runner.graphs.graphs)
     assert outs[True] == outs[False]
