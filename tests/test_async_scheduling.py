@@ -201,3 +201,11 @@ def test_the_serving_loop_with_steps_run_ahead(tiny_ckpt):
         assert stats["running"] == 0 and stats["waiting"] == 0 and stats["kv_blocks_used"] == 0
     finally:
         aengine.shutdown()
+
+
+@pytest.mark.parametrize("field,value", [("async_scheduling", "sometimes"), ("cuda_graph_max_chunk", -1),
+                                         ("cuda_graph_max_chunk", "many")])
+def test_bad_options_fail_at_start_naming_the_field(field, value):
+    from pydantic import ValidationError
+    with pytest.raises(ValidationError, match=field):
+        EngineConfig(**{field: value})
