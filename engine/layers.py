@@ -1,6 +1,8 @@
 """Small building blocks of the DeepSeek model."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
@@ -23,6 +25,30 @@ class RMSNorm(nn.Module):
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         return add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class NormInput(NamedTuple):
+    """An RMSNorm left for the batch-1 kernel that reads its output: that kernel normalises the
+    row itself (kernels/gemv.py norm_gemv_triton, kernels/routing.py gate_parts_norm_triton), one
+    launch fewer a norm. Made only where the next layer said it takes it (`takes_norm`)."""
+    x: torch.Tensor
+    residual: torch.Tensor | None
+    norm: RMSNorm
+    stream: torch.Tensor  # x + residual (x without one), written by the kernel that normalises
+
+
+def defer_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None,
+               consumer) -> tuple[torch.Tensor | NormInput, torch.Tensor]:
+    """(norm's output, the residual stream) as RMSNorm gives them, or, where `consumer` (a
+    module with `takes_norm(x, residual, norm)`) computes the norm in its own first kernel, a
+    NormInput in place of the output."""
+    takes = getattr(consumer, "takes_norm", None)
+    if takes is not None and takes(x, residual, norm):
+        stream = x if residual is None else torch.empty_like(residual)
+        return NormInput(x, residual, norm, stream), stream
+    if residual is None:
+        return norm(x), x
+    return norm(x, residual)
 
 
 class DerivedWeight:

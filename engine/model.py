@@ -9,14 +9,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.gemv import linear
+from kernels.gemv import linear, norm_gemv_applies, norm_gemv_triton
 from kernels.head_gemv import head_gemv, head_gemv_applies, head_gemv_triton
 from kernels.latent import latent_and_query, norm_rope_latent
 
 from .attention import AttentionContext, attend, index_topk_mask
 from .config import ModelConfig
 from .decode_attention import decode_attention, decode_topk
-from .layers import MLP, DerivedWeight, RMSNorm, Rotary, fused_linear
+from .layers import MLP, DerivedWeight, NormInput, RMSNorm, Rotary, defer_norm, fused_linear, fused_weight
 from .moe import MoE
 from .streams import Branch
 
@@ -83,14 +83,27 @@ class MLAttention(nn.Module):
                 mods.append(("idx_k", self.indexer.wk))
         return mods
 
-    def project(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    def project(self, x: torch.Tensor | NormInput) -> dict[str, torch.Tensor]:
         """Every projection of x in one GEMM instead of up to five (a cached concatenated copy of
-        their weights, a few MB per layer)."""
+        their weights, a few MB per layer); for a NormInput, the norm in the same launch."""
         names, mods = zip(*self._x_projections())
+        if isinstance(x, NormInput):
+            weight, _ = fused_weight(list(mods), self._fused)
+            out = norm_gemv_triton(x.x, x.residual, x.norm.weight, x.norm.eps, weight, x.stream)
+            return dict(zip(names, out.split([m.out_features for m in mods], dim=-1)))
         return dict(zip(names, fused_linear(x, list(mods), self._fused)))
 
-    def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        cfg, t = self.cfg, x.shape[0]
+    def takes_norm(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm) -> bool:
+        """Whether project() can take this input's norm as a NormInput (one row on a GPU)."""
+        if x.dim() != 2 or x.shape[0] != 1:
+            return False
+        weight, bias = fused_weight([m for _, m in self._x_projections()], self._fused)
+        return norm_gemv_applies(x, residual, norm.weight, weight, bias)
+
+    def forward(self, x: torch.Tensor | NormInput, ctx: AttentionContext) -> torch.Tensor:
+        cfg = self.cfg
+        t = x.x.shape[0] if isinstance(x, NormInput) else x.shape[0]
+        device = x.x.device if isinstance(x, NormInput) else x.device
         xp = self.project(x)
         latent = q_low = None
         written = False
@@ -146,7 +159,7 @@ class MLAttention(nn.Module):
         else:
             # The value up-projection writes [T, H, V] in place (the batched GEMM takes the strided
             # output), so o_proj's input needs no copy.
-            heads_out = torch.empty(t, self.n_heads, cfg.v_head_dim, dtype=q_lat.dtype, device=x.device)
+            heads_out = torch.empty(t, self.n_heads, cfg.v_head_dim, dtype=q_lat.dtype, device=device)
             torch.bmm(out.transpose(0, 1), w_uv, out=heads_out.transpose(0, 1))
         return linear(heads_out.view(t, -1), self.o_proj.weight, self.o_proj.bias)
 
@@ -184,11 +197,8 @@ class DecoderLayer(nn.Module):
         """x: the previous sublayer's output (the embeddings, with residual None, for the first
         layer). Returns this layer's MLP output and the residual stream before it: the stream is
         x + residual, and each add is folded into the norm that follows it."""
-        if residual is None:
-            h, residual = self.input_layernorm(x), x
-        else:
-            h, residual = self.input_layernorm(x, residual)
-        h, residual = self.post_attention_layernorm(self.self_attn(h, ctx), residual)
+        h, residual = defer_norm(self.input_layernorm, x, residual, self.self_attn)
+        h, residual = defer_norm(self.post_attention_layernorm, self.self_attn(h, ctx), residual, self.mlp)
         return self.mlp(h), residual
 
 

@@ -12,19 +12,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import triton_ok
-from kernels.moe_gemm import fused_experts, token_major
-from kernels.routing import fused_route, gate_fused_ok, gate_parts_triton
+from kernels.moe_gemm import AlignedPairs, fused_experts, pick_config, token_major
+from kernels.routing import fused_route, gate_fused_ok, gate_norm_applies, gate_parts_norm_triton, gate_parts_triton
 from kernels.swiglu import silu_mul
 
 from .config import ModelConfig
-from .layers import MLP, DerivedWeight
+from .layers import MLP, DerivedWeight, NormInput
 from .streams import Branch
 
 
 def route(logits: torch.Tensor, bias: torch.Tensor, cfg: ModelConfig, expert_map: "ExpertMap",
-          slot_load: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+          slot_load: torch.Tensor | None = None, align: tuple[int, int] | None = None):
     """Router logits [T, E] (or [P, T, E] parts of them) -> (logical expert ids, weights,
-    physical slots), each [T, k].
+    physical slots), each [T, k]; with `align` (num_slots, block_m; one token), a fourth result:
+    the pairs' AlignedPairs layout for the expert kernels, made in the same launch.
 
     Sigmoid scores; the correction bias steers the choice but not the weights; only the
     best `topk_group` groups (by the sum of their two best biased scores) are eligible.
@@ -33,8 +34,9 @@ def route(logits: torch.Tensor, bias: torch.Tensor, cfg: ModelConfig, expert_map
     """
     if expert_map.log2phys.device != logits.device:
         expert_map.to(logits.device)
-    return fused_route(logits, bias, cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok, cfg.norm_topk_prob,
-                       cfg.routed_scaling_factor, expert_map.log2phys, expert_map.num_replicas, slot_load)
+    routed = fused_route(logits, bias, cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok, cfg.norm_topk_prob,
+                         cfg.routed_scaling_factor, expert_map.log2phys, expert_map.num_replicas, slot_load, align)
+    return routed if align is None else routed[:3] + (AlignedPairs(*routed[3]),)
 
 
 class ExpertMap:
@@ -124,20 +126,24 @@ class MoE(nn.Module):
         self.register_buffer("slot_load", torch.zeros(num_slots, dtype=torch.long), persistent=False)
         self._gate_fp32 = DerivedWeight()  # router logits are computed in fp32
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | NormInput) -> torch.Tensor:
         """[T, H]: in x's dtype, or from the fused kernels the fp32 sum before its rounding, which
-        the decoder layer's next add_rms_norm does (one launch fewer)."""
+        the decoder layer's next add_rms_norm does (one launch fewer). For a NormInput (one
+        token, see takes_norm) the router's launch normalises the row too."""
+        w = self.gate.weight
+        logits = None
+        if isinstance(x, NormInput):
+            logits, x = gate_parts_norm_triton(x.x, x.residual, x.norm.weight, x.norm.eps, w, x.stream)
         shared_slot = self._shared_slot(x)
         shared = None
         if self.shared_experts is not None and shared_slot is None:
             # The shared experts need nothing from the router: in a captured decode step they run
             # beside it and the routed experts, joined only where their output is added.
             shared = Branch(self.overlap, self.shared_experts, x)
-        w = self.gate.weight
-        if gate_fused_ok(x):
+        if logits is None and gate_fused_ok(x):
             # decode batches: partial fp32 logits in one launch, summed by the route kernel
             logits = gate_parts_triton(x, w)
-        else:
+        elif logits is None:
             logits = F.linear(x.float(), self._gate_fp32.get([w], w.float))
         bias = self.gate.e_score_correction_bias
         if self.ep is not None:
@@ -145,10 +151,24 @@ class MoE(nn.Module):
             ids, weights, _ = route(logits, bias, self.cfg, self._logical_map())
             out = self.ep.moe_forward(self, x, ids, weights)
             return out if shared is None else out + shared.join()
-        _, weights, slots = route(logits, bias, self.cfg, self.expert_map, self.slot_load)
+        align = self._align_in_router(x)
+        routed = route(logits, bias, self.cfg, self.expert_map, self.slot_load, align)
         # The sum may come back in fp32: the decoder layer's next norm rounds it (add_rms_norm).
-        return self.experts(x, slots, weights, add=None if shared is None else shared.join, shared=shared_slot,
-                            fp32_out=True)
+        return self.experts(x, routed[2], routed[1], add=None if shared is None else shared.join,
+                            shared=shared_slot, fp32_out=True, aligned=routed[3] if align else None)
+
+    def takes_norm(self, x: torch.Tensor, residual: torch.Tensor | None, norm) -> bool:
+        """Whether forward() can take its input's norm as a NormInput: one token, where the
+        router's partial logits run as a kernel (gate_parts_norm_triton)."""
+        return gate_norm_applies(x, residual, norm.weight, self.gate.weight)
+
+    def _align_in_router(self, x: torch.Tensor) -> tuple[int, int] | None:
+        """(num_slots, block_m) when the routing kernel should lay out the pairs for the expert
+        kernels itself (one token: its alignment launch saved), else None."""
+        num_slots = self.w13.shape[0]
+        if x.shape[0] != 1 or not self._fused_ok(x) or num_slots < self.cfg.num_experts_per_tok:
+            return None
+        return num_slots, pick_config(self.cfg.num_experts_per_tok, num_slots, self.w13.dtype).block_m
 
     def _fused_ok(self, x: torch.Tensor) -> bool:
         return self.gemm != "grouped_mm" and triton_ok(x)
@@ -172,18 +192,20 @@ class MoE(nn.Module):
 
     def experts(self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor,
                 add=None, shared: tuple[torch.Tensor, torch.Tensor] | None = None,
-                fp32_out: bool = False) -> torch.Tensor:
+                fp32_out: bool = False, aligned: AlignedPairs | None = None) -> torch.Tensor:
         """Routed experts for tokens x [T, H] routed to local slots [T, k] with weights [T, k]
         (already counted in slot_load by the router), plus `add` (the shared experts' output, or
         a function returning it, called only when the sum needs it), plus the `shared` expert
-        computed as one more slot (its weights from _shared_slot). `fp32_out`: see fused_experts."""
+        computed as one more slot (its weights from _shared_slot). `fp32_out`, `aligned`: see
+        fused_experts."""
         # token-major pairs: the fused kernels derive each pair's token (p // k) themselves
         return self.expert_pairs(x, None, slots.flatten(), weights.flatten(), count=False, add=add, shared=shared,
-                                 fp32_out=fp32_out)
+                                 fp32_out=fp32_out, aligned=aligned)
 
     def expert_pairs(self, x: torch.Tensor, token_of: torch.Tensor | None, slot_of: torch.Tensor,
                      weight_of: torch.Tensor, count: bool = True, add=None,
-                     shared: tuple[torch.Tensor, torch.Tensor] | None = None, fp32_out: bool = False) -> torch.Tensor:
+                     shared: tuple[torch.Tensor, torch.Tensor] | None = None, fp32_out: bool = False,
+                     aligned: AlignedPairs | None = None) -> torch.Tensor:
         """Sum over (token, local slot, weight) pairs of weight * expert(x[token]), as [T, H]
         (token_of None: token-major pairs, as kernels/moe_gemm.py takes them), plus `add` when
         given (the fused path adds it in the same launch that rounds the fp32 sum).
@@ -200,7 +222,7 @@ class MoE(nn.Module):
                 self.slot_load += counts
         if fused:
             return fused_experts(x, self.w13, self.w2, token_of, slot_of, weight_of, add=add, shared=shared,
-                                 fp32_out=fp32_out)
+                                 fp32_out=fp32_out, aligned=aligned)
         order = slot_of.argsort(stable=True)
         token_of = token_major(token_of, x, slot_of)[order]
         xs = x[token_of]

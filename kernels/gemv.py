@@ -11,6 +11,9 @@ release its dependents early releases them only when all of its programs have fi
 
 Products and sums are in fp32, rounded once to x's dtype (cuBLAS sums in another order, so the
 last bit may differ).
+
+`norm_gemv_triton` also takes the RMSNorm before the projection (and the residual add before
+that): every program normalises the row itself, so the norm needs no launch of its own.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ try:
     import triton
     import triton.language as tl
     from .pdl import pdl_enter, pdl_launch
+    from .rmsnorm import _rstd, cast_rne
 except Exception:  # the torch path needs no Triton
     triton = None
 
@@ -46,6 +50,36 @@ if triton is not None:
         acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
         tl.store(out_ptr + rows, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
 
+    @triton.jit(do_not_specialize=["N"])
+    def _norm_gemv_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, out_ptr, stream_ptr, N, stride_wn, eps,
+                          K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                          HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr = 0):
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        ks = tl.arange(0, BLOCK_K)
+        n_ok = rows < N
+        k_ok = ks < K
+        # The projection's and the norm's weights before the wait: no kernel of the step writes them.
+        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_wn + ks[None, :],
+                    mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        norm_w = tl.load(norm_w_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+        pdl_enter(PDL)
+        # Every program normalises the whole row itself (a few KB from L2): that is what saves
+        # the norm's launch. The arithmetic is kernels/rmsnorm.py's, rounding for rounding.
+        X_DTYPE: tl.constexpr = w_ptr.dtype.element_ty
+        x = tl.load(x_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            if x_ptr.dtype.element_ty != X_DTYPE:  # the routed experts' unrounded fp32 sum
+                x = cast_rne(x, X_DTYPE).to(tl.float32)
+            r = tl.load(res_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+            h = cast_rne(x + r, X_DTYPE)
+            if tl.program_id(0) == 0:
+                tl.store(stream_ptr + ks, h, mask=k_ok)
+            x = h.to(tl.float32)
+        rstd = _rstd(tl.sum(x * x, axis=0), K, eps)
+        y = cast_rne(norm_w * cast_rne(x * rstd, X_DTYPE).to(tl.float32), X_DTYPE).to(tl.float32)
+        acc = tl.sum(w.to(tl.float32) * y[None, :], axis=1)
+        tl.store(out_ptr + rows, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+
 
 def gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     return (triton is not None and bias is None and x.dim() == 2 and x.shape[0] == 1
@@ -63,6 +97,37 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     _gemv_kernel[(triton.cdiv(n, BLOCK_N),)](
         x, weight, out, n, weight.stride(0), K=k, BLOCK_K=block_k, BLOCK_N=BLOCK_N,
         num_warps=8 if block_k >= 2048 else 4, **pdl_launch(x))
+    return out
+
+
+def norm_gemv_applies(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                      weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether norm_gemv_triton takes this norm and projection: gemv_applies for the normalised
+    row (the norm's weight in the projection's dtype), and an x that is the residual's dtype or
+    an fp32 sum on it."""
+    row = x if residual is None else residual
+    return (gemv_applies(row, weight, bias) and norm_weight.dtype == weight.dtype
+            and norm_weight.shape == (x.shape[1],) and norm_weight.stride(0) == 1 and x.stride(1) == 1
+            and x.shape == row.shape and x.dtype in (row.dtype, torch.float32) and x.device == row.device)
+
+
+def norm_gemv_triton(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                     weight: torch.Tensor, stream: torch.Tensor | None = None) -> torch.Tensor:
+    """linear(rms_norm(h), weight) for one row h = x + residual (h = x without a residual), the
+    norm computed by every program of the GEMV instead of by a launch of its own. The residual
+    stream h is written into `stream` (needed with a residual). The norm rounds as
+    kernels/rmsnorm.py add_rms_norm does; the products and sums as gemv_triton."""
+    k, n = x.shape[1], weight.shape[0]
+    if residual is not None and (stream is None or stream.shape != residual.shape
+                                 or stream.dtype != residual.dtype or not stream.is_contiguous()):
+        raise ValueError("a residual needs a contiguous `stream` tensor of its shape and dtype")
+    out = torch.empty(1, n, dtype=weight.dtype, device=x.device)
+    block_k = triton.next_power_of_2(k)
+    _norm_gemv_kernel[(triton.cdiv(n, BLOCK_N),)](
+        x, residual if residual is not None else x, norm_weight, weight, out,
+        stream if stream is not None else out, n, weight.stride(0), float(eps),
+        K=k, BLOCK_K=block_k, BLOCK_N=BLOCK_N, HAS_RESIDUAL=residual is not None,
+        num_warps=8 if block_k >= 2048 else 4, enable_fp_fusion=False, **pdl_launch(x))
     return out
 
 

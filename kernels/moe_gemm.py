@@ -435,7 +435,8 @@ def pick_config(num_pairs: int, num_slots: int, dtype: torch.dtype) -> MoEGemmCo
 def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, token_of: torch.Tensor | None,
                          slot_of: torch.Tensor, weight_of: torch.Tensor,
                          config: MoEGemmConfig | None = None, add=None,
-                         shared: tuple[torch.Tensor, torch.Tensor] | None = None, fp32_out: bool = False) -> torch.Tensor:
+                         shared: tuple[torch.Tensor, torch.Tensor] | None = None, fp32_out: bool = False,
+                         aligned: AlignedPairs | None = None) -> torch.Tensor:
     """fused_experts through the two Triton kernels (no host sync; CUDA-graph capturable)."""
     num_tokens, hidden = x.shape
     num_slots, two_i, _ = w13.shape
@@ -451,7 +452,11 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     cfg = config or pick_config(num_pairs, num_slots, w13.dtype)
     # The fp32 output, which the down kernel adds into, is zeroed by the gate-up launch.
     out = torch.empty(num_tokens, hidden, dtype=torch.float32, device=x.device)
-    aligned = align_pairs_triton(slot_of, num_slots, cfg.block_m)
+    if aligned is None:
+        aligned = align_pairs_triton(slot_of, num_slots, cfg.block_m)
+    elif aligned.row_pair.numel() != aligned.tile_slot.numel() * cfg.block_m:
+        raise ValueError(f"the pairs' layout has tiles of {aligned.row_pair.numel() // max(1, aligned.tile_slot.numel())} "
+                         f"rows; these kernels take {cfg.block_m} (pick_config)")
     num_tiles = aligned.tile_slot.numel()
     # The shared expert's rows follow the routed tiles, one per token (see _tile_rows).
     tiles = num_tiles + (triton.cdiv(num_tokens, cfg.block_m) if shared is not None else 0)
@@ -510,7 +515,8 @@ def check_shared(shared: tuple[torch.Tensor, torch.Tensor], w13: torch.Tensor,
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, token_of: torch.Tensor | None,
                   slot_of: torch.Tensor, weight_of: torch.Tensor, add=None,
-                  shared: tuple[torch.Tensor, torch.Tensor] | None = None, fp32_out: bool = False) -> torch.Tensor:
+                  shared: tuple[torch.Tensor, torch.Tensor] | None = None, fp32_out: bool = False,
+                  aligned: AlignedPairs | None = None) -> torch.Tensor:
     """Routed experts over pairs: x [T, H], w13 [S, 2I, H], w2 [S, H, I], token_of / slot_of [P]
     int64 (token_of None: token-major pairs, P / T per token), weight_of [P] float -> [T, H] in
     x's dtype (see the module docstring for the sum).
@@ -520,9 +526,11 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, token_of
       that rounds it itself (add_rms_norm does, in its own launch); other paths round.
     - `add` [T, H]: added to the result as `out + add` would. It may be a function returning it,
       called after the GEMMs are launched: a stream computing it meanwhile is waited for only then.
+    - `aligned`: the pairs' layout already made (the routing kernel makes it for one token, with
+      pick_config's block_m); otherwise the Triton path makes it (align_pairs).
     Triton where it can run (CUDA, or CPU under TRITON_INTERPRET=1), the reference elsewhere."""
     if triton is not None and triton_ok(x):
         return fused_experts_triton(x, w13, w2, token_of, slot_of, weight_of, add=add, shared=shared,
-                                    fp32_out=fp32_out)
+                                    fp32_out=fp32_out, aligned=aligned)
     out = fused_experts_reference(x, w13, w2, token_of, slot_of, weight_of, shared=shared)
     return out if add is None else out + (add() if callable(add) else add)

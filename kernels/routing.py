@@ -4,7 +4,10 @@ from one more launch, as partial sums that the routing kernel adds (`gate_parts_
 
 The unfused torch sequence (engine/moe.py `route`, `ExpertMap.slots_for` and the slot count)
 is a couple of dozen small launches per MoE layer, which dominates at decode batch sizes;
-here one program takes a block of tokens and does all of it in registers.
+here one program takes a block of tokens and does all of it in registers. For one token (a
+batch-1 decode step) the routing kernel can also lay out the pairs for the expert kernels
+(`align`), and the router's partial logits can take the RMSNorm before them
+(`gate_parts_norm_triton`): two launches fewer per MoE layer.
 
 `route_reference` defines the semantics; `route_triton` must match it (ids and slots exactly
 when the scores have no ties, weights to float32 rounding); `fused_route` picks one.
@@ -19,6 +22,7 @@ try:
     import triton
     import triton.language as tl
     from .pdl import pdl_enter, pdl_launch
+    from .rmsnorm import _rstd, cast_rne
 except Exception:  # the reference path must keep working where triton is absent
     triton = None
 
@@ -103,14 +107,57 @@ if triton is not None:
         tl.store(out_ptr + (part * T + rows[:, None]).to(tl.int64) * E + experts[None, :], acc,
                  mask=row_ok[:, None] & e_ok[None, :])
 
+    @triton.jit
+    def _norm_gate_parts_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, out_ptr, stream_ptr, h_ptr, E, H, k_per_part,
+                                eps, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
+                                PDL: tl.constexpr = 0):
+        """_gate_parts_kernel for one token whose row is still to be normalised: every program
+        normalises the row (h = x + residual, then rms_norm, rounded as kernels/rmsnorm.py does)
+        instead of a launch of its own doing it; the first program writes h into stream and the
+        normalised row into h_ptr for the experts."""
+        experts = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+        part = tl.program_id(1)
+        e_ok = experts < E
+        ks = part * k_per_part + tl.arange(0, BLOCK_K)
+        k_ok = (ks < H) & (ks < (part + 1) * k_per_part)
+        # The router's weight before the wait: no kernel of the step writes it.
+        w = tl.load(w_ptr + experts[:, None].to(tl.int64) * H + ks[None, :],
+                    mask=e_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        pdl_enter(PDL)
+        X_DTYPE: tl.constexpr = res_ptr.dtype.element_ty
+        cols = tl.arange(0, BLOCK_H)
+        c_ok = cols < H
+        x = tl.load(x_ptr + cols, mask=c_ok, other=0.0)
+        if x_ptr.dtype.element_ty != X_DTYPE:  # the routed experts' unrounded fp32 sum
+            x = cast_rne(x.to(tl.float32), X_DTYPE)
+        h = cast_rne(x.to(tl.float32) + tl.load(res_ptr + cols, mask=c_ok, other=0.0).to(tl.float32), X_DTYPE)
+        hf = h.to(tl.float32)
+        rstd = _rstd(tl.sum(hf * hf, axis=0), H, eps)
+        if (tl.program_id(0) == 0) & (part == 0):
+            tl.store(stream_ptr + cols, h, mask=c_ok)
+            y = cast_rne(tl.load(norm_w_ptr + cols, mask=c_ok, other=0.0).to(tl.float32)
+                         * cast_rne(hf * rstd, X_DTYPE).to(tl.float32), X_DTYPE)
+            tl.store(h_ptr + cols, y, mask=c_ok)
+        # This part's columns of the normalised row, recomputed from their (cached) inputs: a
+        # register row cannot be sliced at a run-time offset.
+        xs = tl.load(x_ptr + ks, mask=k_ok, other=0.0)
+        if x_ptr.dtype.element_ty != X_DTYPE:
+            xs = cast_rne(xs.to(tl.float32), X_DTYPE)
+        hs = cast_rne(xs.to(tl.float32) + tl.load(res_ptr + ks, mask=k_ok, other=0.0).to(tl.float32), X_DTYPE)
+        ys = cast_rne(tl.load(norm_w_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+                      * cast_rne(hs.to(tl.float32) * rstd, X_DTYPE).to(tl.float32), X_DTYPE).to(tl.float32)
+        acc = tl.sum(w * ys[None, :], axis=1)
+        tl.store(out_ptr + part * E + experts, acc, mask=e_ok)
+
     @triton.jit(do_not_specialize=["stride_p"])
     def _route_kernel(logits_ptr, bias_ptr, log2phys_ptr, num_replicas_ptr, slot_load_ptr,
-                      ids_ptr, weights_ptr, slots_ptr,
-                      T, E, stride_t, stride_p, R, scaling,
+                      ids_ptr, weights_ptr, slots_ptr, row_pair_ptr, tile_slot_ptr, counts_ptr,
+                      T, E, stride_t, stride_p, R, scaling, num_slots,
                       N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr,
                       TOP_K: tl.constexpr, NORM: tl.constexpr, COUNT: tl.constexpr, NUM_PARTS: tl.constexpr,
                       BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
-                      BLOCK_K: tl.constexpr, PDL: tl.constexpr = 0):
+                      BLOCK_K: tl.constexpr, ALIGN_M: tl.constexpr = 0, BLOCK_S: tl.constexpr = 16,
+                      PDL: tl.constexpr = 0):
         pdl_enter(PDL)
         rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         cols = tl.arange(0, BLOCK_E)
@@ -175,6 +222,29 @@ if triton is not None:
         tl.store(slots_ptr + out, slots, mask=out_ok)
         if COUNT:
             tl.atomic_add(slot_load_ptr + slots, tl.full([BLOCK_T, BLOCK_K], 1, tl.int64), mask=out_ok)
+        if ALIGN_M > 0:
+            # One token (one program): its pairs' layout for the expert kernels, as
+            # kernels/moe_gemm.py align_pairs lays them out, without the alignment's launch. Its
+            # TOP_K slots are distinct (distinct experts), so each pair is a tile of ALIGN_M rows
+            # of its own, the tiles in slot order.
+            kept = tl.max(tl.where(out_ok, slots, -1), axis=0)  # [BLOCK_K]: the pairs' slots, -1 past TOP_K
+            kept_r = kept[None, :]
+            kept_c = kept[:, None]
+            real = (kcols < TOP_K)[None, :] & (kcols < TOP_K)[:, None]
+            tile_of = tl.sum((real & (kept_r < kept_c)).to(tl.int32), axis=1)  # [BLOCK_K] by pair
+            # pair and slot of each tile (tile index along axis 0, pair along axis 1)
+            at_tile = real & (tile_of[None, :] == kcols[:, None])
+            tile_pair = tl.sum(tl.where(at_tile, kcols[None, :], 0), axis=1)
+            tile_slot = tl.sum(tl.where(at_tile, kept_r, 0), axis=1)
+            t_ok = kcols < TOP_K
+            tl.store(tile_slot_ptr + kcols, tile_slot.to(tl.int32), mask=t_ok)
+            m = tl.arange(0, ALIGN_M)
+            tl.store(row_pair_ptr + kcols[:, None] * ALIGN_M + m[None, :],
+                     tl.where(m[None, :] == 0, tile_pair[:, None], -1).to(tl.int32), mask=t_ok[:, None])
+            for s0 in range(0, num_slots, BLOCK_S):
+                ss = s0 + tl.arange(0, BLOCK_S)
+                held = tl.sum(((kept_r == ss[:, None]) & (kcols < TOP_K)[None, :]).to(tl.int32), axis=1)
+                tl.store(counts_ptr + ss, held, mask=ss < num_slots)
 
 
 def _pow2(n: int) -> int:
@@ -191,9 +261,12 @@ def _launch_config(t: int, e: int) -> tuple[int, int]:
 def route_triton(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk_group: int, top_k: int,
                  norm_topk_prob: bool, scaling: float, log2phys: torch.Tensor, num_replicas: torch.Tensor,
                  slot_load: torch.Tensor | None = None,
-                 block_t: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 block_t: int | None = None, align: tuple[int, int] | None = None):
     """The Triton kernel; see `fused_route` for the contract. `block_t` overrides the tokens per
-    program. logits may also be [P, T, E]: parts of the logits, summed in order of P first."""
+    program. logits may also be [P, T, E]: parts of the logits, summed in order of P first.
+    `align` (num_slots, block_m), for one token only: also return its pairs' layout for the
+    expert kernels (kernels/moe_gemm.py AlignedPairs, as align_pairs gives it), from the same
+    launch."""
     if triton is None:
         raise RuntimeError("triton is not available")
     parts = logits if logits.dim() == 3 else logits[None]
@@ -204,27 +277,42 @@ def route_triton(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk_gr
     ids = torch.empty(t, top_k, dtype=torch.long, device=dev)
     weights = torch.empty(t, top_k, dtype=torch.float32, device=dev)
     slots = torch.empty(t, top_k, dtype=torch.long, device=dev)
+    aligned = None
+    if align is not None:
+        num_slots, block_m = align
+        if t != 1 or block_m < 1 or block_m & (block_m - 1) or num_slots < top_k:
+            raise ValueError(f"align needs one token, a power-of-two block_m and at least top_k slots; got "
+                             f"{t} tokens, block_m {block_m}, {num_slots} slots")
+        # each pair a tile of its own: what align_pairs gives for one token's distinct slots
+        aligned = (torch.empty(top_k * block_m, dtype=torch.int32, device=dev),
+                   torch.empty(top_k, dtype=torch.int32, device=dev),
+                   torch.empty(num_slots, dtype=torch.int32, device=dev))
     if t == 0:
         return ids, weights, slots
     if parts.stride(2) != 1:
         parts = parts.contiguous()
     cfg_block_t, warps = _launch_config(t, e)
-    block_t = block_t or cfg_block_t
+    block_t = 1 if aligned is not None else block_t or cfg_block_t
+    row_pair, tile_slot, counts = aligned if aligned is not None else (slots, slots, slots)  # unread without
     _route_kernel[(triton.cdiv(t, block_t),)](
         parts, bias.contiguous(), log2phys.contiguous(), num_replicas.contiguous(),
         slot_load if slot_load is not None else slots,  # a dummy pointer when not counting
-        ids, weights, slots,
+        ids, weights, slots, row_pair, tile_slot, counts,
         t, e, parts.stride(1), parts.stride(0), log2phys.shape[1], float(scaling),
+        align[0] if align is not None else 0,
         N_GROUP=n_group, GROUP_SIZE=e // n_group, TOPK_GROUP=topk_group if n_group > 1 else 1,
         TOP_K=top_k, NORM=bool(norm_topk_prob), COUNT=slot_load is not None, NUM_PARTS=parts.shape[0],
         BLOCK_T=block_t, BLOCK_E=_pow2(e), BLOCK_G=max(2, _pow2(n_group)), BLOCK_K=max(2, _pow2(top_k)),
+        ALIGN_M=align[1] if align is not None else 0, BLOCK_S=min(1024, _pow2(align[0])) if align else 16,
         num_warps=warps, **pdl_launch(parts))
+    if aligned is not None:
+        return ids, weights, slots, aligned
     return ids, weights, slots
 
 
 def fused_route(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk_group: int, top_k: int,
                 norm_topk_prob: bool, scaling: float, log2phys: torch.Tensor, num_replicas: torch.Tensor,
-                slot_load: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                slot_load: torch.Tensor | None = None, align: tuple[int, int] | None = None):
     """DeepSeek-V3 routing of router logits [T, E] (or [P, T, E] parts of them, summed over P) to
     (ids, weights, slots), each [T, top_k].
 
@@ -234,10 +322,20 @@ def fused_route(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk_gro
     weights (fp32): scores at ids, divided by (their sum + 1e-20) if norm_topk_prob, times scaling.
     slots: log2phys[e, t % num_replicas[e]] for expert e of token row t.
     slot_load [S] (int64), when given, is incremented by the number of (token, k) pairs per slot.
+    align (num_slots, block_m), for one token: a fourth result, the pairs' layout for the expert
+    kernels (row_pair, tile_slot, counts of kernels/moe_gemm.py AlignedPairs), so that they need
+    no alignment launch of their own.
     Triton on CUDA tensors (or anywhere under TRITON_INTERPRET=1), the torch reference elsewhere.
     """
-    fn = route_triton if triton is not None and triton_ok(logits) else route_reference
-    return fn(logits, bias, n_group, topk_group, top_k, norm_topk_prob, scaling, log2phys, num_replicas, slot_load)
+    if triton is not None and triton_ok(logits):
+        return route_triton(logits, bias, n_group, topk_group, top_k, norm_topk_prob, scaling, log2phys,
+                            num_replicas, slot_load, align=align)
+    routed = route_reference(logits, bias, n_group, topk_group, top_k, norm_topk_prob, scaling, log2phys,
+                             num_replicas, slot_load)
+    if align is None:
+        return routed
+    from .moe_gemm import align_pairs_reference
+    return routed + (tuple(align_pairs_reference(routed[2].flatten(), *align)),)
 
 
 # Above this many tokens (prefill) one GEMM of the whole batch beats partial sums per program.
@@ -276,6 +374,50 @@ def gate_parts_triton(x: torch.Tensor, weight: torch.Tensor, parts: int | None =
         x, x.stride(0), weight, weight.stride(0), out, t, e, h, k_per_part,
         BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k, num_warps=num_warps, **pdl_launch(x))
     return out
+
+
+def gate_norm_applies(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                      weight: torch.Tensor) -> bool:
+    """Whether gate_parts_norm_triton takes this row: one token with a residual, on a device where
+    the kernels run, the norm's weight in the residual's dtype (16-bit), a row of at most
+    GATE_NORM_MAX_HIDDEN."""
+    return (triton is not None and residual is not None and residual.dim() == 2 and residual.shape[0] == 1
+            and x.shape == residual.shape and residual.dtype in (torch.bfloat16, torch.float16)
+            and x.dtype in (residual.dtype, torch.float32) and norm_weight.dtype == residual.dtype
+            and norm_weight.shape == (x.shape[1],) and weight.dim() == 2 and weight.shape[1] == x.shape[1]
+            and x.shape[1] <= GATE_NORM_MAX_HIDDEN and x.device == residual.device == weight.device
+            and triton_ok(x))
+
+
+# A program holds the whole row in registers to normalise it.
+GATE_NORM_MAX_HIDDEN = 8192
+
+
+def gate_parts_norm_triton(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                           weight: torch.Tensor, stream: torch.Tensor,
+                           block_e: int = 16, num_warps: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate_parts_triton(rms_norm(x + residual), weight) for one token, the norm in the same
+    launch (every program normalises the row itself; see _norm_gate_parts_kernel). Returns
+    (partial logits [P, 1, E], the normalised row [1, H]); x + residual is written into
+    `stream`. The products are the fp32 ones of gate_parts_triton, summed by the route kernel."""
+    t, h = x.shape
+    e = weight.shape[0]
+    if stream.shape != residual.shape or stream.dtype != residual.dtype or not stream.is_contiguous():
+        raise ValueError("`stream` must be a contiguous tensor of the residual's shape and dtype")
+    # gate_parts_triton's slices (64 columns a program up to 32 slices), each loaded whole
+    parts = min(32, triton.cdiv(h, 64))
+    k_per_part = triton.cdiv(triton.cdiv(h, parts), 64) * 64
+    parts = triton.cdiv(h, k_per_part)
+    out = torch.empty(parts, t, e, dtype=torch.float32, device=x.device)
+    normed = torch.empty_like(residual)
+    x, residual = x.contiguous(), residual.contiguous()
+    weight = weight if weight.stride(-1) == 1 and weight.stride(0) == h else weight.contiguous()
+    _norm_gate_parts_kernel[(triton.cdiv(e, block_e), parts)](
+        x, residual, norm_weight.contiguous(), weight, out, stream, normed, e, h, k_per_part, float(eps),
+        BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(k_per_part), BLOCK_H=triton.next_power_of_2(h),
+        num_warps=max(num_warps, triton.next_power_of_2(h) // 1024),
+        enable_fp_fusion=False, **pdl_launch(x))
+    return out, normed
 
 
 def gate_fused_ok(x: torch.Tensor) -> bool:
