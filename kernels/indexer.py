@@ -350,15 +350,22 @@ _EMIT_SUMS = 1024
 def kth_scores(scores: torch.Tensor, k: int, method: str | None = None, span: int | None = None,
                block: int | None = None, num_warps: int = 8) -> torch.Tensor:
     """[B] fp32: each row's k-th largest score (1 <= k <= width), by `method` 'radix' (four 8-bit
-    histogram passes over the scores' bits, no sort) or 'topk' (torch.topk); None picks by width.
-    span (positions a radix program counts), block (its loop step) and num_warps override the
-    built-in launch choice (bench.probe_radix times them)."""
+    histogram passes over the scores' bits, no sort), 'threshold' (the same passes over the few
+    thousand scores above a bound from group maxima: kernels/wide_select.py) or 'topk'
+    (torch.topk); None picks by width. span (positions a radix program counts), block (its loop
+    step) and num_warps override the built-in launch choice (bench.probe_radix times them)."""
     num_seqs, width = scores.shape
     method = method or ("radix" if width <= RADIX_MAX_WIDTH else "topk")
     if method == "topk":
         return torch.topk(scores, k, dim=1, sorted=False).values.amin(dim=1)
-    hist, state = radix_passes(scores, k, span, block, num_warps)
     kth = torch.empty(num_seqs, device=scores.device, dtype=torch.float32)
+    if num_seqs == 0:
+        return kth
+    if method == "threshold":
+        from .wide_select import threshold_passes  # not at the top: it builds on this module
+        hist, state, _ = threshold_passes(scores, k)
+    else:
+        hist, state = radix_passes(scores, k, span, block, num_warps)
     _radix_kth_kernel[(num_seqs,)](hist, state, kth, num_seqs, k, num_warps=1, **pdl_launch(hist))
     return kth
 
@@ -401,11 +408,12 @@ def select_topk_triton(scores: torch.Tensor, g_lens: torch.Tensor, topk: int,
     -1 past min(g_len, topk); in no particular order.
 
     `method` 'fused' does all of it in one launch (kernels/row_select.py); None picks by width
-    (default_select). Otherwise the k-th largest score of each row comes from kth_scores (`method` 'radix' or
-    'topk'), and two passes over chunks of the row keep every position scoring above it and fill
+    (default_select). Otherwise the k-th largest score of each row comes from kth_scores (`method` 'radix',
+    'threshold' or 'topk'), and two passes over chunks of the row keep every position scoring above it and fill
     the remaining places with the latest positions scoring exactly it. Dead positions (past
-    g_len) score -inf. `hist`: the selection's workspace, already zeroed (radix_passes'
-    histograms, or the one launch's [B, WORKSPACE_COLS]).
+    g_len) score -inf ('threshold' ignores what they hold). `hist`: the selection's workspace, already
+    zeroed (radix_passes' histograms, or the one launch's [B, WORKSPACE_COLS]); 'threshold'
+    zeroes its own.
     """
     num_seqs, width = scores.shape
     out = torch.empty(num_seqs, topk, device=scores.device, dtype=torch.int32)
@@ -417,10 +425,14 @@ def select_topk_triton(scores: torch.Tensor, g_lens: torch.Tensor, topk: int,
     method = method or default_select(width)
     if method == "fused":
         return select_rows(scores, g_lens, out, k, ws=hist)
-    if method not in ("radix", "topk"):
-        raise ValueError(f"unknown selection method {method!r}; known: fused, radix, topk")
-    if method == "radix":  # the count pass derives the k-th score from the last histogram
-        hist, state = radix_passes(scores, k, hist=hist)
+    if method not in ("radix", "threshold", "topk"):
+        raise ValueError(f"unknown selection method {method!r}; known: fused, radix, threshold, topk")
+    if method in ("radix", "threshold"):  # the count pass derives the k-th score from the last histogram
+        if method == "radix":
+            hist, state = radix_passes(scores, k, hist=hist)
+        else:
+            from .wide_select import threshold_passes
+            hist, state, _ = threshold_passes(scores, k, g_lens)
         kth = torch.empty(num_seqs, device=scores.device, dtype=torch.float32)
     else:
         kth = kth_scores(scores, k, method)
@@ -431,7 +443,7 @@ def select_topk_triton(scores: torch.Tensor, g_lens: torch.Tensor, topk: int,
     equal = torch.empty_like(above)
     grid = (num_seqs, num_chunks)
     _count_chunk_kernel[grid](scores, kth, g_lens, above, equal, hist, state, scores.stride(0), above.stride(0),
-                              width, num_seqs, k, CHUNK=chunk, RADIX=method == "radix", num_warps=4,
+                              width, num_seqs, k, CHUNK=chunk, RADIX=method != "topk", num_warps=4,
                               **pdl_launch(scores))
     _emit_chunk_kernel[grid](scores, kth, g_lens, above, equal, out,
                              scores.stride(0), above.stride(0), out.stride(0), width, num_chunks, k, topk,
@@ -459,9 +471,10 @@ def indexer_topk_triton(q: torch.Tensor, w: torch.Tensor, index_keys: torch.Tens
 
 def warm_up(topk: int, device, max_rows: int) -> None:
     """Build, on dummy scores, every selection variant serving can meet: the one-launch select
-    with and without its atomics (up to and past SPARSE_MAX_ROWS rows) and the wide rows' radix
-    and torch.topk paths, whose widths the warm-up's requests never reach. Their builds depend
-    on none of the widths (kernels/row_select.py, RADIX_MAX_WIDTH), so narrow rows build them."""
+    with and without its atomics (up to and past SPARSE_MAX_ROWS rows) and the wide rows' radix,
+    threshold and torch.topk paths, whose widths the warm-up's requests never reach. Their builds
+    depend on none of the widths (kernels/row_select.py, RADIX_MAX_WIDTH, kernels/wide_select.py),
+    so narrow rows build them."""
     from .row_select import SPARSE_MAX_ROWS
     probe = torch.empty(0, device=device)
     if triton is None or not triton_ok(probe) or topk <= 0:
@@ -470,7 +483,7 @@ def warm_up(topk: int, device, max_rows: int) -> None:
     for rows in sorted({1, min(max_rows, SPARSE_MAX_ROWS + 1)}):
         scores = torch.zeros(rows, width, device=device)
         g_lens = torch.full((rows,), width, dtype=torch.int32, device=device)
-        for method in ("fused", "radix", "topk"):
+        for method in ("fused", "radix", "threshold", "topk"):
             select_topk_triton(scores, g_lens, topk, method=method)
 
 

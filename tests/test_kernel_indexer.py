@@ -167,7 +167,7 @@ def test_negative_weights_order_negative_scores(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("method", ["fused", "radix", "topk"])
+@pytest.mark.parametrize("method", ["fused", "radix", "threshold", "topk"])
 @pytest.mark.parametrize("width,topk,chunk", [(100, 10, 16), (100, 60, 16), (64, 64, 16), (37, 50, 16), (300, 7, 32),
                                                 (300, 90, 4)])
 def test_selection_with_many_ties_across_chunks(device, width, topk, chunk, method, monkeypatch):
@@ -238,12 +238,12 @@ def test_radix_select_over_several_pass_chunks(device, programs, monkeypatch):
     g_lens = torch.tensor([width, width - 17, 4000], dtype=torch.int32)
     scores[torch.arange(width)[None, :] >= g_lens[:, None].long()] = float("-inf")
     scores, g_lens = scores.to(device), g_lens.to(device)
-    for method in ("fused", "radix"):
+    for method in ("fused", "radix", "threshold"):
         check_rows(select_topk_triton(scores, g_lens, topk, method=method),
                    select_topk_reference(scores, g_lens, topk), g_lens.tolist(), topk)
-    for row, k in ((0, 1), (1, topk), (2, width)):  # the k-th score itself, both ways
+    for row, k in ((0, 1), (1, topk), (2, width)):  # the k-th score itself, each way
         want = scores[row].sort(descending=True).values[k - 1]
-        for method in ("radix", "topk"):
+        for method in ("radix", "threshold", "topk"):
             assert kth_scores(scores[row:row + 1], k, method).item() == want.item()
 
 

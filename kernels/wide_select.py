@@ -1,0 +1,241 @@
+"""The k-th largest score of wide rows (128K-1M positions) from a few thousand candidates, not a
+sort of the row.
+
+torch.topk over a 512K-position row cost the decode step 137 us a layer at batch 16 on the H200,
+and the radix passes of kernels/indexer.py (four histogram passes over the whole row) more; one
+read of the row's scores costs about 8. Here the row is read twice and only a few thousand
+scores are sorted into histograms:
+
+1. Group maxima: m[b, j] = max over i of scores[b, j + i * T], for T = `group_stride` (at least
+   4 k groups). Groups are strided rather than runs of neighbouring positions: indexer scores
+   follow position (recent positions score higher, neighbours alike), and then a run group's
+   maximum says little about its other members. In a simulation of normal noise on a rising
+   trend the candidates below were 2.2K for strided groups at 512K against 45K for runs
+   (k = 2048, T = 8K; ~2.3K for both on i.i.d. normal scores). A row shorter than T (a short sequence in a wide batch)
+   also has one live group per live position, so its bound is its exact k-th score.
+2. tau[b] = the k-th largest of m[b] (radix_passes of kernels/indexer.py on [B, T]). At least
+   k groups have their maximum >= tau, so the row's k-th largest score is >= tau.
+3. Candidates: every finite score >= tau is appended to cand[b] (`capacity` places) with a
+   per-row atomic counter. The row's k highest scores are all there; order does not matter.
+4. Four byte-histogram passes over the candidates find the k-th largest of them. A row whose
+   candidates did not fit (many scores equal to tau: relu makes exact-zero ties) runs the same
+   passes over its whole row instead. Each program reads the row's count and picks: no host
+   sync, fixed shapes, so the whole of it is captured in a CUDA graph.
+
+The last passes leave their histograms and state as radix_passes does, so _radix_kth_kernel
+(kth_scores) and the count pass of select_topk_triton take the k-th score from them.
+
+-inf scores (positions past g_len) are never candidates. Fewer than k finite ones means the
+k-th score is -inf: the passes count the missing places up to k as -inf keys, which is the
+k-th largest of the row with its -inf padding, as torch.topk gives it.
+"""
+from __future__ import annotations
+
+import torch
+
+from .indexer import _keep_radix_state, _radix_state, radix_passes
+
+try:
+    import triton
+    import triton.language as tl
+    from .pdl import pdl_enter, pdl_launch
+    from .row_select import _key_to_score, _order_key
+except Exception:  # a CPU-only install without triton: the indexer never asks for this method
+    triton = None
+    tl = None
+
+# Candidate places a row. i.i.d. normal scores give 1.1-1.4 k (2.3K at k = 2048, simulated), so
+# a row overflows only when many scores tie at the bound; 64 KB a row.
+CAPACITY = 16384
+# Groups per k (T >= GROUPS_PER_K * k): more groups give a tighter bound and fewer candidates
+# (i.i.d. normal, simulated: ~2.8K at 2 k, 2.3K at 4 k, 2.2K at 8 k), and a longer radix select
+# over the maxima.
+GROUPS_PER_K = 4
+# Group maxima: a program reads GROUP_ROWS members of GROUP_TILE neighbouring groups a step.
+GROUP_TILE = 64
+GROUP_ROWS = 32
+# Positions a candidate or histogram program loads a step (one build for every width).
+BLOCK = 1024
+# Programs in all, about: the candidate launch reads the whole row and wants the memory busy;
+# a histogram pass has work in a few programs a row unless the row overflowed, and the rest
+# only leave, so it gets fewer.
+CANDIDATE_PROGRAMS = 4096
+PASS_PROGRAMS = 1024
+
+if triton is not None:
+
+    # Integer arguments that change with the batch, k or the context are listed in
+    # do_not_specialize (they only index scalars or bound loops); widths, strides and the
+    # capacity keep their specialisation, as in kernels/indexer.py, so that the row loads
+    # vectorise. T is always a multiple of GROUP_TILE, so its specialisation never changes.
+    @triton.jit
+    def _live_end(lens_ptr, seq, width, HAS_LENS: tl.constexpr):
+        """The row's scores to use (below g_len) and those to load: up to a multiple of 16 past
+        them (within the row), which keeps the loads vectorised; the few read between the two
+        count as -inf (_load_live)."""
+        end = width
+        if HAS_LENS:
+            end = tl.minimum(tl.load(lens_ptr + seq), width)
+        return end, tl.minimum(tl.cdiv(end, 16) * 16, width)
+
+    @triton.jit
+    def _load_live(ptr, pos, end, load_end):
+        s = tl.load(ptr + pos, mask=pos < load_end, other=float("-inf"))
+        return tl.where(pos < end, s, float("-inf"))
+
+    @triton.jit(do_not_specialize=["groups", "zero_count"])
+    def _group_max_kernel(scores_ptr, lens_ptr, m_ptr, zero_ptr, stride_sb, width, stride, groups, zero_count,
+                          HAS_LENS: tl.constexpr, TILE: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr = 0):
+        """m[seq, t] = the largest score at positions t + i * stride. Also zeroes the selection's
+        histograms and counters (zero_count int32s), a share each program, which spares a launch."""
+        pdl_enter(PDL)
+        seq = tl.program_id(0)
+        program = seq * tl.num_programs(1) + tl.program_id(1)
+        share = tl.cdiv(zero_count, tl.num_programs(0) * tl.num_programs(1))
+        for i in range(0, share, 256):
+            idx = program * share + i + tl.arange(0, 256)
+            tl.store(zero_ptr + idx, tl.zeros([256], dtype=tl.int32),
+                     mask=(idx < (program + 1) * share) & (idx < zero_count))
+        end, load_end = _live_end(lens_ptr, seq, width, HAS_LENS)
+        t = tl.program_id(1) * TILE + tl.arange(0, TILE)
+        row = scores_ptr + seq * stride_sb
+        # The maximum is taken on the order keys: integers, so -0.0 and 0.0 stay apart exactly
+        # as the radix passes order them.
+        best = tl.zeros([TILE], dtype=tl.uint32)  # below every key: each group has member 0
+        for i0 in range(0, groups, ROWS):
+            pos = (i0 + tl.arange(0, ROWS))[:, None] * stride + t[None, :]
+            best = tl.maximum(best, tl.max(_order_key(_load_live(row, pos, end, load_end)), axis=0))
+        tl.store(m_ptr + seq * stride + t, _key_to_score(best))
+
+    @triton.jit(do_not_specialize=["num_seqs", "blocks", "k"])
+    def _candidate_kernel(scores_ptr, lens_ptr, hist_ptr, state_ptr, count_ptr, cand_ptr, stride_sb, width,
+                          num_seqs, blocks, k, capacity,
+                          HAS_LENS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
+        """Append the finite scores >= tau (the k-th largest group maximum, from the maxima's
+        last histogram) of `blocks` blocks of the row to cand[seq]; count[seq] counts them all,
+        also those past the capacity, which are dropped."""
+        pdl_enter(PDL)
+        seq = tl.program_id(0)
+        end, load_end = _live_end(lens_ptr, seq, width, HAS_LENS)
+        start = tl.program_id(1) * blocks * BLOCK
+        if start >= end:
+            return
+        prefix, _ = _radix_state(hist_ptr, state_ptr, seq, num_seqs, k, 3)
+        tau = _key_to_score(prefix.to(tl.uint32, bitcast=True))
+        row = scores_ptr + seq * stride_sb
+        for b in range(0, blocks):
+            pos = start + b * BLOCK + tl.arange(0, BLOCK)
+            s = _load_live(row, pos, end, load_end)
+            keep = (s >= tau) & (s > float("-inf"))
+            kept = tl.sum(keep.to(tl.int32), axis=0)
+            if kept > 0:  # one atomic a block: most blocks of a wide row keep a few scores or none
+                place = tl.atomic_add(count_ptr + seq, kept, sem="relaxed") + tl.cumsum(keep.to(tl.int32), axis=0) - 1
+                tl.store(cand_ptr + seq * capacity + place, s, mask=keep & (place < capacity))
+
+    @triton.jit(do_not_specialize=["num_seqs", "row_blocks", "cand_blocks", "k"])
+    def _pass_kernel(scores_ptr, lens_ptr, cand_ptr, count_ptr, hist_ptr, state_ptr, stride_sb, width,
+                     num_seqs, row_blocks, cand_blocks, k, capacity,
+                     PASS: tl.constexpr, HAS_LENS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
+        """The PASS-th byte histogram of kernels/indexer.py's _radix_pass_kernel, over the row's
+        candidates, or over the whole row where they did not fit: the program reads the row's
+        count and takes its share (`cand_blocks` or `row_blocks` blocks) of the one or the other."""
+        pdl_enter(PDL)
+        seq = tl.program_id(0)
+        if PASS > 0:  # before any program leaves: program 0 keeps the state for the next pass
+            prefix, rank = _radix_state(hist_ptr, state_ptr, seq, num_seqs, k, PASS - 1)
+            if tl.program_id(1) == 0:
+                _keep_radix_state(state_ptr, seq, num_seqs, prefix, rank, PASS - 1)
+            prefix = prefix.to(tl.uint32, bitcast=True)
+        found = tl.load(count_ptr + seq)
+        overflow = found > capacity
+        if overflow:
+            src = scores_ptr + seq * stride_sb
+        else:
+            src = cand_ptr + seq * capacity
+        row_end, row_load_end = _live_end(lens_ptr, seq, width, HAS_LENS)
+        end = tl.where(overflow, row_end, found)
+        load_end = tl.where(overflow, row_load_end, tl.minimum(tl.cdiv(found, 16) * 16, capacity))
+        # Fewer than k candidates only when the row has fewer than k finite scores: the places
+        # up to k are its -inf scores (never loaded), so the k-th key is -inf's.
+        counted = tl.where(overflow, width, tl.maximum(found, k))
+        blocks = tl.where(overflow, row_blocks, cand_blocks)
+        start = tl.program_id(1) * blocks * BLOCK
+        if start >= counted:
+            return
+        counts = tl.zeros([256], dtype=tl.int32)
+        for b in range(0, blocks):
+            pos = start + b * BLOCK + tl.arange(0, BLOCK)
+            key = _order_key(_load_live(src, pos, end, load_end))
+            match = pos < counted
+            if PASS > 0:
+                match = match & ((key >> (32 - 8 * PASS)) == prefix)
+            # Non-matching keys land in bin 0, which is never needed exactly (_radix_pass_kernel).
+            digit = (key >> (24 - 8 * PASS)) & 0xFF
+            counts += tl.histogram(tl.where(match, digit, 0).to(tl.int32), 256)
+        bins = tl.arange(0, 256)
+        tl.atomic_add(hist_ptr + (PASS * num_seqs + seq) * 256 + bins, counts, mask=counts > 0, sem="relaxed")
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def group_stride(width: int, k: int) -> int:
+    """T: the number of groups, and the distance between a group's members. At least
+    GROUPS_PER_K * k where the row is that wide, else the whole row (one position a group, the
+    bound then exact); a multiple of GROUP_TILE, and >= k for every k <= width."""
+    return min(_cdiv(GROUPS_PER_K * k, GROUP_TILE), _cdiv(width, GROUP_TILE)) * GROUP_TILE
+
+
+def threshold_passes(scores: torch.Tensor, k: int, g_lens: torch.Tensor | None = None,
+                     capacity: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(hist [4, B, 256], state [3, 2, B], count [B]): the histograms and state of the k-th
+    largest score of each row of scores [B, width] fp32 (1 <= k <= width), laid out as
+    radix_passes' (kernels/indexer.py), and each row's candidate count (> capacity: the row
+    took the passes over all of it). g_lens int32 [B]: positions at or past it count as -inf
+    whatever they hold (at most 15 of them are loaded, to keep the loads vectorised); without
+    it the whole row is read. `capacity`: candidate places a row
+    (default CAPACITY, rounded up to a multiple of 16; tests make rows overflow with a small
+    one)."""
+    num_seqs, width = scores.shape
+    capacity = _cdiv(capacity or CAPACITY, 16) * 16  # row starts 64-byte aligned: vector loads
+    device = scores.device
+    if not 1 <= k <= width:
+        raise ValueError(f"k must be in 1..{width}, got {k}")
+    if scores.stride(1) != 1:
+        raise ValueError("scores must be contiguous along a row")
+    # One allocation zeroed by the first launch: the maxima's histograms, the candidates'
+    # histograms, the candidate counts.
+    ws = torch.empty(8 * num_seqs * 256 + num_seqs, device=device, dtype=torch.int32)
+    hist_m = ws[:4 * num_seqs * 256].view(4, num_seqs, 256)
+    hist = ws[4 * num_seqs * 256:8 * num_seqs * 256].view(4, num_seqs, 256)
+    count = ws[8 * num_seqs * 256:]
+    state = torch.empty(3, 2, num_seqs, device=device, dtype=torch.int32)
+    if num_seqs == 0:
+        return hist, state, count
+    has_lens = g_lens is not None
+    lens = g_lens.to(device=device, dtype=torch.int32).contiguous() if has_lens else count  # not read without
+    stride = group_stride(width, k)
+    m = torch.empty(num_seqs, stride, device=device, dtype=torch.float32)
+    _group_max_kernel[(num_seqs, stride // GROUP_TILE)](
+        scores, lens, m, ws, scores.stride(0), width, stride, _cdiv(width, stride), ws.numel(),
+        HAS_LENS=has_lens, TILE=GROUP_TILE, ROWS=GROUP_ROWS, num_warps=4, **pdl_launch(scores))
+    _, state_m = radix_passes(m, k, hist=hist_m)
+
+    cand = torch.empty(num_seqs, capacity, device=device, dtype=torch.float32)
+    parts = max(1, min(_cdiv(width, BLOCK), CANDIDATE_PROGRAMS // num_seqs))
+    blocks = _cdiv(width, parts * BLOCK)
+    _candidate_kernel[(num_seqs, _cdiv(width, blocks * BLOCK))](
+        scores, lens, hist_m, state_m, count, cand, scores.stride(0), width, num_seqs, blocks, k, capacity,
+        HAS_LENS=has_lens, BLOCK=BLOCK, num_warps=4, **pdl_launch(scores))
+
+    # The programs of a row cover both all of it and the most candidates a pass can read (never
+    # more than the row's positions; at least k, the -inf places).
+    parts = max(1, min(_cdiv(width, BLOCK), PASS_PROGRAMS // num_seqs))
+    row_blocks = _cdiv(width, parts * BLOCK)
+    cand_blocks = _cdiv(min(max(capacity, k), width), parts * BLOCK)
+    for p in range(4):
+        _pass_kernel[(num_seqs, parts)](
+            scores, lens, cand, count, hist, state, scores.stride(0), width, num_seqs, row_blocks, cand_blocks, k,
+            capacity, PASS=p, HAS_LENS=has_lens, BLOCK=BLOCK, num_warps=8, **pdl_launch(scores))
+    return hist, state, count
