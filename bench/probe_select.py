@@ -6,6 +6,14 @@ graph (bench.kernel_timing.graph_ms), so launches and the gaps between them coun
 in the decode step; every choice must pick the reference's positions.
 
     python -m bench.probe_select --json select.jsonl
+
+`--wide`: rows of 64K-512K positions, all live. The k-th score alone by torch.topk, the radix
+passes and the candidates above group maxima (kernels/wide_select.py), each checked equal to
+torch.topk's, then the whole selection (select_topk_triton) with each, checked against the
+reference's positions. `--dist` picks the scores: normal, trend (rising towards later
+positions) or tied (all but 16 a row equal: every row overflows the candidates, the worst case).
+
+    python -m bench.probe_select --wide --json wide.jsonl
 """
 from __future__ import annotations
 
@@ -15,13 +23,55 @@ import json
 import torch
 
 from bench.kernel_timing import graph_ms
-from kernels.indexer import select_topk_reference, select_topk_triton
+from kernels.indexer import kth_scores, select_topk_reference, select_topk_triton
 from kernels.row_select import MAX_PARTS, select_rows
 
 TOPK = 2048
 BATCHES = (1, 16, 64)
 WIDTHS = (8192, 10240, 16384, 32768)
 SPLIT = ((256, 256), (512, 256), (512, 512), (1024, 512), (2048, 512))
+WIDE_WIDTHS = (65536, 131072, 524288)
+WIDE_METHODS = ("topk", "radix", "threshold")
+
+
+def wide_scores(batch: int, width: int, dist: str, g: torch.Generator) -> torch.Tensor:
+    scores = torch.randn(batch, width, device="cuda", generator=g)
+    if dist == "trend":
+        scores = scores * 0.3 + torch.linspace(0, 4, width, device="cuda")
+    elif dist == "tied":
+        scores.zero_()
+        scores[:, torch.randperm(width, device="cuda", generator=g)[:16]] = 1.0
+    return scores
+
+
+def wide_rows(widths, batches, dist: str, iters: int) -> list[dict]:
+    from kernels.wide_select import CAPACITY, threshold_passes
+    rows = []
+    for width in widths:
+        for batch in batches:
+            g = torch.Generator(device="cuda").manual_seed(batch * width)
+            scores = wide_scores(batch, width, dist, g)
+            g_lens = torch.full((batch,), width, dtype=torch.int32, device="cuda")
+            count = threshold_passes(scores, TOPK, g_lens)[2]
+            info = dict(batch=batch, width=width, dist=dist, candidates_max=int(count.max()),
+                        overflowed=int((count > CAPACITY).sum()))
+            kth_want = kth_scores(scores, TOPK, "topk")
+            want = select_topk_reference(scores, g_lens, TOPK).sort(dim=1).values
+            choices = {}
+            for m in WIDE_METHODS:
+                choices[f"kth_{m}"] = (lambda m=m: kth_scores(scores, TOPK, m), kth_want)
+            for m in WIDE_METHODS:
+                choices[f"select_{m}"] = (lambda m=m: select_topk_triton(scores, g_lens, TOPK, method=m), want)
+            for name, (fn, expect) in choices.items():
+                got = fn()
+                if name.startswith("select_"):
+                    got = got.sort(dim=1).values
+                if not torch.equal(got, expect):
+                    raise SystemExit(f"wrong result: {name} batch {batch} width {width} {dist}")
+                us = graph_ms(fn, 3, iters, repeat=16) * 1e3
+                rows.append(dict(info, choice=name, us=round(us, 2)))
+                print(json.dumps(rows[-1]), flush=True)
+    return rows
 
 
 def main(argv=None) -> None:
@@ -30,9 +80,13 @@ def main(argv=None) -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--widths", type=int, nargs="+", default=list(WIDTHS))
     ap.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
+    ap.add_argument("--wide", action="store_true", help="instead: rows of 64K-512K positions (see above)")
+    ap.add_argument("--dist", choices=("normal", "trend", "tied"), default="normal", help="--wide scores")
     args = ap.parse_args(argv)
-    rows = []
-    for width in args.widths:
+    if args.wide and args.widths == list(WIDTHS):
+        args.widths = list(WIDE_WIDTHS)
+    rows = wide_rows(args.widths, args.batches, args.dist, args.iters) if args.wide else []
+    for width in [] if args.wide else args.widths:
         for batch in args.batches:
             g = torch.Generator(device="cuda").manual_seed(batch * width)
             scores = torch.randn(batch, width, device="cuda", generator=g)

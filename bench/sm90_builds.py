@@ -5,6 +5,8 @@ integer arguments divisible by 16, except those the kernel leaves unspecialised)
 
     python -m bench.sm90_builds                     # the engine's shape, each kernel form
     python -m bench.sm90_builds --json builds.jsonl
+    python -m bench.sm90_builds --select             # the indexer's one-launch top-k select
+    python -m bench.sm90_builds --wide               # the wide rows' k-th score (kernels/wide_select.py)
 
 The figures depend on the Triton release: compare builds under the one the GPU runs.
 """
@@ -91,6 +93,41 @@ def build_select(first: int, last: int) -> dict:
     return dict(kernel=fn.__name__, phases=f"{first}-{last}", **info, triton=triton.__version__)
 
 
+def build_wide() -> list[dict]:
+    """The wide rows' k-th score (kernels/wide_select.py): group maxima, candidates and each byte
+    pass, with and without g_lens, as launched on an H200 (dependent launches on, integers
+    specialised as the launcher does: pointers and the widths and strides it keeps)."""
+    from kernels import wide_select as ws
+    fp32 = {"scores_ptr", "m_ptr", "cand_ptr"}
+    builds = []
+    for lens in (False, True):
+        builds.append((ws._group_max_kernel, dict(HAS_LENS=lens, TILE=ws.GROUP_TILE, ROWS=ws.GROUP_ROWS), 4))
+        builds.append((ws._candidate_kernel, dict(HAS_LENS=lens, BLOCK=ws.BLOCK), 4))
+        builds += [(ws._pass_kernel, dict(PASS=p, HAS_LENS=lens, BLOCK=ws.BLOCK), 8) for p in range(4)]
+    rows = []
+    for fn, consts, warps in builds:
+        consts = dict(consts, PDL=2)
+        plain = set(fn.do_not_specialize) | {fn.arg_names[i] for i in fn.do_not_specialize if isinstance(i, int)}
+        signature, attrs = {}, {}
+        for i, name in enumerate(fn.arg_names):
+            if name in consts:
+                signature[name] = "constexpr"
+            elif name.endswith("_ptr"):
+                signature[name] = "*fp32" if name in fp32 else "*i32"
+                attrs[(i,)] = [["tt.divisibility", 16]]
+            else:
+                signature[name] = "i32"
+                if name not in plain:
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+        src = ASTSource(fn=fn, signature=signature, attrs=attrs,
+                        constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+        ptx = kernel.asm["ptx"]
+        rows.append(dict(kernel=fn.__name__, **{k: v for k, v in consts.items() if k in ("PASS", "HAS_LENS")},
+                         **_ptxas_info(ptx), vector_loads=ptx.count("ld.global.v4"), triton=triton.__version__))
+    return rows
+
+
 def _ptxas_info(ptx: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "k.ptx"
@@ -110,9 +147,11 @@ def main(argv=None) -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--select", action="store_true",
                     help="instead: the indexer's one-launch top-k select, in one launch and phase by phase")
+    ap.add_argument("--wide", action="store_true",
+                    help="instead: the wide rows' k-th score by candidates above group maxima")
     args = ap.parse_args(argv)
-    if args.select:
-        rows = [build_select(0, 5)] + [build_select(p, p) for p in range(6)]
+    if args.select or args.wide:
+        rows = build_wide() if args.wide else [build_select(0, 5)] + [build_select(p, p) for p in range(6)]
         for r in rows:
             print(json.dumps(r))
         if args.json:
