@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from kernels.gemv import linear, norm_gemv_applies, norm_gemv_triton
-from kernels.head_gemv import head_gemv_applies, head_gemv_reference, head_gemv_triton
+from kernels.head_gemv import head_gemv, head_gemv_applies, head_gemv_triton
 from kernels.latent import latent_and_query, norm_rope_latent
 
 from .attention import AttentionContext, attend, index_topk_mask
@@ -139,13 +139,10 @@ class MLAttention(nn.Module):
             q = linear(q_low if q_low is not None else self.q_a_layernorm(xp["q"]), q_b.weight, q_b.bias)
         q = q.view(t, self.n_heads, cfg.qk_head_dim)
         q_nope, q_rope = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+        q_rope = self.rotary.apply(q_rope, *ctx.rope)
         w_kv = self.kv_b_proj.weight.view(self.n_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
         w_uk, w_uv = w_kv[:, :cfg.qk_nope_head_dim], w_kv[:, cfg.qk_nope_head_dim:]
-        if head_gemv_applies(q_nope, w_uk):  # the query's rotation in the absorption's launch
-            q_lat, q_rope = head_gemv_triton(q_nope, w_uk, rope=(q_rope, *ctx.rope, self.rotary.interleave))
-        else:
-            q_rope = self.rotary.apply(q_rope, *ctx.rope)
-            q_lat = head_gemv_reference(q_nope, w_uk)
+        q_lat = head_gemv(q_nope, w_uk)
 
         if ctx.decode is not None:  # the kernel takes the two query parts as they are
             if topk is not None:

@@ -10,8 +10,6 @@ take part in dependent launches (kernels/pdl.py): the kernel after it waits for 
 Each program holds a [K, BLOCK_N] tile of one head's weight in registers, loaded before its
 dependent-launch wait (nothing in a decode step writes weights; kernels/gemv.py), then computes
 its BLOCK_N outputs for every row. Products and sums in fp32, rounded once to x's dtype.
-The absorption's launch can also rotate the query's rope part (`rope`), each head's first
-program its head: the rope's launch saved.
 """
 from __future__ import annotations
 
@@ -23,7 +21,6 @@ try:
     import triton
     import triton.language as tl
     from .pdl import pdl_enter, pdl_launch
-    from .rope import rotate
 except Exception:  # the torch path needs no Triton
     triton = None
 
@@ -37,10 +34,7 @@ _DTYPES = (torch.bfloat16, torch.float16)
 if triton is not None:
     @triton.jit(do_not_specialize=["T"])
     def _head_gemv_kernel(x_ptr, w_ptr, out_ptr, T, N, sx_t, sx_h, sw_h, sw_k, sw_n, so_t, so_h,
-                          xr_ptr, cos_ptr, sin_ptr, ro_ptr, sxr_t, sxr_h, sc_t, ss_t,
-                          K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                          ROPE_HALF: tl.constexpr = 0, BLOCK_HALF: tl.constexpr = 1, INTERLEAVE: tl.constexpr = 0,
-                          PDL: tl.constexpr = 0):
+                          K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = 0):
         h = tl.program_id(0)
         ns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         ks = tl.arange(0, BLOCK_K)
@@ -55,16 +49,6 @@ if triton is not None:
             x = tl.load(x_ptr + t * sx_t + h * sx_h + ks, mask=k_ok, other=0.0).to(tl.float32)
             acc = tl.sum(w * x[:, None], axis=0)
             tl.store(out_ptr + t * so_t + h * so_h + ns, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
-        if ROPE_HALF > 0:
-            # The query's rope part, rotated by the head's first program: the rope's launch saved.
-            if tl.program_id(1) == 0:
-                i = tl.arange(0, BLOCK_HALF)
-                i_ok = i < ROPE_HALF
-                for t in range(T):
-                    c = tl.load(cos_ptr + t * sc_t + i, mask=i_ok, other=0.0)
-                    s = tl.load(sin_ptr + t * ss_t + i, mask=i_ok, other=0.0)
-                    rotate(xr_ptr + t * sxr_t + h * sxr_h, ro_ptr + (t * tl.num_programs(0) + h) * (2 * ROPE_HALF),
-                           c, s, i, i_ok, ROPE_HALF, INTERLEAVE)
 
 
 def head_gemv_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -79,35 +63,16 @@ def head_gemv_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
             and triton.next_power_of_2(x.shape[2]) <= TILE_ELEMENTS and triton_ok(x))
 
 
-def head_gemv_triton(x: torch.Tensor, w: torch.Tensor,
-                     rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool] | None = None):
-    """x [T, H, K] times each head's w [H, K, N] -> [T, H, N]. With `rope` (x_rope [T, H, R],
-    cos, sin [T, R/2] fp32, interleave) also x_rope rotated as kernels/rope.py apply_rope does,
-    bit for bit, in the same launch: returns (out, rotated)."""
+def head_gemv_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     t, h, k = x.shape
     n = w.shape[2]
     out = torch.empty(t, h, n, dtype=x.dtype, device=x.device)
     block_k = triton.next_power_of_2(k)
     block_n = max(1, min(triton.next_power_of_2(n), TILE_ELEMENTS // block_k))
-    rope_args, rope_consts, rotated = [out] * 4 + [0] * 4, {}, None  # pointers not read without ROPE_HALF
-    if rope is not None:
-        xr, cos, sin, interleave = rope
-        half = xr.shape[2] // 2
-        if (xr.shape[:2] != (t, h) or xr.shape[2] % 2 or xr.stride(2) != 1 or xr.dtype != x.dtype
-                or cos.shape != (t, half) or sin.shape != (t, half) or cos.dtype != torch.float32
-                or sin.dtype != torch.float32 or cos.stride(1) != 1 or sin.stride(1) != 1):
-            raise ValueError(f"rope: x_rope [{t}, {h}, even] in x's dtype, last dim contiguous, and fp32 cos, sin "
-                             f"[{t}, half] with contiguous rows; got {tuple(xr.shape)} {xr.dtype}, "
-                             f"{tuple(cos.shape)} {cos.dtype}, {tuple(sin.shape)} {sin.dtype}")
-        rotated = torch.empty(t, h, 2 * half, dtype=x.dtype, device=x.device)
-        rope_args = [xr, cos, sin, rotated, xr.stride(0), xr.stride(1), cos.stride(0), sin.stride(0)]
-        rope_consts = dict(ROPE_HALF=half, BLOCK_HALF=triton.next_power_of_2(half), INTERLEAVE=bool(interleave),
-                           enable_fp_fusion=False)
     _head_gemv_kernel[(h, triton.cdiv(n, block_n))](
         x, w, out, t, n, x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
-        out.stride(1), *rope_args, K=k, BLOCK_K=block_k, BLOCK_N=block_n, num_warps=4, **rope_consts,
-        **pdl_launch(x))
-    return out if rope is None else (out, rotated)
+        out.stride(1), K=k, BLOCK_K=block_k, BLOCK_N=block_n, num_warps=4, **pdl_launch(x))
+    return out
 
 
 def head_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -55,24 +55,17 @@ if triton is not None:
         s = tl.load(sin_ptr + tok * stride_st + i, mask=i_ok, other=0.0).to(tl.float32)[None, :]
         ok = (heads < H)[:, None] & i_ok[None, :]
         x_row = x_ptr + tok * stride_xt + heads.to(tl.int64)[:, None] * stride_xh
-        out_row = out_ptr + (tok * H + heads.to(tl.int64))[:, None] * (2 * HALF)
-        rotate(x_row, out_row, c, s, i[None, :], ok, HALF, INTERLEAVE)
-
-    @triton.jit
-    def rotate(x_row, out_row, c, s, i, ok, HALF: tl.constexpr, INTERLEAVE: tl.constexpr):
-        """Rotate the pairs at offsets i of x_row into out_row (halves out), c and s the fp32
-        tables at i; any shapes that broadcast. Launch with enable_fp_fusion=False: a contracted
-        multiply-add rounds otherwise than the reference."""
         if INTERLEAVE:
-            x1 = tl.load(x_row + 2 * i, mask=ok, other=0.0).to(tl.float32)
-            x2 = tl.load(x_row + 2 * i + 1, mask=ok, other=0.0).to(tl.float32)
+            x1 = tl.load(x_row + 2 * i[None, :], mask=ok, other=0.0).to(tl.float32)
+            x2 = tl.load(x_row + 2 * i[None, :] + 1, mask=ok, other=0.0).to(tl.float32)
         else:
-            x1 = tl.load(x_row + i, mask=ok, other=0.0).to(tl.float32)
-            x2 = tl.load(x_row + HALF + i, mask=ok, other=0.0).to(tl.float32)
+            x1 = tl.load(x_row + i[None, :], mask=ok, other=0.0).to(tl.float32)
+            x2 = tl.load(x_row + HALF + i[None, :], mask=ok, other=0.0).to(tl.float32)
         # Halves out in both layouts, as the reference's cat does.
-        OUT_DTYPE: tl.constexpr = out_row.dtype.element_ty
-        tl.store(out_row + i, cast_rne(x1 * c - x2 * s, OUT_DTYPE), mask=ok)
-        tl.store(out_row + HALF + i, cast_rne(x2 * c + x1 * s, OUT_DTYPE), mask=ok)
+        out_row = out_ptr + (tok * H + heads.to(tl.int64))[:, None] * (2 * HALF)
+        OUT_DTYPE: tl.constexpr = out_ptr.dtype.element_ty
+        tl.store(out_row + i[None, :], cast_rne(x1 * c - x2 * s, OUT_DTYPE), mask=ok)
+        tl.store(out_row + HALF + i[None, :], cast_rne(x2 * c + x1 * s, OUT_DTYPE), mask=ok)
 
 
 def _pow2(n: int) -> int:

@@ -46,29 +46,6 @@ def test_query_absorption_and_value_projection_views(device, dtype, rows):
     close_to_exact(head_gemv_triton(latent_out, w_uv_t), latent_out, w_uv_t)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows,interleave", [(1, True), (2, False), (2, True)])
-def test_query_absorption_with_its_rotation_in_the_same_launch(device, dtype, rows, interleave):
-    """The rope part comes out as apply_rope's, bit for bit; the absorption as without it."""
-    from kernels.rope import apply_rope_reference
-    heads, nope, rope, v, lora = 3, 16, 12, 12, 40  # a rope half (6) that is not a power of two
-    w_uk, _ = _mla_weights(heads, nope, v, lora, dtype, device)
-    g = torch.Generator().manual_seed(rows + 10 * interleave)
-    q = torch.randn(rows, heads, nope + rope, generator=g).to(dtype).to(device)
-    q_nope, q_rope = q.split([nope, rope], dim=-1)
-    angles = torch.rand(rows, rope // 2, generator=g) * 50
-    cos, sin = angles.cos().to(device), angles.sin().to(device)
-    out, rotated = head_gemv_triton(q_nope, w_uk, rope=(q_rope, cos, sin, interleave))
-    close_to_exact(out, q_nope, w_uk)
-    want = apply_rope_reference(q_rope, cos, sin, interleave)
-    assert rotated.is_contiguous() and torch.equal(rotated, want)
-    with pytest.raises(ValueError, match="rope"):
-        head_gemv_triton(q_nope, w_uk, rope=(q_rope, cos.double(), sin, interleave))
-    with pytest.raises(ValueError, match="rope"):
-        head_gemv_triton(q_nope, w_uk, rope=(q_rope, cos[:, :2], sin[:, :2], interleave))
-
-
 def test_dispatcher_uses_the_kernel_only_where_it_applies(monkeypatch):
     calls = []
     real = head_gemv_module.head_gemv_triton
