@@ -325,16 +325,21 @@ def indexer_scores_triton(q: torch.Tensor, w: torch.Tensor, index_keys: torch.Te
     return _score_launch(q, w, index_keys, block_tables, g_lens, block_size, key_scale=key_scale, w_scale=w_scale)
 
 
-# Rows up to FUSED_MAX_WIDTH get the whole selection in one launch (kernels/row_select.py), rows
-# up to RADIX_MAX_WIDTH the multi-launch radix passes, wider rows the k-th score from torch.topk.
-# On the H200 (bench/RESULTS.md, ninth session) the one launch took 1-2% off the decode step at
-# 8K against the radix passes, and lost at 128K-512K, where MAX_PARTS programs a row are too few;
-# the radix passes beat torch.topk up to 128K positions and lost at 512K (2.99 against 2.22 ms a
-# step at batch 16). One program a row walking the whole row was slower than both (28-64 us at 8K).
+# Rows up to FUSED_MAX_WIDTH get the whole selection in one launch (kernels/row_select.py). Wider
+# rows get the k-th score from the multi-launch radix passes, or, once the batch holds
+# THRESHOLD_MIN_POSITIONS positions or more, from the candidates above a bound
+# (kernels/wide_select.py); the count and emit passes then keep the positions.
+# On the H200 the one launch took 1-2% off the decode step at 8K against the radix passes, and
+# lost at 128K-512K, where MAX_PARTS programs a row are too few (RESULTS, ninth session). The
+# selection alone (bench.probe_select --wide, us; RESULTS, fourteenth session): radix passes /
+# threshold / torch.topk at batch 1 and 512K 28 / 35 / 94, batch 16 and 64K 39 / 45 / 79, batch 16
+# and 128K 65 / 55 / 96, batch 16 and 512K 221 / 120 / 198, batch 64 and 64K 116 / 97 / 130. The
+# batch-16 decode step at 512K went from 11.54 (torch.topk) to 9.64 ms. One program a row walking
+# the whole row was slower than all of them (28-64 us at 8K).
 # WIDEEP_ONE_LAUNCH_SELECT=0 turns the one launch off (its programs wait on each other at
 # barriers, which needs a row's programs resident together; every GPU we know holds them).
 FUSED_MAX_WIDTH = 32768 if os.environ.get("WIDEEP_ONE_LAUNCH_SELECT", "1") != "0" else 0
-RADIX_MAX_WIDTH = 131072
+THRESHOLD_MIN_POSITIONS = 1 << 21
 # The radix passes want enough programs to fill the GPU: rows are split finer (down to one block
 # a program) until there are this many. 1024 against 128 (bench.probe_radix on the H200, all four
 # passes): batch 64 at 8K 33.2 -> 28.1 us, batch 16 at 128K 59.4 -> 55.9 us; batch 1 and 16 at 8K
@@ -352,10 +357,11 @@ def kth_scores(scores: torch.Tensor, k: int, method: str | None = None, span: in
     """[B] fp32: each row's k-th largest score (1 <= k <= width), by `method` 'radix' (four 8-bit
     histogram passes over the scores' bits, no sort), 'threshold' (the same passes over the few
     thousand scores above a bound from group maxima: kernels/wide_select.py) or 'topk'
-    (torch.topk); None picks by width. span (positions a radix program counts), block (its loop
-    step) and num_warps override the built-in launch choice (bench.probe_radix times them)."""
+    (torch.topk); None picks by the rows' size (THRESHOLD_MIN_POSITIONS). span (positions a
+    radix program counts), block (its loop step) and num_warps override the built-in launch
+    choice (bench.probe_radix times them)."""
     num_seqs, width = scores.shape
-    method = method or ("radix" if width <= RADIX_MAX_WIDTH else "topk")
+    method = method or ("threshold" if num_seqs * width >= THRESHOLD_MIN_POSITIONS else "radix")
     if method == "topk":
         return torch.topk(scores, k, dim=1, sorted=False).values.amin(dim=1)
     kth = torch.empty(num_seqs, device=scores.device, dtype=torch.float32)
@@ -394,11 +400,11 @@ def radix_passes(scores: torch.Tensor, k: int, span: int | None = None, block: i
     return hist, state
 
 
-def default_select(width: int) -> str:
-    """The selection method a row of `width` positions gets when none is asked for."""
+def default_select(width: int, rows: int = 1) -> str:
+    """The selection method `rows` rows of `width` positions get when none is asked for."""
     if width <= FUSED_MAX_WIDTH:
         return "fused"
-    return "radix" if width <= RADIX_MAX_WIDTH else "topk"
+    return "threshold" if rows * width >= THRESHOLD_MIN_POSITIONS else "radix"
 
 
 def select_topk_triton(scores: torch.Tensor, g_lens: torch.Tensor, topk: int,
@@ -422,7 +428,7 @@ def select_topk_triton(scores: torch.Tensor, g_lens: torch.Tensor, topk: int,
         return out.fill_(-1)
     g_lens = g_lens.to(device=scores.device, dtype=torch.int32).contiguous()
     fill = min(1024, _next_pow2(topk, 16))
-    method = method or default_select(width)
+    method = method or default_select(width, num_seqs)
     if method == "fused":
         return select_rows(scores, g_lens, out, k, ws=hist)
     if method not in ("radix", "threshold", "topk"):
@@ -458,7 +464,7 @@ def indexer_topk_triton(q: torch.Tensor, w: torch.Tensor, index_keys: torch.Tens
     """Same position set as indexer_topk_reference, in no particular order."""
     num_seqs, width = q.shape[0], block_tables.shape[1] * block_size
     # The selection's workspace (the radix histograms, or the one launch's), zeroed by the scoring
-    method = default_select(width) if 0 < min(topk, width) else None
+    method = default_select(width, num_seqs) if 0 < min(topk, width) else None
     ws = None
     if method == "radix":
         ws = torch.empty(4, num_seqs, 256, device=q.device, dtype=torch.int32)
@@ -473,7 +479,7 @@ def warm_up(topk: int, device, max_rows: int) -> None:
     """Build, on dummy scores, every selection variant serving can meet: the one-launch select
     with and without its atomics (up to and past SPARSE_MAX_ROWS rows) and the wide rows' radix,
     threshold and torch.topk paths, whose widths the warm-up's requests never reach. Their builds
-    depend on none of the widths (kernels/row_select.py, RADIX_MAX_WIDTH, kernels/wide_select.py),
+    depend on none of the widths (kernels/row_select.py, kernels/wide_select.py),
     so narrow rows build them."""
     from .row_select import SPARSE_MAX_ROWS
     probe = torch.empty(0, device=device)

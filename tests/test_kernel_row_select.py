@@ -130,11 +130,12 @@ def test_one_launch_matches_phases_and_reference(width, topk, batch):
 
 
 def test_one_launch_can_be_turned_off_by_environment():
-    """WIDEEP_ONE_LAUNCH_SELECT=0: rows of every width take the multi-launch radix passes (and
-    torch.topk past 128K) instead of the barrier kernel."""
+    """WIDEEP_ONE_LAUNCH_SELECT=0: rows of every width take the multi-launch radix passes (or, for
+    batches of 2M positions and more, the threshold select) instead of the barrier kernel."""
     code = ("import kernels.indexer as m; "
-            "print(m.default_select(8192), m.default_select(32768), m.default_select(1 << 20))")
-    for value, want in (("0", "radix radix topk"), ("1", "fused fused topk")):
+            "print(m.default_select(8192), m.default_select(32768), m.default_select(1 << 20), "
+            "m.default_select(1 << 17, 16), m.default_select(1 << 16, 16))")
+    for value, want in (("0", "radix radix radix threshold radix"), ("1", "fused fused radix threshold radix")):
         env = dict(os.environ, WIDEEP_ONE_LAUNCH_SELECT=value)
         r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
