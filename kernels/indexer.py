@@ -93,7 +93,8 @@ if triton is not None:
                            num_heads, head_dim, width, block_size, w_scale, zero_ptr, zero_per_row,
                            HEADS: tl.constexpr, DIM: tl.constexpr, TILE: tl.constexpr,
                            PRECISION: tl.constexpr, UPCAST: tl.constexpr, SCALED: tl.constexpr,
-                           ZERO: tl.constexpr, SKIP_DEAD: tl.constexpr, PDL: tl.constexpr = 0):
+                           ZERO: tl.constexpr, SKIP_DEAD: tl.constexpr, F16: tl.constexpr = False,
+                           PDL: tl.constexpr = 0):
         pdl_enter(PDL)
         seq = tl.program_id(0)
         pos = tl.program_id(1) * TILE + tl.arange(0, TILE)
@@ -124,12 +125,22 @@ if triton is not None:
                        mask=live[:, None] & d_ok[None, :], other=0.0)
         q = tl.load(q_ptr + seq * stride_qb + d[:, None] * stride_qd + h[None, :] * stride_qh,
                     mask=d_ok[:, None] & h_ok[None, :], other=0.0)
+        q_exp = 0.0
         if UPCAST:
             keys = keys.to(tl.float32)
             q = q.to(tl.float32)
+        elif F16:
+            # E4M3 widens to fp16 in one instruction a pair (to bf16 it takes one more a key), and a
+            # bf16 q is exact in fp16 once scaled by a power of two below fp16's largest value.
+            keys = keys.to(tl.float16)
+            qf = q.to(tl.float32)
+            q_exp = tl.maximum(tl.ceil(tl.log2(tl.max(tl.max(tl.abs(qf), axis=1), axis=0))) - 14.0, 0.0)
+            q = (qf * tl.exp2(-q_exp)).to(tl.float16)
         elif SCALED:  # E4M3 values are exact in q's 16-bit type
             keys = keys.to(q.dtype)
         dots = tl.dot(keys, q, input_precision=PRECISION)  # [TILE, HEADS] fp32
+        if F16:
+            dots = dots * tl.exp2(q_exp)
         wt = tl.load(w_ptr + seq * stride_wb + h * stride_wh, mask=h_ok, other=0.0).to(tl.float32) * w_scale
         score = tl.sum(tl.maximum(dots, 0.0) * wt[None, :], axis=1)
         if SCALED:  # relu(q . (s k)) = s relu(q . k) for the positive per-key scale s
@@ -267,6 +278,10 @@ def _next_pow2(n: int, floor: int) -> int:
     return max(floor, 1 << max(0, (n - 1).bit_length()))
 
 
+# FP8 index keys with a bf16 query: score in fp16 (kernels above). Off until measured.
+FP8_SCORES_IN_F16 = os.environ.get("WIDEEP_FP8_SCORES_F16", "0") == "1"
+
+
 def score_tune_key(num_heads: int, head_dim: int, fp8: bool) -> str:
     """Shape key of the scoring kernel in kernels/tuned/<gpu>.json. The launch configuration
     does not follow the row width, so a context that grows never meets a new build."""
@@ -276,7 +291,8 @@ def score_tune_key(num_heads: int, head_dim: int, fp8: bool) -> str:
 def _score_launch(q, w, index_keys, block_tables, g_lens, block_size,
                   tile: int | None = None, num_warps: int | None = None,
                   key_scale: torch.Tensor | None = None, w_scale: float = 1.0,
-                  zero: torch.Tensor | None = None, skip_dead: bool = False) -> torch.Tensor:
+                  zero: torch.Tensor | None = None, skip_dead: bool = False,
+                  f16: bool | None = None) -> torch.Tensor:
     """[B, width] fp32 scores, -inf past each row's g_len; `zero` (int32, B rows' worth: the
     selection's workspace) is zeroed too. `skip_dead`: tiles wholly past g_len are not written
     (for the one-launch select, which never reads there)."""
@@ -301,6 +317,8 @@ def _score_launch(q, w, index_keys, block_tables, g_lens, block_size,
     # FP8 keys are widened to q's type in the kernel when q is 16-bit.
     upcast = (q.dtype != index_keys.dtype and not (scaled and q.dtype in (torch.bfloat16, torch.float16))
               or not q.is_cuda)
+    f16 = bool(FP8_SCORES_IN_F16 if f16 is None else f16) and scaled and q.dtype == torch.bfloat16
+    upcast = upcast and not f16  # fp16 operands are exact under the interpreter too (bf16 ones are not)
     # fp32 operands must not be rounded to tf32, or near-equal scores would swap places.
     fp32 = upcast or q.dtype == torch.float32
     grid = (num_seqs, triton.cdiv(width, tile))
@@ -313,7 +331,7 @@ def _score_launch(q, w, index_keys, block_tables, g_lens, block_size,
         num_heads, head_dim, width, block_size, float(w_scale), zero if zero is not None else g_lens,
         zero.numel() // num_seqs if zero is not None else 0,
         HEADS=heads, DIM=dim, TILE=tile, PRECISION="ieee" if fp32 else "tf32", UPCAST=upcast, SCALED=scaled,
-        ZERO=zero is not None, SKIP_DEAD=skip_dead, num_warps=num_warps, **pdl_launch(q))
+        ZERO=zero is not None, SKIP_DEAD=skip_dead, F16=f16, num_warps=num_warps, **pdl_launch(q))
     return out
 
 

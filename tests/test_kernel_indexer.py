@@ -223,6 +223,27 @@ def test_fp8_keys_with_scales(device, q_dtype):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("q_scale", [1.0, 2.0 ** 20])
+def test_fp8_keys_scored_in_fp16(device, q_scale):
+    """FP8 keys with a bf16 query scored in fp16 (FP8_SCORES_IN_F16) give the bf16 path's scores
+    (bit for bit under the interpreter), a query past fp16's range (scaled down by a power of two
+    and back) included."""
+    from kernels.fp8_kv import quantize_kv
+    from kernels.indexer import _score_launch
+    g_lens, bs = [70, 9, 33], 8
+    q, w, keys, tables, lens = make_case(device, g_lens, bs, seed=6)
+    keys8, scale = quantize_kv(keys.float())
+    q = (q.float() * q_scale).bfloat16()
+    w = w.bfloat16()
+    want = _score_launch(q, w, keys8, tables, lens, bs, key_scale=scale, f16=False)
+    got = _score_launch(q, w, keys8, tables, lens, bs, key_scale=scale, f16=True)
+    live = torch.isfinite(want)
+    assert torch.equal(live, torch.isfinite(got)) and int(live.sum()) == sum(g_lens)
+    # products are exact either way; only the fp32 sums' order may differ (tensor-core shapes)
+    torch.testing.assert_close(got[live], want[live], rtol=1e-5, atol=1e-5 * float(want[live].abs().max()))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("programs", [1, 128])
 def test_radix_select_over_several_pass_chunks(device, programs, monkeypatch):
     """Rows longer than one histogram chunk (4096, or 1024 when few rows leave the GPU idle),
