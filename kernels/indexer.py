@@ -229,27 +229,46 @@ if triton is not None:
         tl.store(above_ptr + seq * stride_cb + chunk, tl.sum((live & (s > kth)).to(tl.int32), axis=0))
         tl.store(equal_ptr + seq * stride_cb + chunk, tl.sum((live & (s == kth)).to(tl.int32), axis=0))
 
-    @triton.jit(do_not_specialize=["stride_cb", "num_chunks", "k"])
-    def _emit_chunk_kernel(scores_ptr, kth_ptr, lens_ptr, above_ptr, equal_ptr, out_ptr,
-                           stride_sb, stride_cb, stride_ob, width, num_chunks, k, topk,
-                           CHUNK: tl.constexpr, SUMS: tl.constexpr, FILL: tl.constexpr, PDL: tl.constexpr = 0):
+    @triton.jit(do_not_specialize=["stride_cb", "num_chunks"])
+    def _chunk_offsets_kernel(above_ptr, equal_ptr, before_ptr, after_ptr, stride_cb, num_chunks,
+                              SUMS: tl.constexpr, PDL: tl.constexpr = 0):
+        """Per row: before[c] = positions above the k-th score in the chunks before c, after[c] =
+        positions equal to it in the chunks after c; column num_chunks holds the row's totals.
+        Once a row here, so the emit pass's programs each read two numbers, not every chunk's
+        counts (at 512K that summing was most of the emit's 45 us a layer). SUMS chunks a step:
+        one build serves every width."""
         pdl_enter(PDL)
-        seq = tl.program_id(0)
-        chunk = tl.program_id(1)
-        # The per-chunk counts are summed SUMS at a time in a loop, so one build serves every width.
-        total_above = tl.zeros([], dtype=tl.int32)
+        row = tl.program_id(0) * stride_cb
         total_equal = tl.zeros([], dtype=tl.int32)
-        above_before = tl.zeros([], dtype=tl.int32)
-        ties_after = tl.zeros([], dtype=tl.int32)
+        for c0 in range(0, num_chunks, SUMS):
+            c = c0 + tl.arange(0, SUMS)
+            total_equal += tl.sum(tl.load(equal_ptr + row + c, mask=c < num_chunks, other=0), axis=0)
+        above_so_far = tl.zeros([], dtype=tl.int32)
+        equal_so_far = tl.zeros([], dtype=tl.int32)
         for c0 in range(0, num_chunks, SUMS):
             c = c0 + tl.arange(0, SUMS)
             c_ok = c < num_chunks
-            above = tl.load(above_ptr + seq * stride_cb + c, mask=c_ok, other=0)
-            equal = tl.load(equal_ptr + seq * stride_cb + c, mask=c_ok, other=0)
-            total_above += tl.sum(above, axis=0)
-            total_equal += tl.sum(equal, axis=0)
-            above_before += tl.sum(tl.where(c < chunk, above, 0), axis=0)
-            ties_after += tl.sum(tl.where(c > chunk, equal, 0), axis=0)
+            above = tl.load(above_ptr + row + c, mask=c_ok, other=0)
+            equal = tl.load(equal_ptr + row + c, mask=c_ok, other=0)
+            tl.store(before_ptr + row + c, above_so_far + tl.cumsum(above, axis=0) - above, mask=c_ok)
+            tl.store(after_ptr + row + c, total_equal - equal_so_far - tl.cumsum(equal, axis=0), mask=c_ok)
+            above_so_far += tl.sum(above, axis=0)
+            equal_so_far += tl.sum(equal, axis=0)
+        tl.store(before_ptr + row + num_chunks, above_so_far)
+        tl.store(after_ptr + row + num_chunks, total_equal)
+
+    @triton.jit(do_not_specialize=["stride_cb", "num_chunks", "k"])
+    def _emit_chunk_kernel(scores_ptr, kth_ptr, lens_ptr, before_ptr, after_ptr, out_ptr,
+                           stride_sb, stride_cb, stride_ob, width, num_chunks, k, topk,
+                           CHUNK: tl.constexpr, FILL: tl.constexpr, PDL: tl.constexpr = 0):
+        pdl_enter(PDL)
+        seq = tl.program_id(0)
+        chunk = tl.program_id(1)
+        row = seq * stride_cb
+        above_before = tl.load(before_ptr + row + chunk)
+        total_above = tl.load(before_ptr + row + num_chunks)
+        ties_after = tl.load(after_ptr + row + chunk)
+        total_equal = tl.load(after_ptr + row + num_chunks)
         # Everything above the k-th score is kept; the remaining places go to the scores equal
         # to it, latest position first.
         ties_wanted = k - total_above
@@ -369,9 +388,8 @@ THRESHOLD_MIN_POSITIONS = 1 << 21
 # reach one block a program either way.
 _RADIX_PROGRAMS = 1024
 _SELECT_BLOCK = 1024
-# Chunk counts the emit pass sums per step: a 1M-position row in one. At 512K, 64 a step made
-# eight dependent rounds of loads in each of a row's 512 programs: 74 us a layer on the H200,
-# 45 us with 1024 (bench/RESULTS.md, forward profiles).
+# Chunk counts the offsets pass sums per step: a 1M-position row in one. (When each emit program
+# summed them itself, 64 a step cost 74 us a layer at 512K on the H200 and 1024 a step 45 us.)
 _EMIT_SUMS = 1024
 
 
@@ -468,15 +486,20 @@ def select_topk_triton(scores: torch.Tensor, g_lens: torch.Tensor, topk: int,
         hist = state = kth  # not read
     chunk = chunk or _SELECT_BLOCK
     num_chunks = triton.cdiv(width, chunk)
-    above = torch.empty(num_seqs, num_chunks, device=scores.device, dtype=torch.int32)
+    # one column more than the counts need: the offsets pass's outputs share their row stride
+    above = torch.empty(num_seqs, num_chunks + 1, device=scores.device, dtype=torch.int32)
     equal = torch.empty_like(above)
     grid = (num_seqs, num_chunks)
     _count_chunk_kernel[grid](scores, kth, g_lens, above, equal, hist, state, scores.stride(0), above.stride(0),
                               width, num_seqs, k, CHUNK=chunk, RADIX=method != "topk", num_warps=4,
                               **pdl_launch(scores))
-    _emit_chunk_kernel[grid](scores, kth, g_lens, above, equal, out,
-                             scores.stride(0), above.stride(0), out.stride(0), width, num_chunks, k, topk,
-                             CHUNK=chunk, SUMS=_EMIT_SUMS, FILL=fill, num_warps=4, **pdl_launch(scores))
+    before = torch.empty(num_seqs, num_chunks + 1, device=scores.device, dtype=torch.int32)
+    after = torch.empty_like(before)
+    _chunk_offsets_kernel[(num_seqs,)](above, equal, before, after, above.stride(0), num_chunks, SUMS=_EMIT_SUMS,
+                                       num_warps=4, **pdl_launch(above))
+    _emit_chunk_kernel[grid](scores, kth, g_lens, before, after, out,
+                             scores.stride(0), before.stride(0), out.stride(0), width, num_chunks, k, topk,
+                             CHUNK=chunk, FILL=fill, num_warps=4, **pdl_launch(scores))
     return out
 
 
