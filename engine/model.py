@@ -196,7 +196,8 @@ class DecoderLayer(nn.Module):
                 ctx: AttentionContext) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous sublayer's output (the embeddings, with residual None, for the first
         layer). Returns this layer's MLP output and the residual stream before it: the stream is
-        x + residual, and each add is folded into the norm that follows it."""
+        x + residual, and each add is folded into the norm that follows it. At batch 1 the norm
+        itself is folded into the next module's first kernel where it takes it (defer_norm)."""
         h, residual = defer_norm(self.input_layernorm, x, residual, self.self_attn)
         h, residual = defer_norm(self.post_attention_layernorm, self.self_attn(h, ctx), residual, self.mlp)
         return self.mlp(h), residual
