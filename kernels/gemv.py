@@ -35,16 +35,22 @@ BLOCK_N = 8
 _DTYPES = (torch.bfloat16, torch.float16)
 
 if triton is not None:
-    @triton.jit(do_not_specialize=["N"])
-    def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, stride_wn,
-                     K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = 0):
+    @triton.jit
+    def _weight_rows(w_ptr, stride_wn, N, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+        """This program's BLOCK_N rows of W (whole rows, K wide) and their indices and masks."""
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         ks = tl.arange(0, BLOCK_K)
         n_ok = rows < N
         k_ok = ks < K
-        # The weights before the wait: no kernel of the step writes them.
         w = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_wn + ks[None, :],
                     mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        return w, rows, ks, n_ok, k_ok
+
+    @triton.jit(do_not_specialize=["N"])
+    def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, stride_wn,
+                     K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = 0):
+        # The weights before the wait: no kernel of the step writes them.
+        w, rows, ks, n_ok, k_ok = _weight_rows(w_ptr, stride_wn, N, K, BLOCK_K, BLOCK_N)
         pdl_enter(PDL)
         x = tl.load(x_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
         acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
@@ -54,13 +60,8 @@ if triton is not None:
     def _norm_gemv_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, out_ptr, stream_ptr, N, stride_wn, eps,
                           K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
                           HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr = 0):
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        ks = tl.arange(0, BLOCK_K)
-        n_ok = rows < N
-        k_ok = ks < K
         # The projection's and the norm's weights before the wait: no kernel of the step writes them.
-        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_wn + ks[None, :],
-                    mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        w, rows, ks, n_ok, k_ok = _weight_rows(w_ptr, stride_wn, N, K, BLOCK_K, BLOCK_N)
         norm_w = tl.load(norm_w_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
         pdl_enter(PDL)
         # Every program normalises the whole row itself (a few KB from L2): that is what saves

@@ -47,3 +47,16 @@ def poison_empty(monkeypatch) -> None:
             t.fill_(float("nan") if t.is_floating_point() else -7)
         return t
     monkeypatch.setattr(torch, "empty", poisoned)
+
+
+def gemv_close_to_exact(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """out = x @ w.T within one unit in the last place of the exact product rounded, plus fp32
+    summation error (bounded by 2^-20 of the sum of |products|: it matters where the products
+    cancel)."""
+    assert out.dtype == x.dtype and out.shape == (x.shape[0], w.shape[0])
+    exact = x.double() @ w.double().T
+    rounded = exact.to(x.dtype).double()
+    ulp = torch.ldexp(torch.ones_like(rounded), torch.frexp(rounded)[1] - 1 - MANTISSA_BITS[x.dtype])
+    bound = ulp + 2.0 ** -20 * (x.double().abs() @ w.double().abs().T)
+    bad = (out.double() - exact).abs() > bound
+    assert not bad.any(), f"{int(bad.sum())} values off, e.g. {out.double()[bad][:4]} vs {exact[bad][:4]}"

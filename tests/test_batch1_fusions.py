@@ -10,7 +10,7 @@ import textwrap
 import pytest
 import torch
 
-from kernel_devices import DEVICES, MANTISSA_BITS
+from kernel_devices import DEVICES, gemv_close_to_exact as close_to_exact
 
 triton = pytest.importorskip("triton")
 
@@ -29,16 +29,6 @@ from kernels.routing import (  # noqa: E402
 def cpu_kernels(monkeypatch):
     """CPU tensors take the (interpreted) kernels only when asked for (kernels.triton_ok)."""
     monkeypatch.setenv("WIDEEP_CPU_KERNELS", "1")
-
-
-def close_to_exact(out, x, w):
-    """Within one unit in the last place of the exact product, plus fp32 summation error."""
-    exact = x.double() @ w.double().T
-    rounded = exact.to(out.dtype).double()
-    ulp = torch.ldexp(torch.ones_like(rounded), torch.frexp(rounded)[1] - 1 - MANTISSA_BITS[out.dtype])
-    bound = ulp + 2.0 ** -20 * (x.double().abs() @ w.double().abs().T)
-    bad = (out.double() - exact).abs() > bound
-    assert not bad.any(), f"{int(bad.sum())} values off, e.g. {out.double()[bad][:4]} vs {exact[bad][:4]}"
 
 
 def _row(k, dtype, seed, device):

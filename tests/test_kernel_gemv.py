@@ -4,24 +4,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernel_devices import DEVICES, MANTISSA_BITS
+from kernel_devices import DEVICES, gemv_close_to_exact as close_to_exact
 
 triton = pytest.importorskip("triton")
 
 from kernels import gemv as gemv_module  # noqa: E402
 from kernels.gemv import MAX_K, gemv_triton, linear  # noqa: E402
-
-
-def close_to_exact(out, x, w):
-    """Within one unit in the last place of the exact product rounded, plus fp32 summation error
-    (bounded by 2^-20 of the sum of |products|: it matters where the products cancel)."""
-    assert out.dtype == x.dtype and out.shape == (x.shape[0], w.shape[0])
-    exact = x.double() @ w.double().T
-    rounded = exact.to(x.dtype).double()
-    ulp = torch.ldexp(torch.ones_like(rounded), torch.frexp(rounded)[1] - 1 - MANTISSA_BITS[x.dtype])
-    bound = ulp + 2.0 ** -20 * (x.double().abs() @ w.double().abs().T)
-    bad = (out.double() - exact).abs() > bound
-    assert not bad.any(), f"{int(bad.sum())} values off, e.g. {out.double()[bad][:4]} vs {exact[bad][:4]}"
 
 
 @pytest.mark.parametrize("device", DEVICES)
