@@ -1,14 +1,18 @@
-"""The indexer's scoring kernel alone, launch choices side by side: bf16 and FP8 index keys, tiles
-and warps, and FP8 keys scored in fp16 instead of bf16 (kernels/indexer.py FP8_SCORES_IN_F16).
-Each call is captured 4 times in one CUDA graph (bench.kernel_timing.graph_ms); GB/s counts the
-keys (and scales) read. Every FP8 choice must give the bf16-widened path's scores (to 1e-5 of the
-largest).
+"""The indexer's scoring kernel alone, launch choices side by side: bf16 and FP8 index keys, tiles,
+warps, tiles a program (`--loops`: each program scores that many tiles, the query loaded once),
+pipeline stages, the next tile's keys prefetched, the threshold select's group maxima written by
+the same launch (`--maxima`, kernels/indexer.py _score_launch), and FP8 keys scored in fp16
+instead of bf16 (FP8_SCORES_IN_F16). Each call is captured 4 times in one CUDA graph
+(bench.kernel_timing.graph_ms); GB/s counts the keys (and scales) read. Every choice must give
+the one-tile-a-program bf16-widened scores (to 1e-5 of the largest; bf16 keys: exactly).
 
     python -m bench.probe_score --batch 16 --contexts 131072 524288 --json score.jsonl
+    python -m bench.probe_score --kinds bf16 fp8_f16 --choices 128:2 128:4 --loops 1 4 16 --prefetch 0 1 --maxima
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 
 import torch
@@ -16,14 +20,24 @@ import torch
 from bench.kernel_indexer import BLOCK, DIM, make_inputs
 from bench.kernel_timing import graph_ms
 from kernels.indexer import _score_launch
+from kernels.wide_select import group_stride
 
-CHOICES = [(64, 2), (64, 4), (128, 2), (128, 4), (128, 8), (256, 4), (256, 8)]
+CHOICES = ["64:2", "64:4", "128:2", "128:4", "128:8", "256:4", "256:8"]
+TOPK = 2048
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--contexts", type=int, nargs="+", default=[131072, 524288])
+    ap.add_argument("--kinds", nargs="+", default=["bf16", "fp8", "fp8_f16"], choices=["bf16", "fp8", "fp8_f16"])
+    ap.add_argument("--choices", nargs="+", default=CHOICES, help="tile:warps pairs")
+    ap.add_argument("--loops", type=int, nargs="+", default=[1], help="tiles a program")
+    ap.add_argument("--stages", type=int, nargs="+", default=[1], help="num_stages of the tile loop")
+    ap.add_argument("--prefetch", type=int, nargs="+", default=[0], choices=[0, 1],
+                    help="1: the next tile's keys loaded before this one is scored")
+    ap.add_argument("--maxima", action="store_true",
+                    help=f"also time the launches that write the group maxima (top-{TOPK} group stride)")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -32,26 +46,44 @@ def main(argv=None) -> None:
         q, w, keys, tables, lens = make_inputs(args.batch, context, "cuda")
         fp8 = keys.to(torch.float8_e4m3fn)
         scale = torch.rand(keys.shape[0], device="cuda") + 0.5
-        want = _score_launch(q, w, fp8, tables, lens, BLOCK, key_scale=scale, f16=False)
-        for kind in ("bf16", "fp8", "fp8_f16"):
-            for tile, warps in CHOICES:
-                if kind == "bf16":
-                    fn = lambda t=tile, n=warps: _score_launch(q, w, keys, tables, lens, BLOCK, t, n)
-                    per_key = 2 * DIM
-                else:
-                    fn = lambda t=tile, n=warps, f=kind == "fp8_f16": _score_launch(
-                        q, w, fp8, tables, lens, BLOCK, t, n, key_scale=scale, f16=f)
-                    per_key = DIM + 4
-                    got = fn()
-                    live = torch.isfinite(want)
-                    err = float(((got - want)[live]).abs().max() / want[live].abs().max())
-                    if not torch.equal(live, torch.isfinite(got)) or err > 1e-5:
-                        raise SystemExit(f"{kind} tile {tile} warps {warps}: scores differ ({err:.2e})")
-                us = graph_ms(fn, 3, args.iters, repeat=4) * 1e3
-                gbs = args.batch * context * per_key / us / 1e3
-                rows.append(dict(batch=args.batch, context=context, keys=kind, tile=tile, warps=warps,
-                                 us=round(us, 1), gb_s=round(gbs)))
-                print(json.dumps(rows[-1]), flush=True)
+        want = {"bf16": _score_launch(q, w, keys, tables, lens, BLOCK, 128, 4)}
+        want["fp8"] = want["fp8_f16"] = _score_launch(q, w, fp8, tables, lens, BLOCK, key_scale=scale, f16=False)
+        width = -(-context // BLOCK) * BLOCK
+        loops = [(n, None) for n in args.loops] + ([("maxima", None)] if args.maxima else [])
+        for kind, choice, (loop, _), stages, prefetch in itertools.product(args.kinds, args.choices, loops,
+                                                                           args.stages, args.prefetch):
+            tile, warps = map(int, choice.split(":"))
+            m = None
+            programs = None
+            if loop == "maxima":
+                m = torch.empty(args.batch, -(-group_stride(context, TOPK) // tile) * tile, device="cuda")
+            else:
+                programs = max(1, -(-width // tile) // loop)
+            opts = dict(tile=tile, num_warps=warps, num_stages=stages, maxima=m, programs=programs,
+                        prefetch=bool(prefetch))
+            if kind == "bf16":
+                fn = lambda o=opts: _score_launch(q, w, keys, tables, lens, BLOCK, **o)  # noqa: E731
+                per_key = 2 * DIM
+            else:
+                fn = lambda o=opts, f=kind == "fp8_f16": _score_launch(  # noqa: E731
+                    q, w, fp8, tables, lens, BLOCK, key_scale=scale, f16=f, **o)
+                per_key = DIM + 4
+            got, ref = fn(), want[kind]
+            live = torch.isfinite(ref)
+            err = float(((got - ref)[live]).abs().max() / ref[live].abs().max())
+            if not torch.equal(live, torch.isfinite(got)) or err > (0 if kind == "bf16" else 1e-5):
+                raise SystemExit(f"{kind} {choice} loop {loop} stages {stages} prefetch {prefetch}: "
+                                 f"scores differ ({err:.2e})")
+            if m is not None:
+                padded = torch.full((args.batch, -(-context // m.shape[1]) * m.shape[1]), float("-inf"), device="cuda")
+                padded[:, :context] = got
+                if not torch.equal(m, padded.view(args.batch, -1, m.shape[1]).amax(dim=1)):
+                    raise SystemExit(f"{kind} {choice} stages {stages}: group maxima differ")
+            us = graph_ms(fn, 3, args.iters, repeat=4) * 1e3
+            gbs = args.batch * context * per_key / us / 1e3
+            rows.append(dict(batch=args.batch, context=context, keys=kind, tile=tile, warps=warps, loop=loop,
+                             stages=stages, prefetch=prefetch, us=round(us, 1), gb_s=round(gbs)))
+            print(json.dumps(rows[-1]), flush=True)
     if args.json:
         with open(args.json, "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)

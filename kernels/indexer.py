@@ -86,18 +86,40 @@ if triton is not None:
     # do_not_specialize; block-table widths and chunk counts change as contexts grow, so they
     # are listed (they only index scalars) and a longer context never stalls decode on a build.
     # Widths and row strides keep the specialisation: it lets the score loads and stores vectorise.
-    @triton.jit(do_not_specialize=["stride_tb"])
-    def _score_tile_kernel(q_ptr, w_ptr, keys_ptr, scale_ptr, table_ptr, lens_ptr, out_ptr,
+    @triton.jit
+    def _tile_keys(keys_ptr, scale_ptr, row_table_ptr, stride_tm, stride_ks, stride_kd, block_size, g_len, pos, d,
+                   d_ok, SCALED: tl.constexpr):
+        """The keys [TILE, DIM] of positions `pos` of a row (zero past g_len) and their scales (1
+        without)."""
+        live = pos < g_len
+        # Past g_len the table may be garbage: the masked load never reads it.
+        block = tl.load(row_table_ptr + (pos // block_size) * stride_tm, mask=live, other=0)
+        slot = block.to(tl.int64) * block_size + pos % block_size
+        # One load of the tile's keys serves every head.
+        keys = tl.load(keys_ptr + slot[:, None] * stride_ks + d[None, :] * stride_kd,
+                       mask=live[:, None] & d_ok[None, :], other=0.0)
+        if SCALED:
+            scale = tl.load(scale_ptr + slot, mask=live, other=1.0)
+        else:
+            scale = tl.full(pos.shape, 1.0, tl.float32)
+        return keys, scale
+
+    @triton.jit(do_not_specialize=["stride_tb", "tiles"])
+    def _score_tile_kernel(q_ptr, w_ptr, keys_ptr, scale_ptr, table_ptr, lens_ptr, out_ptr, m_ptr,
                            stride_qb, stride_qh, stride_qd, stride_wb, stride_wh,
-                           stride_ks, stride_kd, stride_tb, stride_tm, stride_ob,
-                           num_heads, head_dim, width, block_size, w_scale, zero_ptr, zero_per_row,
+                           stride_ks, stride_kd, stride_tb, stride_tm, stride_ob, stride_mb,
+                           num_heads, head_dim, width, block_size, w_scale, zero_ptr, zero_per_row, tiles,
                            HEADS: tl.constexpr, DIM: tl.constexpr, TILE: tl.constexpr,
                            PRECISION: tl.constexpr, UPCAST: tl.constexpr, SCALED: tl.constexpr,
                            ZERO: tl.constexpr, SKIP_DEAD: tl.constexpr, F16: tl.constexpr = False,
-                           PDL: tl.constexpr = 0):
+                           MAXIMA: tl.constexpr = False, PREFETCH: tl.constexpr = False, PDL: tl.constexpr = 0):
+        """Program (seq, p) scores tiles p, p + P, p + 2 P, ... (`tiles` of them, P programs a row).
+        MAXIMA: it also writes m[seq, p * TILE + j], the largest score at positions
+        p * TILE + j + i * P * TILE, which are the strided group maxima of kernels/wide_select.py
+        for the group stride P * TILE (on the order keys, as _group_max_kernel takes them)."""
         pdl_enter(PDL)
         seq = tl.program_id(0)
-        pos = tl.program_id(1) * TILE + tl.arange(0, TILE)
+        lane = tl.arange(0, TILE)
         if ZERO:  # the selection's zeroed workspace, cleared here instead of by a launch of its own:
             # the row's programs each clear a share of one row's worth (one program alone made
             # the launch 21 us a step longer at batch 64)
@@ -111,42 +133,56 @@ if triton is not None:
         if SKIP_DEAD:  # the one-launch select reads no score past g_len: a tile past it has no work
             if tl.program_id(1) * TILE >= g_len:
                 return
-        live = pos < g_len
-        # Past g_len the table may be garbage: the masked load never reads it.
-        block = tl.load(table_ptr + seq * stride_tb + (pos // block_size) * stride_tm, mask=live, other=0)
-        slot = block.to(tl.int64) * block_size + pos % block_size
-
         d = tl.arange(0, DIM)
         h = tl.arange(0, HEADS)
         d_ok = d < head_dim
         h_ok = h < num_heads
-        # One load of the tile's keys serves every head.
-        keys = tl.load(keys_ptr + slot[:, None] * stride_ks + d[None, :] * stride_kd,
-                       mask=live[:, None] & d_ok[None, :], other=0.0)
+        # The query and head weights are loaded (and scaled) once for all of the program's tiles.
         q = tl.load(q_ptr + seq * stride_qb + d[:, None] * stride_qd + h[None, :] * stride_qh,
                     mask=d_ok[:, None] & h_ok[None, :], other=0.0)
         q_exp = 0.0
         if UPCAST:
-            keys = keys.to(tl.float32)
             q = q.to(tl.float32)
         elif F16:
             # E4M3 widens to fp16 in one instruction a pair (to bf16 it takes one more a key), and a
             # bf16 q is exact in fp16 once scaled by a power of two below fp16's largest value.
-            keys = keys.to(tl.float16)
             qf = q.to(tl.float32)
             q_exp = tl.maximum(tl.ceil(tl.log2(tl.max(tl.max(tl.abs(qf), axis=1), axis=0))) - 14.0, 0.0)
             q = (qf * tl.exp2(-q_exp)).to(tl.float16)
-        elif SCALED:  # E4M3 values are exact in q's 16-bit type
-            keys = keys.to(q.dtype)
-        dots = tl.dot(keys, q, input_precision=PRECISION)  # [TILE, HEADS] fp32
-        if F16:
-            dots = dots * tl.exp2(q_exp)
         wt = tl.load(w_ptr + seq * stride_wb + h * stride_wh, mask=h_ok, other=0.0).to(tl.float32) * w_scale
-        score = tl.sum(tl.maximum(dots, 0.0) * wt[None, :], axis=1)
-        if SCALED:  # relu(q . (s k)) = s relu(q . k) for the positive per-key scale s
-            score = score * tl.load(scale_ptr + slot, mask=live, other=1.0)
-        score = tl.where(live, score, float("-inf"))
-        tl.store(out_ptr + seq * stride_ob + pos, score, mask=pos < width)
+        best = tl.zeros([TILE], dtype=tl.uint32)  # below every order key
+        step = tl.num_programs(1) * TILE
+        pos = tl.program_id(1) * TILE + lane
+        keys, scale = _tile_keys(keys_ptr, scale_ptr, table_ptr + seq * stride_tb, stride_tm, stride_ks, stride_kd,
+                                 block_size, g_len, pos, d, d_ok, SCALED)
+        for i in range(0, tiles):
+            if PREFETCH:  # the next tile's keys are in flight while this one is scored
+                next_keys, next_scale = _tile_keys(keys_ptr, scale_ptr, table_ptr + seq * stride_tb, stride_tm,
+                                                   stride_ks, stride_kd, block_size, g_len, pos + step, d, d_ok,
+                                                   SCALED)
+            if UPCAST:
+                keys = keys.to(tl.float32)
+            elif F16:
+                keys = keys.to(tl.float16)
+            elif SCALED:  # E4M3 values are exact in q's 16-bit type
+                keys = keys.to(q.dtype)
+            dots = tl.dot(keys, q, input_precision=PRECISION)  # [TILE, HEADS] fp32
+            if F16:
+                dots = dots * tl.exp2(q_exp)
+            # relu(q . (s k)) = s relu(q . k) for the positive per-key scale s (1 without scales)
+            score = tl.sum(tl.maximum(dots, 0.0) * wt[None, :], axis=1) * scale
+            score = tl.where(pos < g_len, score, float("-inf"))
+            tl.store(out_ptr + seq * stride_ob + pos, score, mask=pos < width)
+            if MAXIMA:
+                best = tl.maximum(best, _order_key(score))
+            pos += step
+            if PREFETCH:
+                keys, scale = next_keys, next_scale
+            else:
+                keys, scale = _tile_keys(keys_ptr, scale_ptr, table_ptr + seq * stride_tb, stride_tm, stride_ks,
+                                         stride_kd, block_size, g_len, pos, d, d_ok, SCALED)
+        if MAXIMA:
+            tl.store(m_ptr + seq * stride_mb + tl.program_id(1) * TILE + lane, _key_to_score(best))
 
     @triton.jit
     def _radix_state(hist_ptr, state_ptr, seq, num_seqs, k, PASS: tl.constexpr):
@@ -312,28 +348,55 @@ def score_tune_key(num_heads: int, head_dim: int, fp8: bool) -> str:
     return f"{'fp8' if fp8 else 'bf16'}|h{num_heads}|d{head_dim}"
 
 
+def _score_choice(q: torch.Tensor, scaled: bool) -> dict:
+    """The scoring kernel's launch choice for q [B, heads, dim]: tile (positions), num_warps,
+    num_stages, prefetch (the next tile's keys loaded before this one is scored) and loop (tiles
+    a program where the maxima do not set it), the tuned ones of this GPU
+    (kernels/tuned/<gpu>.json) over the built-in ones."""
+    choice = dict(tile=128, num_warps=4, num_stages=1, prefetch=False, loop=1)
+    if q.dtype != torch.float32:
+        tuned = tuned_config(q.device, "indexer_score", score_tune_key(q.shape[1], q.shape[2], scaled))
+        choice.update({k: v for k, v in (tuned or {}).items() if k in choice})
+    return choice
+
+
 def _score_launch(q, w, index_keys, block_tables, g_lens, block_size,
                   tile: int | None = None, num_warps: int | None = None,
                   key_scale: torch.Tensor | None = None, w_scale: float = 1.0,
                   zero: torch.Tensor | None = None, skip_dead: bool = False,
-                  f16: bool | None = None) -> torch.Tensor:
+                  f16: bool | None = None, maxima: torch.Tensor | None = None,
+                  programs: int | None = None, num_stages: int | None = None,
+                  prefetch: bool | None = None) -> torch.Tensor:
     """[B, width] fp32 scores, -inf past each row's g_len; `zero` (int32, B rows' worth: the
     selection's workspace) is zeroed too. `skip_dead`: tiles wholly past g_len are not written
-    (for the one-launch select, which never reads there)."""
+    (for the one-launch select, which never reads there). `maxima` [B, T] fp32 (T a multiple of
+    the tile): also write each row's strided group maxima for group stride T
+    (kernels/wide_select.py), T / tile programs a row. `programs`: programs a row otherwise
+    (each scores every programs-th tile). Launch choices left out come from _score_choice."""
     num_seqs, num_heads, head_dim = q.shape
     width = block_tables.shape[1] * block_size
     out = torch.empty(num_seqs, width, device=q.device, dtype=torch.float32)
+    if maxima is not None and (maxima.shape[0] != num_seqs or maxima.stride(1) != 1):
+        raise ValueError(f"maxima must be [{num_seqs}, T] with rows contiguous, got {tuple(maxima.shape)}")
     if num_seqs == 0 or width == 0:
         return out
     g_lens = g_lens.to(device=q.device, dtype=torch.int32).contiguous()
     # tl.dot wants every dimension >= 16; padded heads carry zero weight.
     heads = _next_pow2(num_heads, 16)
     dim = _next_pow2(head_dim, 16)
-    tuned = None
-    if tile is None and num_warps is None and q.dtype != torch.float32:
-        tuned = tuned_config(q.device, "indexer_score", score_tune_key(num_heads, head_dim, key_scale is not None))
-    tile = tile or (tuned["tile"] if tuned else 128)
-    num_warps = num_warps or (tuned["num_warps"] if tuned else 4)
+    choice = _score_choice(q, key_scale is not None)
+    if tile is not None or num_warps is not None:  # a probe's choice: nothing tuned mixed in
+        choice = dict(tile=tile or 128, num_warps=num_warps or 4, num_stages=1, prefetch=False, loop=1)
+    tile, num_warps = choice["tile"], choice["num_warps"]
+    num_stages = num_stages or choice["num_stages"]
+    prefetch = choice["prefetch"] if prefetch is None else prefetch
+    row_tiles = triton.cdiv(width, tile)
+    if maxima is not None:
+        if maxima.shape[1] % tile:
+            raise ValueError(f"the maxima's group stride {maxima.shape[1]} must be a multiple of the tile {tile}")
+        programs = maxima.shape[1] // tile
+    else:
+        programs = min(programs or triton.cdiv(row_tiles, choice["loop"]), row_tiles)
     # Mixed dtypes meet in fp32. So do bf16 ones under the CPU interpreter, whose tl.dot
     # multiplies bf16 bit patterns as integers (seen with triton 3.9); bf16 products are
     # exact in fp32, so this only moves rounding of the sum, as the native path does.
@@ -345,17 +408,18 @@ def _score_launch(q, w, index_keys, block_tables, g_lens, block_size,
     upcast = upcast and not f16  # fp16 operands are exact under the interpreter too (bf16 ones are not)
     # fp32 operands must not be rounded to tf32, or near-equal scores would swap places.
     fp32 = upcast or q.dtype == torch.float32
-    grid = (num_seqs, triton.cdiv(width, tile))
+    grid = (num_seqs, programs)
     scale = key_scale.float().contiguous() if scaled else out  # any pointer when unused
     _score_tile_kernel[grid](
-        q, w, index_keys, scale, block_tables, g_lens, out,
+        q, w, index_keys, scale, block_tables, g_lens, out, maxima if maxima is not None else out,
         q.stride(0), q.stride(1), q.stride(2), w.stride(0), w.stride(1),
         index_keys.stride(0), index_keys.stride(1), block_tables.stride(0), block_tables.stride(1),
-        out.stride(0),
+        out.stride(0), maxima.stride(0) if maxima is not None else 0,
         num_heads, head_dim, width, block_size, float(w_scale), zero if zero is not None else g_lens,
-        zero.numel() // num_seqs if zero is not None else 0,
+        zero.numel() // num_seqs if zero is not None else 0, triton.cdiv(row_tiles, programs),
         HEADS=heads, DIM=dim, TILE=tile, PRECISION="ieee" if fp32 else "tf32", UPCAST=upcast, SCALED=scaled,
-        ZERO=zero is not None, SKIP_DEAD=skip_dead, F16=f16, num_warps=num_warps, **pdl_launch(q))
+        ZERO=zero is not None, SKIP_DEAD=skip_dead, F16=f16, MAXIMA=maxima is not None, PREFETCH=bool(prefetch),
+        num_warps=num_warps, num_stages=num_stages, **pdl_launch(q))
     return out
 
 
@@ -382,6 +446,9 @@ def indexer_scores_triton(q: torch.Tensor, w: torch.Tensor, index_keys: torch.Te
 # barriers, which needs a row's programs resident together; every GPU we know holds them).
 FUSED_MAX_WIDTH = 32768 if os.environ.get("WIDEEP_ONE_LAUNCH_SELECT", "1") != "0" else 0
 THRESHOLD_MIN_POSITIONS = 1 << 21
+# The threshold select's group maxima taken by the scoring launch (one read of the scores and a
+# launch fewer a layer); WIDEEP_SCORE_MAXIMA=0 leaves them to their own kernel.
+SCORE_MAXIMA = os.environ.get("WIDEEP_SCORE_MAXIMA", "1") != "0"
 # The radix passes want enough programs to fill the GPU: rows are split finer (down to one block
 # a program) until there are this many. 1024 against 128 (bench.probe_radix on the H200, all four
 # passes): batch 64 at 8K 33.2 -> 28.1 us, batch 16 at 128K 59.4 -> 55.9 us; batch 1 and 16 at 8K
@@ -450,7 +517,7 @@ def default_select(width: int, rows: int = 1) -> str:
 
 def select_topk_triton(scores: torch.Tensor, g_lens: torch.Tensor, topk: int,
                        chunk: int | None = None, method: str | None = None,
-                       hist: torch.Tensor | None = None) -> torch.Tensor:
+                       hist: torch.Tensor | None = None, maxima: torch.Tensor | None = None) -> torch.Tensor:
     """Positions [B, topk] int32 of the top-k scores of each row (the reference's tie rule),
     -1 past min(g_len, topk); in no particular order.
 
@@ -459,8 +526,9 @@ def select_topk_triton(scores: torch.Tensor, g_lens: torch.Tensor, topk: int,
     'threshold' or 'topk'), and two passes over chunks of the row keep every position scoring above it and fill
     the remaining places with the latest positions scoring exactly it. Dead positions (past
     g_len) score -inf ('threshold' ignores what they hold). `hist`: the selection's workspace, already
-    zeroed (radix_passes' histograms, or the one launch's [B, WORKSPACE_COLS]); 'threshold'
-    zeroes its own.
+    zeroed (radix_passes' histograms, the one launch's [B, WORKSPACE_COLS], or with `maxima` the
+    threshold select's); 'threshold' zeroes its own otherwise. `maxima`: the rows' group maxima
+    for 'threshold', written by the scoring launch (kernels/wide_select.py threshold_passes).
     """
     num_seqs, width = scores.shape
     out = torch.empty(num_seqs, topk, device=scores.device, dtype=torch.int32)
@@ -479,7 +547,8 @@ def select_topk_triton(scores: torch.Tensor, g_lens: torch.Tensor, topk: int,
             hist, state = radix_passes(scores, k, hist=hist)
         else:
             from .wide_select import threshold_passes
-            hist, state, _ = threshold_passes(scores, k, g_lens)
+            hist, state, _ = threshold_passes(scores, k, g_lens, maxima=maxima,
+                                                 ws=hist if maxima is not None else None)
         kth = torch.empty(num_seqs, device=scores.device, dtype=torch.float32)
     else:
         kth = kth_scores(scores, k, method)
@@ -511,14 +580,22 @@ def indexer_topk_triton(q: torch.Tensor, w: torch.Tensor, index_keys: torch.Tens
     num_seqs, width = q.shape[0], block_tables.shape[1] * block_size
     # The selection's workspace (the radix histograms, or the one launch's), zeroed by the scoring
     method = default_select(width, num_seqs) if 0 < min(topk, width) else None
-    ws = None
+    ws = maxima = None
     if method == "radix":
         ws = torch.empty(4, num_seqs, 256, device=q.device, dtype=torch.int32)
     elif method == "fused":
         ws = torch.empty(num_seqs, WORKSPACE_COLS, device=q.device, dtype=torch.int32)
+    elif method == "threshold" and SCORE_MAXIMA:
+        # The scoring launch also takes the group maxima (the threshold select's first read of the
+        # scores) and zeroes its workspace.
+        from .wide_select import group_stride, threshold_workspace
+        tile = _score_choice(q, key_scale is not None)["tile"]
+        ws = threshold_workspace(num_seqs, q.device)
+        maxima = torch.empty(num_seqs, triton.cdiv(group_stride(width, min(topk, width)), tile) * tile,
+                             device=q.device, dtype=torch.float32)
     scores = _score_launch(q, w, index_keys, block_tables, g_lens, block_size, key_scale=key_scale, w_scale=w_scale,
-                           zero=ws, skip_dead=method == "fused")
-    return select_topk_triton(scores, g_lens, topk, method=method, hist=ws)
+                           zero=ws, skip_dead=method == "fused", maxima=maxima)
+    return select_topk_triton(scores, g_lens, topk, method=method, hist=ws, maxima=maxima)
 
 
 def warm_up(topk: int, device, max_rows: int) -> None:

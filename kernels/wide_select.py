@@ -187,8 +187,15 @@ def group_stride(width: int, k: int) -> int:
     return min(_cdiv(GROUPS_PER_K * k, GROUP_TILE), _cdiv(width, GROUP_TILE)) * GROUP_TILE
 
 
+def threshold_workspace(num_seqs: int, device) -> torch.Tensor:
+    """The int32 workspace threshold_passes takes zeroed with `maxima` (B rows of 8 * 256 + 1:
+    the maxima's and the candidates' histograms, and the candidate counts)."""
+    return torch.empty(num_seqs, 8 * 256 + 1, device=device, dtype=torch.int32)
+
+
 def threshold_passes(scores: torch.Tensor, k: int, g_lens: torch.Tensor | None = None,
-                     capacity: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     capacity: int | None = None, maxima: torch.Tensor | None = None,
+                     ws: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(hist [4, B, 256], state [3, 2, B], count [B]): the histograms and state of the k-th
     largest score of each row of scores [B, width] fp32 (1 <= k <= width), laid out as
     radix_passes' (kernels/indexer.py), and each row's candidate count (> capacity: the row
@@ -196,7 +203,9 @@ def threshold_passes(scores: torch.Tensor, k: int, g_lens: torch.Tensor | None =
     whatever they hold (at most 15 of them are loaded, to keep the loads vectorised); without
     it the whole row is read. `capacity`: candidate places a row
     (default CAPACITY, rounded up to a multiple of 16; tests make rows overflow with a small
-    one)."""
+    one). `maxima` [B, T] with `ws` (threshold_workspace, zeroed): the rows' group maxima for a
+    group stride T >= k, already taken (the scoring launch does: kernels/indexer.py), so the
+    maxima's launch is left out."""
     num_seqs, width = scores.shape
     capacity = _cdiv(capacity or CAPACITY, 16) * 16  # row starts 64-byte aligned: vector loads
     device = scores.device
@@ -204,9 +213,14 @@ def threshold_passes(scores: torch.Tensor, k: int, g_lens: torch.Tensor | None =
         raise ValueError(f"k must be in 1..{width}, got {k}")
     if scores.stride(1) != 1:
         raise ValueError("scores must be contiguous along a row")
+    if (maxima is None) != (ws is None):
+        raise ValueError("maxima and ws come together")
+    if maxima is not None and (maxima.shape[0] != num_seqs or maxima.shape[1] < k):
+        raise ValueError(f"maxima must be [{num_seqs}, T] with T >= k = {k}, got {tuple(maxima.shape)}")
     # One allocation zeroed by the first launch: the maxima's histograms, the candidates'
     # histograms, the candidate counts.
-    ws = torch.empty(8 * num_seqs * 256 + num_seqs, device=device, dtype=torch.int32)
+    zeroed = ws is not None
+    ws = (ws if zeroed else threshold_workspace(num_seqs, device)).view(-1)
     hist_m = ws[:4 * num_seqs * 256].view(4, num_seqs, 256)
     hist = ws[4 * num_seqs * 256:8 * num_seqs * 256].view(4, num_seqs, 256)
     count = ws[8 * num_seqs * 256:]
@@ -215,11 +229,13 @@ def threshold_passes(scores: torch.Tensor, k: int, g_lens: torch.Tensor | None =
         return hist, state, count
     has_lens = g_lens is not None
     lens = g_lens.to(device=device, dtype=torch.int32).contiguous() if has_lens else count  # not read without
-    stride = group_stride(width, k)
-    m = torch.empty(num_seqs, stride, device=device, dtype=torch.float32)
-    _group_max_kernel[(num_seqs, stride // GROUP_TILE)](
-        scores, lens, m, ws, scores.stride(0), width, stride, _cdiv(width, stride), ws.numel(),
-        HAS_LENS=has_lens, TILE=GROUP_TILE, ROWS=GROUP_ROWS, num_warps=4, **pdl_launch(scores))
+    m = maxima
+    if m is None:
+        stride = group_stride(width, k)
+        m = torch.empty(num_seqs, stride, device=device, dtype=torch.float32)
+        _group_max_kernel[(num_seqs, stride // GROUP_TILE)](
+            scores, lens, m, ws, scores.stride(0), width, stride, _cdiv(width, stride), ws.numel(),
+            HAS_LENS=has_lens, TILE=GROUP_TILE, ROWS=GROUP_ROWS, num_warps=4, **pdl_launch(scores))
     _, state_m = radix_passes(m, k, hist=hist_m)
 
     cand = torch.empty(num_seqs, capacity, device=device, dtype=torch.float32)

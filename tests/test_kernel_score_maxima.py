@@ -1,0 +1,91 @@
+"""The indexer's scoring launch taking several tiles a program and, for the threshold select, the
+strided group maxima (kernels/indexer.py _score_launch, kernels/wide_select.py threshold_passes):
+the same scores as one tile a program, the maxima of a plain torch reduction, and the reference's
+selection with the maxima's own launch left out."""
+import pytest
+import torch
+
+from kernel_devices import DEVICES, poison_empty
+import kernels.indexer as indexer
+import kernels.wide_select as ws
+from test_kernel_indexer import check_rows, make_case
+
+
+def maxima_reference(scores, stride):
+    """m[b, t] = max over i of scores[b, t + i * stride], -inf where a group has no position."""
+    num_seqs, width = scores.shape
+    padded = torch.full((num_seqs, -(-width // stride) * stride), float("-inf"), device=scores.device)
+    padded[:, :width] = scores
+    return padded.view(num_seqs, -1, stride).amax(dim=1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("g_lens,block_size,tile,stride", [
+    ([1000, 70, 0], 64, 64, 128),    # 16 tiles a row over 2 programs; a short and an empty row
+    ([300], 16, 32, 96),             # width 304: the last pass is partly past the row
+    ([40, 33], 8, 16, 64),           # the group stride wider than the rows: one position a group
+])
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_scores_and_maxima_from_one_launch(device, g_lens, block_size, tile, stride, prefetch):
+    args = make_case(device, g_lens, block_size)
+    want = indexer._score_launch(*args, block_size, tile=tile, num_warps=4)
+    m = torch.full((len(g_lens), stride), float("nan"), device=device)
+    got = indexer._score_launch(*args, block_size, tile=tile, num_warps=4, maxima=m, prefetch=prefetch)
+    assert torch.equal(got, want)
+    assert torch.equal(m, maxima_reference(want, stride))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("programs,prefetch", [(1, False), (3, True), (7, False), (7, True), (None, True)])
+def test_several_tiles_a_program_give_the_same_scores(device, programs, prefetch):
+    """Also with FP8 keys and their scales (scored in fp16 where q is bf16, on CUDA)."""
+    g_lens = [700, 129, 5]
+    args = make_case(device, g_lens, 32)
+    want = indexer._score_launch(*args, 32, tile=32, num_warps=4)
+    got = indexer._score_launch(*args, 32, tile=32, num_warps=4, programs=programs, prefetch=prefetch)
+    assert torch.equal(got, want)
+    q, w, keys, tables, lens = args
+    keys8 = keys.to(torch.float8_e4m3fn)
+    scale = torch.rand(keys.shape[0], device=device) + 0.5
+    if device == "cuda":
+        q, w = q.bfloat16(), w.bfloat16()
+    want = indexer._score_launch(q, w, keys8, tables, lens, 32, tile=32, num_warps=4, key_scale=scale)
+    got = indexer._score_launch(q, w, keys8, tables, lens, 32, tile=32, num_warps=4, key_scale=scale,
+                                programs=programs, prefetch=prefetch)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("score_maxima", [True, False])
+def test_threshold_select_with_the_scoring_maxima(device, score_maxima, monkeypatch):
+    """indexer_topk_triton on the threshold path, its workspace and maxima from torch.empty (full
+    of garbage), zeroed and written by the scoring launch; with SCORE_MAXIMA off the maxima's
+    own kernel runs."""
+    monkeypatch.setattr(indexer, "FUSED_MAX_WIDTH", 0)
+    monkeypatch.setattr(indexer, "THRESHOLD_MIN_POSITIONS", 0)
+    monkeypatch.setattr(indexer, "SCORE_MAXIMA", score_maxima)
+    launched = []
+    real = ws._group_max_kernel
+    monkeypatch.setattr(ws, "_group_max_kernel", type("Spy", (), {
+        "__getitem__": lambda self, grid: launched.append(grid) or real[grid]})())
+    poison_empty(monkeypatch)
+    g_lens = [1000, 70, 0, 513]
+    args = make_case(device, g_lens, 64)
+    for topk in (33, 200):
+        want = indexer.indexer_topk_reference(*args, 64, topk)
+        got = indexer.indexer_topk_triton(*args, 64, topk)
+        check_rows(got, want, g_lens, topk)
+    assert bool(launched) != score_maxima
+
+
+def test_bad_maxima_are_refused():
+    args = make_case("cpu", [100], 16)
+    with pytest.raises(ValueError, match="multiple of the tile"):
+        indexer._score_launch(*args, 16, tile=32, maxima=torch.empty(1, 48))
+    with pytest.raises(ValueError, match="maxima must be"):
+        indexer._score_launch(*args, 16, tile=32, maxima=torch.empty(2, 64))
+    scores = torch.zeros(1, 128)
+    with pytest.raises(ValueError, match="come together"):
+        ws.threshold_passes(scores, 8, maxima=torch.zeros(1, 64))
+    with pytest.raises(ValueError, match="T >= k"):
+        ws.threshold_passes(scores, 8, maxima=torch.zeros(1, 4), ws=ws.threshold_workspace(1, "cpu"))
