@@ -1,13 +1,13 @@
 """The indexer's scoring kernel alone, launch choices side by side: bf16 and FP8 index keys, tiles,
 warps, tiles a program (`--loops`: each program scores that many tiles, the query loaded once),
-pipeline stages, the next tile's keys prefetched, the threshold select's group maxima written by
-the same launch (`--maxima`, kernels/indexer.py _score_launch), and FP8 keys scored in fp16
-instead of bf16 (FP8_SCORES_IN_F16). Each call is captured 4 times in one CUDA graph
+pipeline stages, the threshold select's group maxima written by the same launch (`--maxima`,
+kernels/indexer.py _score_launch), and FP8 keys scored in fp16 instead of bf16
+(FP8_SCORES_IN_F16). Each call is captured 4 times in one CUDA graph
 (bench.kernel_timing.graph_ms); GB/s counts the keys (and scales) read. Every choice must give
 the one-tile-a-program bf16-widened scores (to 1e-5 of the largest; bf16 keys: exactly).
 
     python -m bench.probe_score --batch 16 --contexts 131072 524288 --json score.jsonl
-    python -m bench.probe_score --kinds bf16 fp8_f16 --choices 128:2 128:4 --loops 1 4 16 --prefetch 0 1 --maxima
+    python -m bench.probe_score --kinds bf16 fp8_f16 --choices 128:2 128:4 --loops 1 4 16 --maxima
 """
 from __future__ import annotations
 
@@ -34,8 +34,6 @@ def main(argv=None) -> None:
     ap.add_argument("--choices", nargs="+", default=CHOICES, help="tile:warps pairs")
     ap.add_argument("--loops", type=int, nargs="+", default=[1], help="tiles a program")
     ap.add_argument("--stages", type=int, nargs="+", default=[1], help="num_stages of the tile loop")
-    ap.add_argument("--prefetch", type=int, nargs="+", default=[0], choices=[0, 1],
-                    help="1: the next tile's keys loaded before this one is scored")
     ap.add_argument("--maxima", action="store_true",
                     help=f"also time the launches that write the group maxima (top-{TOPK} group stride)")
     ap.add_argument("--iters", type=int, default=10)
@@ -50,8 +48,7 @@ def main(argv=None) -> None:
         want["fp8"] = want["fp8_f16"] = _score_launch(q, w, fp8, tables, lens, BLOCK, key_scale=scale, f16=False)
         width = -(-context // BLOCK) * BLOCK
         loops = [(n, None) for n in args.loops] + ([("maxima", None)] if args.maxima else [])
-        for kind, choice, (loop, _), stages, prefetch in itertools.product(args.kinds, args.choices, loops,
-                                                                           args.stages, args.prefetch):
+        for kind, choice, (loop, _), stages in itertools.product(args.kinds, args.choices, loops, args.stages):
             tile, warps = map(int, choice.split(":"))
             m = None
             programs = None
@@ -59,8 +56,7 @@ def main(argv=None) -> None:
                 m = torch.empty(args.batch, -(-group_stride(context, TOPK) // tile) * tile, device="cuda")
             else:
                 programs = max(1, -(-width // tile) // loop)
-            opts = dict(tile=tile, num_warps=warps, num_stages=stages, maxima=m, programs=programs,
-                        prefetch=bool(prefetch))
+            opts = dict(tile=tile, num_warps=warps, num_stages=stages, maxima=m, programs=programs)
             if kind == "bf16":
                 fn = lambda o=opts: _score_launch(q, w, keys, tables, lens, BLOCK, **o)  # noqa: E731
                 per_key = 2 * DIM
@@ -72,8 +68,7 @@ def main(argv=None) -> None:
             live = torch.isfinite(ref)
             err = float(((got - ref)[live]).abs().max() / ref[live].abs().max())
             if not torch.equal(live, torch.isfinite(got)) or err > (0 if kind == "bf16" else 1e-5):
-                raise SystemExit(f"{kind} {choice} loop {loop} stages {stages} prefetch {prefetch}: "
-                                 f"scores differ ({err:.2e})")
+                raise SystemExit(f"{kind} {choice} loop {loop} stages {stages}: scores differ ({err:.2e})")
             if m is not None:
                 padded = torch.full((args.batch, -(-context // m.shape[1]) * m.shape[1]), float("-inf"), device="cuda")
                 padded[:, :context] = got
@@ -82,7 +77,7 @@ def main(argv=None) -> None:
             us = graph_ms(fn, 3, args.iters, repeat=4) * 1e3
             gbs = args.batch * context * per_key / us / 1e3
             rows.append(dict(batch=args.batch, context=context, keys=kind, tile=tile, warps=warps, loop=loop,
-                             stages=stages, prefetch=prefetch, us=round(us, 1), gb_s=round(gbs)))
+                             stages=stages, us=round(us, 1), gb_s=round(gbs)))
             print(json.dumps(rows[-1]), flush=True)
     if args.json:
         with open(args.json, "a") as f:

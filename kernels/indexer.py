@@ -89,8 +89,8 @@ if triton is not None:
     @triton.jit
     def _tile_keys(keys_ptr, scale_ptr, row_table_ptr, stride_tm, stride_ks, stride_kd, block_size, g_len, pos, d,
                    d_ok, SCALED: tl.constexpr):
-        """The keys [TILE, DIM] of positions `pos` of a row (zero past g_len) and their scales (1
-        without)."""
+        """The keys [TILE, DIM] of positions `pos` of a row (zero past g_len) and their scales
+        (SCALED)."""
         live = pos < g_len
         # Past g_len the table may be garbage: the masked load never reads it.
         block = tl.load(row_table_ptr + (pos // block_size) * stride_tm, mask=live, other=0)
@@ -98,11 +98,33 @@ if triton is not None:
         # One load of the tile's keys serves every head.
         keys = tl.load(keys_ptr + slot[:, None] * stride_ks + d[None, :] * stride_kd,
                        mask=live[:, None] & d_ok[None, :], other=0.0)
+        scale = 1.0
         if SCALED:
             scale = tl.load(scale_ptr + slot, mask=live, other=1.0)
-        else:
-            scale = tl.full(pos.shape, 1.0, tl.float32)
         return keys, scale
+
+    @triton.jit
+    def _score_store(keys, scale, q, q_exp, wt, row_out_ptr, pos, g_len, width, best, UPCAST: tl.constexpr,
+                     F16: tl.constexpr, SCALED: tl.constexpr, MAXIMA: tl.constexpr, PRECISION: tl.constexpr):
+        """Score one tile (-inf past g_len) and store it; returns `best` with the tile's order keys
+        maxed in (MAXIMA)."""
+        if UPCAST:
+            keys = keys.to(tl.float32)
+        elif F16:
+            keys = keys.to(tl.float16)
+        elif SCALED:  # E4M3 values are exact in q's 16-bit type
+            keys = keys.to(q.dtype)
+        dots = tl.dot(keys, q, input_precision=PRECISION)  # [TILE, HEADS] fp32
+        if F16:
+            dots = dots * tl.exp2(q_exp)
+        score = tl.sum(tl.maximum(dots, 0.0) * wt[None, :], axis=1)
+        if SCALED:  # relu(q . (s k)) = s relu(q . k) for the positive per-key scale s
+            score = score * scale
+        score = tl.where(pos < g_len, score, float("-inf"))
+        tl.store(row_out_ptr + pos, score, mask=pos < width)
+        if MAXIMA:
+            best = tl.maximum(best, _order_key(score))
+        return best
 
     @triton.jit(do_not_specialize=["stride_tb", "tiles"])
     def _score_tile_kernel(q_ptr, w_ptr, keys_ptr, scale_ptr, table_ptr, lens_ptr, out_ptr, m_ptr,
@@ -112,8 +134,9 @@ if triton is not None:
                            HEADS: tl.constexpr, DIM: tl.constexpr, TILE: tl.constexpr,
                            PRECISION: tl.constexpr, UPCAST: tl.constexpr, SCALED: tl.constexpr,
                            ZERO: tl.constexpr, SKIP_DEAD: tl.constexpr, F16: tl.constexpr = False,
-                           MAXIMA: tl.constexpr = False, PREFETCH: tl.constexpr = False, PDL: tl.constexpr = 0):
-        """Program (seq, p) scores tiles p, p + P, p + 2 P, ... (`tiles` of them, P programs a row).
+                           MAXIMA: tl.constexpr = False, LOOP: tl.constexpr = False, PDL: tl.constexpr = 0):
+        """Program (seq, p) scores tiles p, p + P, p + 2 P, ... (`tiles` of them, P programs a row;
+        LOOP set where `tiles` > 1).
         MAXIMA: it also writes m[seq, p * TILE + j], the largest score at positions
         p * TILE + j + i * P * TILE, which are the strided group maxima of kernels/wide_select.py
         for the group stride P * TILE (on the order keys, as _group_max_kernel takes them)."""
@@ -137,6 +160,11 @@ if triton is not None:
         h = tl.arange(0, HEADS)
         d_ok = d < head_dim
         h_ok = h < num_heads
+        # The first tile's keys are on their way before the query is: loads issued after the
+        # query's scaling (a reduction across warps) would wait for it.
+        pos = tl.program_id(1) * TILE + lane
+        keys, scale = _tile_keys(keys_ptr, scale_ptr, table_ptr + seq * stride_tb, stride_tm, stride_ks, stride_kd,
+                                 block_size, g_len, pos, d, d_ok, SCALED)
         # The query and head weights are loaded (and scaled) once for all of the program's tiles.
         q = tl.load(q_ptr + seq * stride_qb + d[:, None] * stride_qd + h[None, :] * stride_qh,
                     mask=d_ok[:, None] & h_ok[None, :], other=0.0)
@@ -150,37 +178,15 @@ if triton is not None:
             q_exp = tl.maximum(tl.ceil(tl.log2(tl.max(tl.max(tl.abs(qf), axis=1), axis=0))) - 14.0, 0.0)
             q = (qf * tl.exp2(-q_exp)).to(tl.float16)
         wt = tl.load(w_ptr + seq * stride_wb + h * stride_wh, mask=h_ok, other=0.0).to(tl.float32) * w_scale
-        best = tl.zeros([TILE], dtype=tl.uint32)  # below every order key
-        step = tl.num_programs(1) * TILE
-        pos = tl.program_id(1) * TILE + lane
-        keys, scale = _tile_keys(keys_ptr, scale_ptr, table_ptr + seq * stride_tb, stride_tm, stride_ks, stride_kd,
-                                 block_size, g_len, pos, d, d_ok, SCALED)
-        for i in range(0, tiles):
-            if PREFETCH:  # the next tile's keys are in flight while this one is scored
-                next_keys, next_scale = _tile_keys(keys_ptr, scale_ptr, table_ptr + seq * stride_tb, stride_tm,
-                                                   stride_ks, stride_kd, block_size, g_len, pos + step, d, d_ok,
-                                                   SCALED)
-            if UPCAST:
-                keys = keys.to(tl.float32)
-            elif F16:
-                keys = keys.to(tl.float16)
-            elif SCALED:  # E4M3 values are exact in q's 16-bit type
-                keys = keys.to(q.dtype)
-            dots = tl.dot(keys, q, input_precision=PRECISION)  # [TILE, HEADS] fp32
-            if F16:
-                dots = dots * tl.exp2(q_exp)
-            # relu(q . (s k)) = s relu(q . k) for the positive per-key scale s (1 without scales)
-            score = tl.sum(tl.maximum(dots, 0.0) * wt[None, :], axis=1) * scale
-            score = tl.where(pos < g_len, score, float("-inf"))
-            tl.store(out_ptr + seq * stride_ob + pos, score, mask=pos < width)
-            if MAXIMA:
-                best = tl.maximum(best, _order_key(score))
-            pos += step
-            if PREFETCH:
-                keys, scale = next_keys, next_scale
-            else:
+        best = _score_store(keys, scale, q, q_exp, wt, out_ptr + seq * stride_ob, pos, g_len, width,
+                            tl.zeros([TILE], dtype=tl.uint32), UPCAST, F16, SCALED, MAXIMA, PRECISION)
+        if LOOP:  # a build of its own: the loop's registers would cost one-tile programs occupancy
+            for _ in range(1, tiles):  # the program's later tiles, a row's P * TILE positions apart
+                pos += tl.num_programs(1) * TILE
                 keys, scale = _tile_keys(keys_ptr, scale_ptr, table_ptr + seq * stride_tb, stride_tm, stride_ks,
                                          stride_kd, block_size, g_len, pos, d, d_ok, SCALED)
+                best = _score_store(keys, scale, q, q_exp, wt, out_ptr + seq * stride_ob, pos, g_len, width, best,
+                                    UPCAST, F16, SCALED, MAXIMA, PRECISION)
         if MAXIMA:
             tl.store(m_ptr + seq * stride_mb + tl.program_id(1) * TILE + lane, _key_to_score(best))
 
@@ -350,10 +356,9 @@ def score_tune_key(num_heads: int, head_dim: int, fp8: bool) -> str:
 
 def _score_choice(q: torch.Tensor, scaled: bool) -> dict:
     """The scoring kernel's launch choice for q [B, heads, dim]: tile (positions), num_warps,
-    num_stages, prefetch (the next tile's keys loaded before this one is scored) and loop (tiles
-    a program where the maxima do not set it), the tuned ones of this GPU
-    (kernels/tuned/<gpu>.json) over the built-in ones."""
-    choice = dict(tile=128, num_warps=4, num_stages=1, prefetch=False, loop=1)
+    num_stages and loop (tiles a program where the maxima do not set it), the tuned ones of this
+    GPU (kernels/tuned/<gpu>.json) over the built-in ones."""
+    choice = dict(tile=128, num_warps=4, num_stages=1, loop=1)
     if q.dtype != torch.float32:
         tuned = tuned_config(q.device, "indexer_score", score_tune_key(q.shape[1], q.shape[2], scaled))
         choice.update({k: v for k, v in (tuned or {}).items() if k in choice})
@@ -365,8 +370,7 @@ def _score_launch(q, w, index_keys, block_tables, g_lens, block_size,
                   key_scale: torch.Tensor | None = None, w_scale: float = 1.0,
                   zero: torch.Tensor | None = None, skip_dead: bool = False,
                   f16: bool | None = None, maxima: torch.Tensor | None = None,
-                  programs: int | None = None, num_stages: int | None = None,
-                  prefetch: bool | None = None) -> torch.Tensor:
+                  programs: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """[B, width] fp32 scores, -inf past each row's g_len; `zero` (int32, B rows' worth: the
     selection's workspace) is zeroed too. `skip_dead`: tiles wholly past g_len are not written
     (for the one-launch select, which never reads there). `maxima` [B, T] fp32 (T a multiple of
@@ -386,10 +390,9 @@ def _score_launch(q, w, index_keys, block_tables, g_lens, block_size,
     dim = _next_pow2(head_dim, 16)
     choice = _score_choice(q, key_scale is not None)
     if tile is not None or num_warps is not None:  # a probe's choice: nothing tuned mixed in
-        choice = dict(tile=tile or 128, num_warps=num_warps or 4, num_stages=1, prefetch=False, loop=1)
+        choice = dict(tile=tile or 128, num_warps=num_warps or 4, num_stages=1, loop=1)
     tile, num_warps = choice["tile"], choice["num_warps"]
     num_stages = num_stages or choice["num_stages"]
-    prefetch = choice["prefetch"] if prefetch is None else prefetch
     row_tiles = triton.cdiv(width, tile)
     if maxima is not None:
         if maxima.shape[1] % tile:
@@ -408,6 +411,7 @@ def _score_launch(q, w, index_keys, block_tables, g_lens, block_size,
     upcast = upcast and not f16  # fp16 operands are exact under the interpreter too (bf16 ones are not)
     # fp32 operands must not be rounded to tf32, or near-equal scores would swap places.
     fp32 = upcast or q.dtype == torch.float32
+    tiles = triton.cdiv(row_tiles, programs)
     grid = (num_seqs, programs)
     scale = key_scale.float().contiguous() if scaled else out  # any pointer when unused
     _score_tile_kernel[grid](
@@ -416,9 +420,9 @@ def _score_launch(q, w, index_keys, block_tables, g_lens, block_size,
         index_keys.stride(0), index_keys.stride(1), block_tables.stride(0), block_tables.stride(1),
         out.stride(0), maxima.stride(0) if maxima is not None else 0,
         num_heads, head_dim, width, block_size, float(w_scale), zero if zero is not None else g_lens,
-        zero.numel() // num_seqs if zero is not None else 0, triton.cdiv(row_tiles, programs),
+        zero.numel() // num_seqs if zero is not None else 0, tiles,
         HEADS=heads, DIM=dim, TILE=tile, PRECISION="ieee" if fp32 else "tf32", UPCAST=upcast, SCALED=scaled,
-        ZERO=zero is not None, SKIP_DEAD=skip_dead, F16=f16, MAXIMA=maxima is not None, PREFETCH=bool(prefetch),
+        ZERO=zero is not None, SKIP_DEAD=skip_dead, F16=f16, MAXIMA=maxima is not None, LOOP=tiles > 1,
         num_warps=num_warps, num_stages=num_stages, **pdl_launch(q))
     return out
 
