@@ -355,10 +355,9 @@ def score_tune_key(num_heads: int, head_dim: int, fp8: bool) -> str:
 
 
 def _score_choice(q: torch.Tensor, scaled: bool) -> dict:
-    """The scoring kernel's launch choice for q [B, heads, dim]: tile (positions), num_warps,
-    num_stages and loop (tiles a program where the maxima do not set it), the tuned ones of this
-    GPU (kernels/tuned/<gpu>.json) over the built-in ones."""
-    choice = dict(tile=128, num_warps=4, num_stages=1, loop=1)
+    """The scoring kernel's tile (positions) and num_warps for q [B, heads, dim]: this GPU's tuned
+    ones (kernels/tuned/<gpu>.json), else 128 positions and 4 warps."""
+    choice = dict(tile=128, num_warps=4)
     if q.dtype != torch.float32:
         tuned = tuned_config(q.device, "indexer_score", score_tune_key(q.shape[1], q.shape[2], scaled))
         choice.update({k: v for k, v in (tuned or {}).items() if k in choice})
@@ -388,18 +387,21 @@ def _score_launch(q, w, index_keys, block_tables, g_lens, block_size,
     # tl.dot wants every dimension >= 16; padded heads carry zero weight.
     heads = _next_pow2(num_heads, 16)
     dim = _next_pow2(head_dim, 16)
-    choice = _score_choice(q, key_scale is not None)
-    if tile is not None or num_warps is not None:  # a probe's choice: nothing tuned mixed in
-        choice = dict(tile=tile or 128, num_warps=num_warps or 4, num_stages=1, loop=1)
-    tile, num_warps = choice["tile"], choice["num_warps"]
-    num_stages = num_stages or choice["num_stages"]
+    probe = tile is not None or num_warps is not None  # a probe's choice: nothing built in mixed in
+    if not probe:
+        tile, num_warps = _score_choice(q, key_scale is not None).values()
+        if maxima is not None:
+            num_warps = MAXIMA_WARPS
+    tile = tile or 128
+    num_warps = num_warps or 4
     row_tiles = triton.cdiv(width, tile)
     if maxima is not None:
         if maxima.shape[1] % tile:
             raise ValueError(f"the maxima's group stride {maxima.shape[1]} must be a multiple of the tile {tile}")
         programs = maxima.shape[1] // tile
-    else:
-        programs = min(programs or triton.cdiv(row_tiles, choice["loop"]), row_tiles)
+    elif programs is None and not probe and key_scale is not None:
+        programs = triton.cdiv(FP8_SCORE_PROGRAMS, num_seqs)
+    programs = min(programs or row_tiles, row_tiles) if maxima is None else programs
     # Mixed dtypes meet in fp32. So do bf16 ones under the CPU interpreter, whose tl.dot
     # multiplies bf16 bit patterns as integers (seen with triton 3.9); bf16 products are
     # exact in fp32, so this only moves rounding of the sum, as the native path does.
@@ -423,7 +425,7 @@ def _score_launch(q, w, index_keys, block_tables, g_lens, block_size,
         zero.numel() // num_seqs if zero is not None else 0, tiles,
         HEADS=heads, DIM=dim, TILE=tile, PRECISION="ieee" if fp32 else "tf32", UPCAST=upcast, SCALED=scaled,
         ZERO=zero is not None, SKIP_DEAD=skip_dead, F16=f16, MAXIMA=maxima is not None, LOOP=tiles > 1,
-        num_warps=num_warps, num_stages=num_stages, **pdl_launch(q))
+        num_warps=num_warps, **({"num_stages": num_stages} if num_stages else {}), **pdl_launch(q))
     return out
 
 
@@ -451,8 +453,19 @@ def indexer_scores_triton(q: torch.Tensor, w: torch.Tensor, index_keys: torch.Te
 FUSED_MAX_WIDTH = 32768 if os.environ.get("WIDEEP_ONE_LAUNCH_SELECT", "1") != "0" else 0
 THRESHOLD_MIN_POSITIONS = 1 << 21
 # The threshold select's group maxima taken by the scoring launch (one read of the scores and a
-# launch fewer a layer); WIDEEP_SCORE_MAXIMA=0 leaves them to their own kernel.
+# launch fewer a layer); WIDEEP_SCORE_MAXIMA=0 leaves them to their own kernel. Its programs each
+# score a strided share of the row, T / tile programs a row for T groups, at least
+# MAXIMA_MIN_PROGRAMS in all, with MAXIMA_WARPS warps. FP8 keys without the maxima: about
+# FP8_SCORE_PROGRAMS programs, each scoring several tiles, rather than one a tile (bf16 keys keep
+# one a tile). On the H200, batch 16 (bench.probe_score, us a layer at 128K / 512K): FP8 keys one
+# tile a program 65.5 / 234.7 (tile 128, 2 warps), 16 tiles 48.8 / 178.8, with the maxima (64
+# programs a row) 49.9 / 180.1; bf16 keys one tile a program 69.6 / 267.0 (4 warps), with the
+# maxima 73.5 / 279.1 at 2 warps against 88.1 / 333.8 at 4. The program loads and scales the query
+# once for all of its tiles.
 SCORE_MAXIMA = os.environ.get("WIDEEP_SCORE_MAXIMA", "1") != "0"
+MAXIMA_MIN_PROGRAMS = 1024
+MAXIMA_WARPS = 2
+FP8_SCORE_PROGRAMS = 2048
 # The radix passes want enough programs to fill the GPU: rows are split finer (down to one block
 # a program) until there are this many. 1024 against 128 (bench.probe_radix on the H200, all four
 # passes): batch 64 at 8K 33.2 -> 28.1 us, batch 16 at 128K 59.4 -> 55.9 us; batch 1 and 16 at 8K
@@ -595,8 +608,10 @@ def indexer_topk_triton(q: torch.Tensor, w: torch.Tensor, index_keys: torch.Tens
         from .wide_select import group_stride, threshold_workspace
         tile = _score_choice(q, key_scale is not None)["tile"]
         ws = threshold_workspace(num_seqs, q.device)
-        maxima = torch.empty(num_seqs, triton.cdiv(group_stride(width, min(topk, width)), tile) * tile,
-                             device=q.device, dtype=torch.float32)
+        # More groups than the bound needs where the batch is small: the launch has as many
+        # programs a row as the stride has tiles.
+        stride = max(group_stride(width, min(topk, width)), triton.cdiv(MAXIMA_MIN_PROGRAMS, num_seqs) * tile)
+        maxima = torch.empty(num_seqs, triton.cdiv(stride, tile) * tile, device=q.device, dtype=torch.float32)
     scores = _score_launch(q, w, index_keys, block_tables, g_lens, block_size, key_scale=key_scale, w_scale=w_scale,
                            zero=ws, skip_dead=method == "fused", maxima=maxima)
     return select_topk_triton(scores, g_lens, topk, method=method, hist=ws, maxima=maxima)

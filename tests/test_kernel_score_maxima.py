@@ -55,14 +55,15 @@ def test_several_tiles_a_program_give_the_same_scores(device, programs):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("score_maxima", [True, False])
-def test_threshold_select_with_the_scoring_maxima(device, score_maxima, monkeypatch):
+@pytest.mark.parametrize("score_maxima,min_programs", [(True, 1), (True, 40), (False, 1)])
+def test_threshold_select_with_the_scoring_maxima(device, score_maxima, min_programs, monkeypatch):
     """indexer_topk_triton on the threshold path, its workspace and maxima from torch.empty (full
     of garbage), zeroed and written by the scoring launch; with SCORE_MAXIMA off the maxima's
-    own kernel runs."""
+    own kernel runs. min_programs 40: more groups than the bound needs (wider than the rows)."""
     monkeypatch.setattr(indexer, "FUSED_MAX_WIDTH", 0)
     monkeypatch.setattr(indexer, "THRESHOLD_MIN_POSITIONS", 0)
     monkeypatch.setattr(indexer, "SCORE_MAXIMA", score_maxima)
+    monkeypatch.setattr(indexer, "MAXIMA_MIN_PROGRAMS", min_programs)
     launched = []
     real = ws._group_max_kernel
     monkeypatch.setattr(ws, "_group_max_kernel", type("Spy", (), {
@@ -75,6 +76,30 @@ def test_threshold_select_with_the_scoring_maxima(device, score_maxima, monkeypa
         got = indexer.indexer_topk_triton(*args, 64, topk)
         check_rows(got, want, g_lens, topk)
     assert bool(launched) != score_maxima
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp8_keys_take_several_tiles_a_program_by_default(device, monkeypatch):
+    """FP8 keys are scored by about FP8_SCORE_PROGRAMS programs (here 3 for 2 rows: 2 a row, each
+    several tiles), with the scores of one tile a program (to 1e-5: on a GPU the tuned launch may
+    have other warps than the probe's, and sum the heads in another order)."""
+    g_lens = [700, 129]
+    q, w, keys, tables, lens = make_case(device, g_lens, 16)
+    keys8 = keys.to(torch.float8_e4m3fn)
+    scale = torch.rand(keys.shape[0], device=device) + 0.5
+    if device == "cuda":
+        q, w = q.bfloat16(), w.bfloat16()
+    launched = []
+    real = indexer._score_tile_kernel
+    monkeypatch.setattr(indexer, "_score_tile_kernel", type("Spy", (), {
+        "__getitem__": lambda self, grid: launched.append(grid) or real[grid]})())
+    monkeypatch.setattr(indexer, "FP8_SCORE_PROGRAMS", 3)
+    got = indexer._score_launch(q, w, keys8, tables, lens, 16, key_scale=scale)
+    want = indexer._score_launch(q, w, keys8, tables, lens, 16, tile=128, num_warps=4, key_scale=scale)
+    assert launched[0] == (2, 2) and launched[1][1] == -(-tables.shape[1] * 16 // 128)
+    live = torch.isfinite(want)
+    assert torch.equal(live, torch.isfinite(got))
+    assert float((got - want)[live].abs().max()) <= 1e-5 * float(want[live].abs().max())
 
 
 def test_bad_maxima_are_refused():
