@@ -95,15 +95,17 @@ def build_select(first: int, last: int) -> dict:
 
 def build_wide() -> list[dict]:
     """The wide rows' k-th score (kernels/wide_select.py): group maxima, candidates and each byte
-    pass, with and without g_lens, as launched on an H200 (dependent launches on, integers
+    pass, with and without g_lens (with them the candidates keep their positions), and the
+    positions emitted from the candidates, as launched on an H200 (dependent launches on, integers
     specialised as the launcher does: pointers and the widths and strides it keeps)."""
     from kernels import wide_select as ws
     fp32 = {"scores_ptr", "m_ptr", "cand_ptr"}
     builds = []
     for lens in (False, True):
         builds.append((ws._group_max_kernel, dict(HAS_LENS=lens, TILE=ws.GROUP_TILE, ROWS=ws.GROUP_ROWS), 4))
-        builds.append((ws._candidate_kernel, dict(HAS_LENS=lens, BLOCK=ws.BLOCK), 4))
+        builds.append((ws._candidate_kernel, dict(HAS_LENS=lens, BLOCK=ws.BLOCK, POSITIONS=lens), 4))
         builds += [(ws._pass_kernel, dict(PASS=p, HAS_LENS=lens, BLOCK=ws.BLOCK), 8) for p in range(4)]
+    builds.append((ws._emit_candidates_kernel, dict(BLOCK=ws.BLOCK, FILL=1024), 4))
     rows = []
     for fn, consts, warps in builds:
         consts = dict(consts, PDL=2)
@@ -123,7 +125,8 @@ def build_wide() -> list[dict]:
                         constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
         kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
         ptx = kernel.asm["ptx"]
-        rows.append(dict(kernel=fn.__name__, **{k: v for k, v in consts.items() if k in ("PASS", "HAS_LENS")},
+        rows.append(dict(kernel=fn.__name__,
+                         **{k: v for k, v in consts.items() if k in ("PASS", "HAS_LENS", "POSITIONS")},
                          **_ptxas_info(ptx), vector_loads=ptx.count("ld.global.v4"), triton=triton.__version__))
     return rows
 

@@ -253,10 +253,17 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["stride_cb", "num_seqs", "k"])
     def _count_chunk_kernel(scores_ptr, kth_ptr, lens_ptr, above_ptr, equal_ptr, hist_ptr, state_ptr,
-                            stride_sb, stride_cb, width, num_seqs, k, CHUNK: tl.constexpr, RADIX: tl.constexpr,
+                            found_ptr, capacity, stride_sb, stride_cb, width, num_seqs, k,
+                            CHUNK: tl.constexpr, RADIX: tl.constexpr, FITTED: tl.constexpr = False,
                             PDL: tl.constexpr = 0):
+        """FITTED: rows whose threshold candidates fit (found <= capacity) were emitted from them
+        (kernels/wide_select.py emit_candidates) and are skipped here, in the offsets and the
+        emit pass."""
         pdl_enter(PDL)
         seq = tl.program_id(0)
+        if FITTED:
+            if tl.load(found_ptr + seq) <= capacity:
+                return
         chunk = tl.program_id(1)
         pos = chunk * CHUNK + tl.arange(0, CHUNK)
         live = (pos < tl.load(lens_ptr + seq)) & (pos < width)
@@ -272,14 +279,17 @@ if triton is not None:
         tl.store(equal_ptr + seq * stride_cb + chunk, tl.sum((live & (s == kth)).to(tl.int32), axis=0))
 
     @triton.jit(do_not_specialize=["stride_cb", "num_chunks"])
-    def _chunk_offsets_kernel(above_ptr, equal_ptr, before_ptr, after_ptr, stride_cb, num_chunks,
-                              SUMS: tl.constexpr, PDL: tl.constexpr = 0):
+    def _chunk_offsets_kernel(above_ptr, equal_ptr, before_ptr, after_ptr, found_ptr, capacity, stride_cb, num_chunks,
+                              SUMS: tl.constexpr, FITTED: tl.constexpr = False, PDL: tl.constexpr = 0):
         """Per row: before[c] = positions above the k-th score in the chunks before c, after[c] =
         positions equal to it in the chunks after c; column num_chunks holds the row's totals.
         Once a row here, so the emit pass's programs each read two numbers, not every chunk's
         counts (at 512K that summing was most of the emit's 45 us a layer). SUMS chunks a step:
         one build serves every width."""
         pdl_enter(PDL)
+        if FITTED:
+            if tl.load(found_ptr + tl.program_id(0)) <= capacity:
+                return
         row = tl.program_id(0) * stride_cb
         total_equal = tl.zeros([], dtype=tl.int32)
         for c0 in range(0, num_chunks, SUMS):
@@ -300,11 +310,15 @@ if triton is not None:
         tl.store(after_ptr + row + num_chunks, total_equal)
 
     @triton.jit(do_not_specialize=["stride_cb", "num_chunks", "k"])
-    def _emit_chunk_kernel(scores_ptr, kth_ptr, lens_ptr, before_ptr, after_ptr, out_ptr,
+    def _emit_chunk_kernel(scores_ptr, kth_ptr, lens_ptr, before_ptr, after_ptr, out_ptr, found_ptr, capacity,
                            stride_sb, stride_cb, stride_ob, width, num_chunks, k, topk,
-                           CHUNK: tl.constexpr, FILL: tl.constexpr, PDL: tl.constexpr = 0):
+                           CHUNK: tl.constexpr, FILL: tl.constexpr, FITTED: tl.constexpr = False,
+                           PDL: tl.constexpr = 0):
         pdl_enter(PDL)
         seq = tl.program_id(0)
+        if FITTED:
+            if tl.load(found_ptr + seq) <= capacity:
+                return
         chunk = tl.program_id(1)
         row = seq * stride_cb
         above_before = tl.load(before_ptr + row + chunk)
@@ -559,13 +573,19 @@ def select_topk_triton(scores: torch.Tensor, g_lens: torch.Tensor, topk: int,
         return select_rows(scores, g_lens, out, k, ws=hist)
     if method not in ("radix", "threshold", "topk"):
         raise ValueError(f"unknown selection method {method!r}; known: fused, radix, threshold, topk")
+    found, capacity = g_lens, 0  # with the threshold select: the rows' candidate counts and places
     if method in ("radix", "threshold"):  # the count pass derives the k-th score from the last histogram
         if method == "radix":
             hist, state = radix_passes(scores, k, hist=hist)
         else:
-            from .wide_select import threshold_passes
-            hist, state, _ = threshold_passes(scores, k, g_lens, maxima=maxima,
-                                                 ws=hist if maxima is not None else None)
+            # Rows whose candidates fit take their positions from them; the passes below only
+            # serve rows that overflowed.
+            from .wide_select import candidate_buffers, emit_candidates, threshold_passes
+            candidates = candidate_buffers(num_seqs, scores.device)
+            capacity = candidates[0].shape[1]
+            hist, state, found = threshold_passes(scores, k, g_lens, maxima=maxima, candidates=candidates,
+                                                  ws=hist if maxima is not None else None)
+            emit_candidates(candidates, found, hist, state, out, k, width)
         kth = torch.empty(num_seqs, device=scores.device, dtype=torch.float32)
     else:
         kth = kth_scores(scores, k, method)
@@ -576,16 +596,17 @@ def select_topk_triton(scores: torch.Tensor, g_lens: torch.Tensor, topk: int,
     above = torch.empty(num_seqs, num_chunks + 1, device=scores.device, dtype=torch.int32)
     equal = torch.empty_like(above)
     grid = (num_seqs, num_chunks)
-    _count_chunk_kernel[grid](scores, kth, g_lens, above, equal, hist, state, scores.stride(0), above.stride(0),
-                              width, num_seqs, k, CHUNK=chunk, RADIX=method != "topk", num_warps=4,
-                              **pdl_launch(scores))
+    fitted = method == "threshold"
+    _count_chunk_kernel[grid](scores, kth, g_lens, above, equal, hist, state, found, capacity, scores.stride(0),
+                              above.stride(0), width, num_seqs, k, CHUNK=chunk, RADIX=method != "topk",
+                              FITTED=fitted, num_warps=4, **pdl_launch(scores))
     before = torch.empty(num_seqs, num_chunks + 1, device=scores.device, dtype=torch.int32)
     after = torch.empty_like(before)
-    _chunk_offsets_kernel[(num_seqs,)](above, equal, before, after, above.stride(0), num_chunks, SUMS=_EMIT_SUMS,
-                                       num_warps=4, **pdl_launch(above))
-    _emit_chunk_kernel[grid](scores, kth, g_lens, before, after, out,
+    _chunk_offsets_kernel[(num_seqs,)](above, equal, before, after, found, capacity, above.stride(0), num_chunks,
+                                       SUMS=_EMIT_SUMS, FITTED=fitted, num_warps=4, **pdl_launch(above))
+    _emit_chunk_kernel[grid](scores, kth, g_lens, before, after, out, found, capacity,
                              scores.stride(0), before.stride(0), out.stride(0), width, num_chunks, k, topk,
-                             CHUNK=chunk, FILL=fill, num_warps=4, **pdl_launch(scores))
+                             CHUNK=chunk, FILL=fill, FITTED=fitted, num_warps=4, **pdl_launch(scores))
     return out
 
 

@@ -108,12 +108,14 @@ if triton is not None:
         tl.store(m_ptr + seq * stride + t, _key_to_score(best))
 
     @triton.jit(do_not_specialize=["num_seqs", "blocks", "k"])
-    def _candidate_kernel(scores_ptr, lens_ptr, hist_ptr, state_ptr, count_ptr, cand_ptr, stride_sb, width,
-                          num_seqs, blocks, k, capacity,
-                          HAS_LENS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
+    def _candidate_kernel(scores_ptr, lens_ptr, hist_ptr, state_ptr, count_ptr, cand_ptr, cand_pos_ptr, stride_sb,
+                          width, num_seqs, blocks, k, capacity,
+                          HAS_LENS: tl.constexpr, BLOCK: tl.constexpr, POSITIONS: tl.constexpr = False,
+                          PDL: tl.constexpr = 0):
         """Append the finite scores >= tau (the k-th largest group maximum, from the maxima's
-        last histogram) of `blocks` blocks of the row to cand[seq]; count[seq] counts them all,
-        also those past the capacity, which are dropped."""
+        last histogram) of `blocks` blocks of the row to cand[seq] (and, POSITIONS, their
+        positions to cand_pos[seq]); count[seq] counts them all, also those past the capacity,
+        which are dropped."""
         pdl_enter(PDL)
         seq = tl.program_id(0)
         end, load_end = _live_end(lens_ptr, seq, width, HAS_LENS)
@@ -131,6 +133,8 @@ if triton is not None:
             if kept > 0:  # one atomic a block: most blocks of a wide row keep a few scores or none
                 place = tl.atomic_add(count_ptr + seq, kept, sem="relaxed") + tl.cumsum(keep.to(tl.int32), axis=0) - 1
                 tl.store(cand_ptr + seq * capacity + place, s, mask=keep & (place < capacity))
+                if POSITIONS:
+                    tl.store(cand_pos_ptr + seq * capacity + place, pos, mask=keep & (place < capacity))
 
     @triton.jit(do_not_specialize=["num_seqs", "row_blocks", "cand_blocks", "k"])
     def _pass_kernel(scores_ptr, lens_ptr, cand_ptr, count_ptr, hist_ptr, state_ptr, stride_sb, width,
@@ -176,6 +180,81 @@ if triton is not None:
         tl.atomic_add(hist_ptr + (PASS * num_seqs + seq) * 256 + bins, counts, mask=counts > 0, sem="relaxed")
 
 
+    @triton.jit
+    def _load_candidates(row_ptr, row_pos_ptr, i, found):
+        """Candidates i of a row (score -inf and position -1 from `found` on). The loads run to
+        the next multiple of 16 (within the capacity, itself one), which keeps them vectorised."""
+        load_end = tl.cdiv(found, 16) * 16
+        s = tl.load(row_ptr + i, mask=i < load_end, other=float("-inf"))
+        p = tl.load(row_pos_ptr + i, mask=i < load_end, other=-1)
+        return tl.where(i < found, s, float("-inf")), tl.where(i < found, p, -1)
+
+    @triton.jit
+    def _count_ties_from(row_pos_ptr, row_ptr, found, kth, cut, BLOCK: tl.constexpr):
+        """How many of the row's candidates score exactly kth at positions >= cut."""
+        n = tl.zeros([], dtype=tl.int32)
+        for b in range(0, found, BLOCK):
+            s, p = _load_candidates(row_ptr, row_pos_ptr, b + tl.arange(0, BLOCK), found)
+            n += tl.sum(((s == kth) & (p >= cut)).to(tl.int32), axis=0)
+        return n
+
+    @triton.jit(do_not_specialize=["num_seqs", "k", "topk", "width"])
+    def _emit_candidates_kernel(cand_ptr, cand_pos_ptr, count_ptr, hist_ptr, state_ptr, out_ptr, stride_ob,
+                                num_seqs, k, topk, width, capacity,
+                                BLOCK: tl.constexpr, FILL: tl.constexpr, PDL: tl.constexpr = 0):
+        """A row whose candidates fit: its top-k positions from them alone, the tie rule of
+        select_topk_triton's emit pass (every position above the k-th score, then the latest
+        positions scoring exactly it), -1 past the places filled. Rows that overflowed are left
+        to the passes over the whole row."""
+        pdl_enter(PDL)
+        seq = tl.program_id(0)
+        found = tl.load(count_ptr + seq)
+        if found > capacity:
+            return
+        prefix, _ = _radix_state(hist_ptr, state_ptr, seq, num_seqs, k, 3)
+        kth = _key_to_score(prefix.to(tl.uint32, bitcast=True))
+        row = cand_ptr + seq * capacity
+        row_pos = cand_pos_ptr + seq * capacity
+        row_out = out_ptr + seq * stride_ob
+        total_above = tl.zeros([], dtype=tl.int32)
+        total_equal = tl.zeros([], dtype=tl.int32)
+        for b in range(0, found, BLOCK):
+            s, p = _load_candidates(row, row_pos, b + tl.arange(0, BLOCK), found)
+            total_above += tl.sum((s > kth).to(tl.int32), axis=0)
+            total_equal += tl.sum((s == kth).to(tl.int32), axis=0)
+        # Fewer than k places above the k-th score, by its definition.
+        ties_wanted = tl.minimum(k - total_above, total_equal)
+        cut = tl.zeros([], dtype=tl.int32)
+        if ties_wanted < total_equal:
+            # More ties than places (rare: scores equal to the k-th one): the latest ones, from the
+            # largest cut keeping ties_wanted of them. Positions are distinct, so it keeps exactly
+            # that many.
+            lo = tl.zeros([], dtype=tl.int32)
+            hi = width
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if _count_ties_from(row_pos, row, found, kth, mid, BLOCK) >= ties_wanted:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            cut = lo
+        above_so_far = tl.zeros([], dtype=tl.int32)
+        ties_so_far = tl.zeros([], dtype=tl.int32)
+        for b in range(0, found, BLOCK):
+            s, p = _load_candidates(row, row_pos, b + tl.arange(0, BLOCK), found)
+            is_above = s > kth
+            tl.store(row_out + above_so_far + tl.cumsum(is_above.to(tl.int32), axis=0) - 1, p, mask=is_above)
+            is_tie = (s == kth) & (p >= cut)
+            tl.store(row_out + total_above + ties_so_far + tl.cumsum(is_tie.to(tl.int32), axis=0) - 1, p,
+                     mask=is_tie)
+            above_so_far += tl.sum(is_above.to(tl.int32), axis=0)
+            ties_so_far += tl.sum(is_tie.to(tl.int32), axis=0)
+        filled = total_above + ties_wanted
+        for start in range(0, topk, FILL):
+            i = start + tl.arange(0, FILL)
+            tl.store(row_out + i, tl.full([FILL], -1, tl.int32), mask=(i >= filled) & (i < topk))
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -187,6 +266,27 @@ def group_stride(width: int, k: int) -> int:
     return min(_cdiv(GROUPS_PER_K * k, GROUP_TILE), _cdiv(width, GROUP_TILE)) * GROUP_TILE
 
 
+def candidate_buffers(num_seqs: int, device, capacity: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scores fp32, positions int32), [B, capacity] each: threshold_passes' candidates kept for
+    emit_candidates."""
+    capacity = _cdiv(capacity or CAPACITY, 16) * 16
+    return (torch.empty(num_seqs, capacity, device=device, dtype=torch.float32),
+            torch.empty(num_seqs, capacity, device=device, dtype=torch.int32))
+
+
+def emit_candidates(candidates: tuple[torch.Tensor, torch.Tensor], count: torch.Tensor, hist: torch.Tensor,
+                    state: torch.Tensor, out: torch.Tensor, k: int, width: int) -> None:
+    """out[b] (int32 [B, topk]) = the top-k positions of each row whose candidates fit (count[b] <=
+    capacity), from threshold_passes' hist, state and count with `candidates`; the other rows'
+    places are left as they are."""
+    cand, cand_pos = candidates
+    num_seqs, capacity = cand.shape
+    topk = out.shape[1]
+    _emit_candidates_kernel[(num_seqs,)](
+        cand, cand_pos, count, hist, state, out, out.stride(0), num_seqs, k, topk, width, capacity,
+        BLOCK=BLOCK, FILL=min(1024, max(16, 1 << (topk - 1).bit_length())), num_warps=4, **pdl_launch(cand))
+
+
 def threshold_workspace(num_seqs: int, device) -> torch.Tensor:
     """The int32 workspace threshold_passes takes zeroed with `maxima` (B rows of 8 * 256 + 1:
     the maxima's and the candidates' histograms, and the candidate counts)."""
@@ -195,7 +295,9 @@ def threshold_workspace(num_seqs: int, device) -> torch.Tensor:
 
 def threshold_passes(scores: torch.Tensor, k: int, g_lens: torch.Tensor | None = None,
                      capacity: int | None = None, maxima: torch.Tensor | None = None,
-                     ws: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     ws: torch.Tensor | None = None,
+                     candidates: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(hist [4, B, 256], state [3, 2, B], count [B]): the histograms and state of the k-th
     largest score of each row of scores [B, width] fp32 (1 <= k <= width), laid out as
     radix_passes' (kernels/indexer.py), and each row's candidate count (> capacity: the row
@@ -205,7 +307,9 @@ def threshold_passes(scores: torch.Tensor, k: int, g_lens: torch.Tensor | None =
     (default CAPACITY, rounded up to a multiple of 16; tests make rows overflow with a small
     one). `maxima` [B, T] with `ws` (threshold_workspace, zeroed): the rows' group maxima for a
     group stride T >= k, already taken (the scoring launch does: kernels/indexer.py), so the
-    maxima's launch is left out."""
+    maxima's launch is left out. `candidates`: (scores, positions) buffers of
+    candidate_buffers(B, capacity) that keep the candidates with their positions (for
+    emit_candidates)."""
     num_seqs, width = scores.shape
     capacity = _cdiv(capacity or CAPACITY, 16) * 16  # row starts 64-byte aligned: vector loads
     device = scores.device
@@ -238,12 +342,17 @@ def threshold_passes(scores: torch.Tensor, k: int, g_lens: torch.Tensor | None =
             HAS_LENS=has_lens, TILE=GROUP_TILE, ROWS=GROUP_ROWS, num_warps=4, **pdl_launch(scores))
     _, state_m = radix_passes(m, k, hist=hist_m)
 
-    cand = torch.empty(num_seqs, capacity, device=device, dtype=torch.float32)
+    if candidates is None:
+        cand, cand_pos = torch.empty(num_seqs, capacity, device=device, dtype=torch.float32), count  # not written
+    else:
+        cand, cand_pos = candidates
+        if cand.shape != (num_seqs, capacity) or cand_pos.shape != (num_seqs, capacity):
+            raise ValueError(f"candidates must be two [{num_seqs}, {capacity}] buffers")
     parts = max(1, min(_cdiv(width, BLOCK), CANDIDATE_PROGRAMS // num_seqs))
     blocks = _cdiv(width, parts * BLOCK)
     _candidate_kernel[(num_seqs, _cdiv(width, blocks * BLOCK))](
-        scores, lens, hist_m, state_m, count, cand, scores.stride(0), width, num_seqs, blocks, k, capacity,
-        HAS_LENS=has_lens, BLOCK=BLOCK, num_warps=4, **pdl_launch(scores))
+        scores, lens, hist_m, state_m, count, cand, cand_pos, scores.stride(0), width, num_seqs, blocks, k, capacity,
+        HAS_LENS=has_lens, BLOCK=BLOCK, POSITIONS=candidates is not None, num_warps=4, **pdl_launch(scores))
 
     # The programs of a row cover both all of it and the most candidates a pass can read (never
     # more than the row's positions; at least k, the -inf places).

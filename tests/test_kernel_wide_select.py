@@ -159,6 +159,33 @@ def test_select_matches_reference(device, width, topk, monkeypatch):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_select_from_candidates_and_from_overflowing_rows(device, monkeypatch):
+    """Rows whose candidates fit take their positions from the candidates (emit_candidates),
+    including rows with more ties at the k-th score than places; rows that overflow a small
+    capacity take the passes over the whole row; both in one batch."""
+    monkeypatch.setattr(ws, "CAPACITY", 64)
+    poison_empty(monkeypatch)
+    width, topk = 2500, 24
+    scores = random_rows(width, seed=5)  # the tied rows overflow 64 places, the normal ones fit
+    scores[3] = torch.randn(width, generator=torch.Generator().manual_seed(6))
+    scores[3, ::7] = 2.5  # 358 ties above the rest: they fit only in the default capacity
+    g_lens = torch.tensor([width, width - 9, 1800, width, width, 700], dtype=torch.int32)
+    scores = mask_dead(scores, g_lens)
+    count = ws.threshold_passes(scores.to(device), topk, g_lens.to(device))[2].cpu()
+    assert (count <= 64).any() and (count > 64).any()
+    check_select(scores.to(device), g_lens.to(device), topk)
+    monkeypatch.setattr(ws, "CAPACITY", 16384)
+    count = ws.threshold_passes(scores.to(device), topk, g_lens.to(device))[2].cpu()
+    assert int(count[3]) >= 358 and (count <= 16384).all()
+    check_select(scores.to(device), g_lens.to(device), topk)
+
+
+def test_candidate_buffers_must_match():
+    with pytest.raises(ValueError, match="candidates must be"):
+        ws.threshold_passes(torch.zeros(2, 64), 4, candidates=ws.candidate_buffers(1, "cpu"))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_empty_batch(device):
     scores = torch.empty(0, 512, device=device)
     assert kth_scores(scores, 16, method="threshold").shape == (0,)
