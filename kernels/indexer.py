@@ -17,6 +17,7 @@ import torch
 
 from . import triton_ok
 from .row_select import WORKSPACE_COLS, select_rows
+from .score_warmup import build_wide_variants, remember as remember_scoring
 from .tuning import tuned_config
 
 try:
@@ -616,6 +617,8 @@ def indexer_topk_triton(q: torch.Tensor, w: torch.Tensor, index_keys: torch.Tens
                         w_scale: float = 1.0) -> torch.Tensor:
     """Same position set as indexer_topk_reference, in no particular order."""
     num_seqs, width = q.shape[0], block_tables.shape[1] * block_size
+    if q.is_cuda:
+        remember_scoring(q, w, index_keys, key_scale, block_size, w_scale, topk)
     # The selection's workspace (the radix histograms, or the one launch's), zeroed by the scoring
     method = default_select(width, num_seqs) if 0 < min(topk, width) else None
     ws = maxima = None
@@ -643,7 +646,8 @@ def warm_up(topk: int, device, max_rows: int) -> None:
     with and without its atomics (up to and past SPARSE_MAX_ROWS rows) and the wide rows' radix,
     threshold and torch.topk paths, whose widths the warm-up's requests never reach. Their builds
     depend on none of the widths (kernels/row_select.py, kernels/wide_select.py),
-    so narrow rows build them."""
+    so narrow rows build them. On a GPU, also the scoring launch's wide-row variants for the
+    input layouts the warm-up's requests scored with (kernels/score_warmup.py)."""
     from .row_select import SPARSE_MAX_ROWS
     probe = torch.empty(0, device=device)
     if triton is None or not triton_ok(probe) or topk <= 0:
@@ -654,6 +658,8 @@ def warm_up(topk: int, device, max_rows: int) -> None:
         g_lens = torch.full((rows,), width, dtype=torch.int32, device=device)
         for method in ("fused", "radix", "threshold", "topk"):
             select_topk_triton(scores, g_lens, topk, method=method)
+    if probe.is_cuda:
+        build_wide_variants(device)
 
 
 def indexer_topk(q: torch.Tensor, w: torch.Tensor, index_keys: torch.Tensor,

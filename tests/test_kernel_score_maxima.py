@@ -113,3 +113,48 @@ def test_bad_maxima_are_refused():
         ws.threshold_passes(scores, 8, maxima=torch.zeros(1, 64))
     with pytest.raises(ValueError, match="T >= k"):
         ws.threshold_passes(scores, 8, maxima=torch.zeros(1, 4), ws=ws.threshold_workspace(1, "cpu"))
+
+
+def compiled_variants() -> int:
+    """Builds held by every Triton kernel of the indexer's modules (all devices)."""
+    import kernels.row_select as row_select
+    from triton.runtime.jit import JITFunction
+    total = 0
+    for module in (indexer, ws, row_select):
+        for fn in vars(module).values():
+            if isinstance(fn, JITFunction):
+                caches = getattr(fn, "device_caches", None)
+                if caches is None:
+                    pytest.skip("this Triton keeps no per-device kernel cache to count")
+                total += sum(len(entry[0]) for entry in caches.values())
+    return total
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+@pytest.mark.parametrize("fp8", [False, True])
+def test_warm_up_builds_the_wide_rows_variants(fp8):
+    """After one short scoring call (as the engine's warm-up requests make) and warm_up, rows of
+    other wide shapes (the one-launch select with FP8 keys looping, the radix passes with one
+    tile a program and with several, the threshold select with the maxima) build nothing new."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    heads, dim, bs, topk = 8, 64, 64, 2048
+
+    def call(rows, width):
+        q = torch.randn(rows, heads, dim, device="cuda", generator=g).bfloat16()
+        w = torch.randn(rows, heads, device="cuda", generator=g).bfloat16()
+        blocks = width // bs
+        keys = torch.randn(blocks * bs, dim, device="cuda", generator=g).bfloat16()
+        scale = None
+        if fp8:
+            keys, scale = keys.to(torch.float8_e4m3fn), torch.rand(blocks * bs, device="cuda") + 0.5
+        tables = torch.randint(0, blocks, (rows, blocks), device="cuda", generator=g, dtype=torch.int32)
+        lens = torch.full((rows,), width, device="cuda", dtype=torch.int32)
+        return indexer.indexer_topk_triton(q, w, keys, tables, lens, bs, topk, key_scale=scale, w_scale=0.35)
+
+    call(3, 4096)
+    indexer.warm_up(topk, "cuda", 16)
+    before = compiled_variants()
+    for rows, width in [(12, 32768), (2, 65536), (8, 131072 + 5 * bs), (16, 262144)]:
+        out = call(rows, width)
+        assert out.shape == (rows, topk) and bool((out >= 0).all())
+    assert compiled_variants() == before
