@@ -191,7 +191,7 @@ if triton is not None:
 
     @triton.jit
     def _count_ties_from(row_pos_ptr, row_ptr, found, kth, cut, BLOCK: tl.constexpr):
-        """How many of the row's candidates score exactly kth at positions >= cut."""
+        """How many of the row's candidates score exactly kth at positions >= cut (>= 0)."""
         n = tl.zeros([], dtype=tl.int32)
         for b in range(0, found, BLOCK):
             s, p = _load_candidates(row_ptr, row_pos_ptr, b + tl.arange(0, BLOCK), found)
@@ -221,7 +221,8 @@ if triton is not None:
         for b in range(0, found, BLOCK):
             s, p = _load_candidates(row, row_pos, b + tl.arange(0, BLOCK), found)
             total_above += tl.sum((s > kth).to(tl.int32), axis=0)
-            total_equal += tl.sum((s == kth).to(tl.int32), axis=0)
+            # (a k-th score of -inf, fewer than k finite ones, must not count the padding)
+            total_equal += tl.sum(((s == kth) & (p >= 0)).to(tl.int32), axis=0)
         # Fewer than k places above the k-th score, by its definition.
         ties_wanted = tl.minimum(k - total_above, total_equal)
         cut = tl.zeros([], dtype=tl.int32)
