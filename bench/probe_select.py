@@ -82,7 +82,12 @@ def main(argv=None) -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
     ap.add_argument("--wide", action="store_true", help="instead: rows of 64K-512K positions (see above)")
     ap.add_argument("--dist", choices=("normal", "trend", "tied"), default="normal", help="--wide scores")
+    ap.add_argument("--candidate-programs", type=int, default=None,
+                    help="--wide: programs of the candidates' launch (kernels/wide_select.py CANDIDATE_PROGRAMS)")
     args = ap.parse_args(argv)
+    if args.candidate_programs:
+        import kernels.wide_select
+        kernels.wide_select.CANDIDATE_PROGRAMS = args.candidate_programs
     if args.wide and args.widths == list(WIDTHS):
         args.widths = list(WIDE_WIDTHS)
     rows = wide_rows(args.widths, args.batches, args.dist, args.iters) if args.wide else []
