@@ -74,14 +74,15 @@ class AttentionContext:
         self._gathered.pop(source, None)
 
     def direct_write(self, source: int, index_key: torch.Tensor | None) -> tuple | None:
-        """(slots, latent slab, index_key, index slab) for the latent kernel to write a decode
-        step's global KV itself (kernels/latent.py, latent_and_query), or None where write_global
-        must: some rows not written, FP8 caches (quantised on write), no indexer key."""
-        if self.write_rows is not None or self.kv_scale is not None or self.index_scale is not None \
-                or index_key is None or self.index_keys is None:
+        """(slots, latent slab, index_key, index slab[, index scales]) for the latent kernel to
+        write a decode step's global KV itself (kernels/latent.py, latent_and_query; it quantises
+        FP8 index keys), or None where write_global must: some rows not written, an FP8 latent
+        cache, no indexer key."""
+        if self.write_rows is not None or self.kv_scale is not None or index_key is None or self.index_keys is None:
             return None
         self._gathered.pop(source, None)
-        return self.write_slots, self.global_kv[source], index_key, self.index_keys[source]
+        write = (self.write_slots, self.global_kv[source], index_key, self.index_keys[source])
+        return write if self.index_scale is None else (*write, self.index_scale[source])
 
     def global_keys(self, source: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Latents [B, C, D] (and indexer keys) of a source layer; gathered once, reused by later layers."""

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 
 from . import kernel_or_reference, triton_ok
+from .fp8_kv import FP8_DTYPE, quantize_kv
+from .fp8_kv import FP8_MAX as _FP8_MAX, MIN_AMAX as _MIN_AMAX
 from .rmsnorm import rms_norm, rms_norm_reference
 from .rope import apply_rope_reference
 
@@ -38,12 +40,29 @@ def latent_reference(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: to
 
 
 if triton is not None:
+    FP8_MAX = tl.constexpr(_FP8_MAX)
+    MIN_AMAX = tl.constexpr(_MIN_AMAX)
+
+    @triton.jit
+    def _e4m3_rne(x):
+        """fp32 x (|x| <= 448) rounded to the nearest E4M3 value, ties to even, as torch's cast
+        rounds (the cast of the result is then exact; the interpreter's own cast is not RNE).
+        The spacing is 2^(e - 3) for 2^e <= |x| (e >= -6), 2^-9 below; adding and taking away
+        1.5 * 2^23 rounds |x| / spacing (< 16) to an integer, ties to even."""
+        ax = tl.abs(x)
+        e = tl.maximum(((ax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6) - 3
+        step = ((e + 127) << 23).to(tl.float32, bitcast=True)
+        inv_step = ((127 - e) << 23).to(tl.float32, bitcast=True)  # powers of two: exact products
+        r = ((ax * inv_step + 12582912.0) - 12582912.0) * step
+        return tl.where(x < 0, -r, r)
+
     @triton.jit
     def _latent_kernel(kv_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, C, stride_kv, stride_c, stride_s, eps,
                        q_ptr, q_w_ptr, q_out_ptr, QC, stride_q, q_eps,
-                       slot_ptr, slab_ptr, key_ptr, key_slab_ptr, KD, stride_key,
+                       slot_ptr, slab_ptr, key_ptr, key_slab_ptr, KD, stride_key, key_scale_ptr,
                        HALF: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                       INTERLEAVE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_KEY: tl.constexpr, PDL: tl.constexpr = 0):
+                       INTERLEAVE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_KEY: tl.constexpr,
+                       KEY_FP8: tl.constexpr = False, PDL: tl.constexpr = 0):
         pdl_enter(PDL)
         tok = tl.program_id(0).to(tl.int64)
         DTYPE: tl.constexpr = out_ptr.dtype.element_ty
@@ -79,12 +98,18 @@ if triton is not None:
         if BLOCK_KEY > 0:
             tl.store(slab_row + C + i, r1, mask=i_ok)
             tl.store(slab_row + C + HALF + i, r2, mask=i_ok)
-            # the indexer key beside it, copied as it is
+            # the indexer key beside it, copied as it is or quantised as kernels/fp8_kv.py
+            # quantize_kv does (IEEE divisions, so the bytes and the scale are its own)
             d = tl.arange(0, BLOCK_KEY)
             d_ok = d < KD
             key = tl.load(key_ptr + tok * stride_key + d, mask=d_ok, other=0.0)
-            key_row = key_slab_ptr + tl.load(slot_ptr + tok).to(tl.int64) * KD
-            tl.store(key_row + d, key.to(key_slab_ptr.dtype.element_ty), mask=d_ok)
+            slot = tl.load(slot_ptr + tok).to(tl.int64)
+            if KEY_FP8:
+                kf = key.to(tl.float32)
+                scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(kf), axis=0), MIN_AMAX), FP8_MAX)
+                key = _e4m3_rne(tl.minimum(tl.maximum(tl.math.div_rn(kf, scale), -FP8_MAX), FP8_MAX))
+                tl.store(key_scale_ptr + slot, scale)
+            tl.store(key_slab_ptr + slot * KD + d, key.to(key_slab_ptr.dtype.element_ty), mask=d_ok)
         if BLOCK_Q > 0:  # the query's low-rank part, normed as kernels/rmsnorm.py does
             qc = tl.arange(0, BLOCK_Q)
             q_ok = qc < QC
@@ -120,14 +145,18 @@ def latent_triton(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch
                 or q_weight.dtype != kv.dtype or q.shape[1] > MAX_KV_LORA or q.stride(-1) != 1:
             raise ValueError(f"q_norm needs q [{t}, Q] (unit stride) and weight [Q] in {kv.dtype}, Q <= {MAX_KV_LORA}")
         q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    slots = slab = key = key_slab = None
+    slots = slab = key = key_slab = key_scale = None
     if write is not None:
-        slots, slab, key, key_slab = write
+        slots, slab, key, key_slab, key_scale = (*write, None)[:5]
         if slab.dim() != 2 or slab.shape[1] != d or slab.dtype != kv.dtype or not slab.is_contiguous() \
                 or slots.shape != (t,) or key.dim() != 2 or key.shape[0] != t or key.stride(-1) != 1 \
                 or key_slab.dim() != 2 or key_slab.shape[1] != key.shape[1] or not key_slab.is_contiguous():
             raise ValueError("write needs slots [T], a contiguous [S, C + R] slab in kv's dtype, index keys "
                              "[T, Di] (unit stride) and a contiguous [S, Di] index slab")
+        if (key_slab.dtype == FP8_DTYPE) != (key_scale is not None) or key_scale is not None and (
+                key_scale.shape != (key_slab.shape[0],) or key_scale.dtype != torch.float32
+                or not key_scale.is_contiguous()):
+            raise ValueError("an FP8 index slab needs its scales, a contiguous float32 [S] (and only it does)")
     if t == 0:
         return (out, q_out) if q_norm is not None else out
     if kv.stride(-1) != 1:
@@ -142,9 +171,10 @@ def latent_triton(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch
         q.shape[1] if q is not None else 0, q.stride(0) if q is not None else 0, float(q_eps),
         slots if write is not None else kv, slab if write is not None else out, key if write is not None else kv,
         key_slab if write is not None else out, key.shape[1] if write is not None else 0,
-        key.stride(0) if write is not None else 0,
+        key.stride(0) if write is not None else 0, key_scale if key_scale is not None else out,
         HALF=half, BLOCK_C=block_c, BLOCK_HALF=triton.next_power_of_2(half), INTERLEAVE=bool(interleave),
         BLOCK_Q=block_q, BLOCK_KEY=triton.next_power_of_2(key.shape[1]) if write is not None else 0,
+        KEY_FP8=key_scale is not None,
         num_warps=max(1, min(8, max(block_c, block_q) // 512)),
         enable_fp_fusion=False,  # the rounding the interpreter (and so the CPU tests) sees
         **pdl_launch(kv))
@@ -173,10 +203,12 @@ def latent_and_query(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: to
                      write: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(norm_rope_latent(kv, ...), rms_norm(q, q_weight, q_eps)) in one launch on GPU: an
     attention layer's latent and its query's low-rank part, both read from the input GEMM.
-    `write` = (slots [T], slab [S, C + R], index_key [T, Di], index_slab [S, Di]): also store
-    each token's latent at slab[slots] and its indexer key at index_slab[slots] (a KV-source
-    layer's cache write at decode, in kv's dtype; the slots of padding rows may repeat, and
-    such a slot then holds each element from one of its rows, in no set order).
+    `write` = (slots [T], slab [S, C + R], index_key [T, Di], index_slab [S, Di][, index_scale
+    [S]]): also store each token's latent at slab[slots] and its indexer key at index_slab[slots]
+    (a KV-source layer's cache write at decode, in kv's dtype; an FP8 index slab takes the key
+    quantised as kernels/fp8_kv.py quantize_kv does, its scale at index_scale[slots]; the slots
+    of padding rows may repeat, and such a slot then holds each element from one of its rows, in
+    no set order).
     Falls back to the references (and torch writes) where the kernel does not apply."""
     use_kernel = (triton is not None and triton_ok(kv) and kv.dim() == 2 and kv.dtype in _KERNEL_DTYPES
                   and weight.dtype == kv.dtype and weight.shape[0] <= MAX_KV_LORA
@@ -195,8 +227,10 @@ def latent_and_query_reference(kv: torch.Tensor, weight: torch.Tensor, eps: floa
                                write: tuple | None) -> tuple[torch.Tensor, torch.Tensor]:
     latent = norm_rope_latent(kv, weight, eps, cos, sin, interleave)
     if write is not None:
-        slots, slab, key, key_slab = write
+        slots, slab, key, key_slab, key_scale = (*write, None)[:5]
         slab[slots] = latent.to(slab.dtype)
+        if key_scale is not None:
+            key, key_scale[slots] = quantize_kv(key)
         key_slab[slots] = key.to(key_slab.dtype)
     return latent, rms_norm(*q_norm)
 

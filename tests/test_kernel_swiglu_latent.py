@@ -173,3 +173,44 @@ def test_latent_and_query_in_one_launch(device, dtype, write, monkeypatch):
         latent_triton(kv, w, 1e-6, cos, sin, False, (q[:2], qw, 1e-5))
     with pytest.raises(ValueError, match="write needs"):
         latent_triton(kv, w, 1e-6, cos, sin, False, (q, qw, 1e-5), (slots, slabs[0][0][:, :4], key, slabs[0][1]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_latent_write_quantises_fp8_index_keys(device, monkeypatch):
+    """An FP8 index slab gets each token's key quantised as quantize_kv does (the same bytes and
+    scale), its scale in the scale slab; the latent slab as before; an all-zero key stays zeros."""
+    from kernels.fp8_kv import dequantize_kv, quantize_kv
+    monkeypatch.setenv("WIDEEP_CPU_KERNELS", "1")
+    t, c, rope, kd, num_slots = 5, 64, 16, 32, 24
+    g = torch.Generator().manual_seed(3)
+    kv = torch.randn(t, c + rope, generator=g).bfloat16().to(device)
+    w = (torch.rand(c, generator=g) + 0.5).bfloat16().to(device)
+    q = torch.randn(t, 48, generator=g).bfloat16().to(device)
+    qw = torch.ones(48, dtype=torch.bfloat16, device=device)
+    key = (torch.randn(t, kd, generator=g) * torch.logspace(-3, 3, t)[:, None]).bfloat16().to(device)
+    key[2] = 0
+    # scale 1 (the row's largest is 448): ties between E4M3 neighbours go to the even one (21 -> 20,
+    # 336 -> 320, 3 * 2^-10 -> 2^-8, 2^-10 -> 0), 127.5 carries into the next binade, a tiny
+    # negative becomes -0
+    ties = torch.tensor([448.0, 21.0, 336.0, 3 * 2 ** -10, 2 ** -10, 127.5, -2 ** -11, -21.0, 0.75 * 2 ** -6])
+    key[1] = 0
+    key[1, :len(ties)] = ties.bfloat16().to(device)
+    _, cos, sin = rope_tables(t, rope, False, device=device)
+    slots = torch.tensor([3, 7, 0, 19, 11], device=device)
+    slab = torch.zeros(num_slots, c + rope, dtype=torch.bfloat16, device=device)
+    key_slab = torch.zeros(num_slots, kd, dtype=torch.float8_e4m3fn, device=device)
+    scales = torch.zeros(num_slots, device=device)
+    latent, _ = latent_triton(kv, w, 1e-6, cos, sin, False, (q, qw, 1e-5), (slots, slab, key, key_slab, scales))
+    want_q, want_scale = quantize_kv(key)
+    assert torch.equal(key_slab[slots].view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(scales[slots], want_scale)
+    assert key_slab[7, :8].float().tolist() == [448.0, 20.0, 320.0, 2 ** -8, 0.0, 128.0, -0.0, -20.0]
+    assert key_slab[7, 6].view(torch.uint8) == 0x80  # -0
+    assert torch.equal(slab[slots], latent)
+    assert not key_slab[2].float().any() and int(scales.ne(0).sum()) == t
+    ref = (torch.zeros_like(slab), torch.zeros_like(key_slab), torch.zeros_like(scales))
+    latent_and_query_reference(kv, w, 1e-6, cos, sin, False, (q, qw, 1e-5), (slots, *ref[:1], key, *ref[1:]))
+    assert torch.equal(ref[1].view(torch.uint8), key_slab.view(torch.uint8)) and torch.equal(ref[2], scales)
+    assert (dequantize_kv(key_slab[slots], scales[slots]) - key.float()).abs().max() <= key.float().abs().max() / 8
+    with pytest.raises(ValueError, match="FP8 index slab"):
+        latent_triton(kv, w, 1e-6, cos, sin, False, (q, qw, 1e-5), (slots, slab, key, key_slab))
