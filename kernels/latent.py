@@ -44,17 +44,23 @@ if triton is not None:
     MIN_AMAX = tl.constexpr(_MIN_AMAX)
 
     @triton.jit
-    def _e4m3_rne(x):
-        """fp32 x (|x| <= 448) rounded to the nearest E4M3 value, ties to even, as torch's cast
-        rounds (the cast of the result is then exact; the interpreter's own cast is not RNE).
-        The spacing is 2^(e - 3) for 2^e <= |x| (e >= -6), 2^-9 below; adding and taking away
-        1.5 * 2^23 rounds |x| / spacing (< 16) to an integer, ties to even."""
+    def _e4m3_bits(x):
+        """The E4M3 byte of fp32 x (|x| <= 448) rounded to nearest, ties to even, as torch's cast
+        gives it, -0 included; built from bits, so neither the interpreter's cast (not RNE) nor
+        the GPU's (which gave +0 for a tiny negative) decides it. The spacing is 2^(e - 3) for
+        2^e <= |x| (e >= -6), 2^-9 below; adding and taking away 1.5 * 2^23 rounds |x| / spacing
+        (< 16) to an integer, ties to even."""
         ax = tl.abs(x)
         e = tl.maximum(((ax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6) - 3
         step = ((e + 127) << 23).to(tl.float32, bitcast=True)
         inv_step = ((127 - e) << 23).to(tl.float32, bitcast=True)  # powers of two: exact products
-        r = ((ax * inv_step + 12582912.0) - 12582912.0) * step
-        return tl.where(x < 0, -r, r)
+        r = ((ax * inv_step + 12582912.0) - 12582912.0) * step  # an E4M3 value now
+        bits = r.to(tl.int32, bitcast=True)
+        exp = ((bits >> 23) & 0xFF) - 127
+        normal = ((exp + 7) << 3) | ((bits >> 20) & 0x7)
+        subnormal = (r * 512.0).to(tl.int32)  # 0 .. 7 units of 2^-9
+        sign = ((x.to(tl.int32, bitcast=True) >> 31) & 1) << 7
+        return (tl.where(exp >= -6, normal, subnormal) | sign).to(tl.uint8)
 
     @triton.jit
     def _latent_kernel(kv_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, C, stride_kv, stride_c, stride_s, eps,
@@ -107,9 +113,11 @@ if triton is not None:
             if KEY_FP8:
                 kf = key.to(tl.float32)
                 scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(kf), axis=0), MIN_AMAX), FP8_MAX)
-                key = _e4m3_rne(tl.minimum(tl.maximum(tl.math.div_rn(kf, scale), -FP8_MAX), FP8_MAX))
+                key = _e4m3_bits(tl.minimum(tl.maximum(tl.math.div_rn(kf, scale), -FP8_MAX), FP8_MAX))
                 tl.store(key_scale_ptr + slot, scale)
-            tl.store(key_slab_ptr + slot * KD + d, key.to(key_slab_ptr.dtype.element_ty), mask=d_ok)
+                tl.store(key_slab_ptr.to(tl.pointer_type(tl.uint8)) + slot * KD + d, key, mask=d_ok)
+            else:
+                tl.store(key_slab_ptr + slot * KD + d, key.to(key_slab_ptr.dtype.element_ty), mask=d_ok)
         if BLOCK_Q > 0:  # the query's low-rank part, normed as kernels/rmsnorm.py does
             qc = tl.arange(0, BLOCK_Q)
             q_ok = qc < QC

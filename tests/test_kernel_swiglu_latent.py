@@ -214,3 +214,38 @@ def test_latent_write_quantises_fp8_index_keys(device, monkeypatch):
     assert (dequantize_kv(key_slab[slots], scales[slots]) - key.float()).abs().max() <= key.float().abs().max() / 8
     with pytest.raises(ValueError, match="FP8 index slab"):
         latent_triton(kv, w, 1e-6, cos, sin, False, (q, qw, 1e-5), (slots, slab, key, key_slab))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp8_index_key_bytes_for_every_e4m3_value_and_midpoint(device, monkeypatch):
+    """Every finite E4M3 value, every midpoint between neighbours (ties, to even), values just
+    either side of them, and both zeros: the latent kernel's bytes are torch's (rows of scale 1)."""
+    from kernels.fp8_kv import quantize_kv
+    monkeypatch.setenv("WIDEEP_CPU_KERNELS", "1")
+    grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    grid = grid[grid.isfinite() & (grid >= 0)].unique()
+    mids = (grid[1:] + grid[:-1]) / 2
+    values = torch.cat([grid, mids, mids * (1 + 2 ** -6), mids * (1 - 2 ** -6), torch.tensor([-0.0])])
+    values = torch.cat([values, -values]).bfloat16().float().unique()
+    kd = 32
+    per_row = kd - 1
+    t = -(-values.numel() // per_row)
+    key = torch.zeros(t, kd)
+    key[:, 0] = 448.0
+    places = (torch.arange(t * kd) % kd != 0).nonzero().squeeze(1)[:values.numel()]
+    key.view(-1)[places] = values
+    assert int(key.ne(0).sum()) >= values.numel() - 1 + t  # all but the zeros placed, and each 448
+    key = key.bfloat16().to(device)
+    c, rope = 16, 8
+    kv = torch.randn(t, c + rope).bfloat16().to(device)
+    w = torch.ones(c, dtype=torch.bfloat16, device=device)
+    q = torch.randn(t, 16).bfloat16().to(device)
+    _, cos, sin = rope_tables(t, rope, False, device=device)
+    slots = torch.arange(t, device=device)
+    slab = torch.zeros(t, c + rope, dtype=torch.bfloat16, device=device)
+    key_slab = torch.zeros(t, kd, dtype=torch.float8_e4m3fn, device=device)
+    scales = torch.zeros(t, device=device)
+    latent_triton(kv, w, 1e-6, cos, sin, False, (q, torch.ones_like(q[0]), 1e-5), (slots, slab, key, key_slab, scales))
+    want, want_scale = quantize_kv(key)
+    assert torch.equal(scales, want_scale) and bool((scales == 1).all())
+    assert torch.equal(key_slab.view(torch.uint8), want.view(torch.uint8))
