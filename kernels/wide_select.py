@@ -107,16 +107,6 @@ if triton is not None:
             best = tl.maximum(best, tl.max(_order_key(_load_live(row, pos, end, load_end)), axis=0))
         tl.store(m_ptr + seq * stride + t, _key_to_score(best))
 
-    @triton.jit
-    def _append_candidates(s, pos, tau, row_count_ptr, row_cand_ptr, row_pos_ptr, capacity, POSITIONS: tl.constexpr):
-        keep = (s >= tau) & (s > float("-inf"))
-        kept = tl.sum(keep.to(tl.int32), axis=0)
-        if kept > 0:  # one atomic a block: most blocks of a wide row keep a few scores or none
-            place = tl.atomic_add(row_count_ptr, kept, sem="relaxed") + tl.cumsum(keep.to(tl.int32), axis=0) - 1
-            tl.store(row_cand_ptr + place, s, mask=keep & (place < capacity))
-            if POSITIONS:
-                tl.store(row_pos_ptr + place, pos, mask=keep & (place < capacity))
-
     @triton.jit(do_not_specialize=["num_seqs", "blocks", "k"])
     def _candidate_kernel(scores_ptr, lens_ptr, hist_ptr, state_ptr, count_ptr, cand_ptr, cand_pos_ptr, stride_sb,
                           width, num_seqs, blocks, k, capacity,
@@ -132,19 +122,19 @@ if triton is not None:
         start = tl.program_id(1) * blocks * BLOCK
         if start >= end:
             return
-        row = scores_ptr + seq * stride_sb
-        # The first block's scores are loaded before tau is derived: loads after the derivation
-        # (a scan across warps) would wait for it.
-        pos = start + tl.arange(0, BLOCK)
-        s = _load_live(row, pos, end, load_end)
         prefix, _ = _radix_state(hist_ptr, state_ptr, seq, num_seqs, k, 3)
         tau = _key_to_score(prefix.to(tl.uint32, bitcast=True))
-        _append_candidates(s, pos, tau, count_ptr + seq, cand_ptr + seq * capacity, cand_pos_ptr + seq * capacity,
-                           capacity, POSITIONS)
-        for b in range(1, blocks):
+        row = scores_ptr + seq * stride_sb
+        for b in range(0, blocks):
             pos = start + b * BLOCK + tl.arange(0, BLOCK)
-            _append_candidates(_load_live(row, pos, end, load_end), pos, tau, count_ptr + seq,
-                               cand_ptr + seq * capacity, cand_pos_ptr + seq * capacity, capacity, POSITIONS)
+            s = _load_live(row, pos, end, load_end)
+            keep = (s >= tau) & (s > float("-inf"))
+            kept = tl.sum(keep.to(tl.int32), axis=0)
+            if kept > 0:  # one atomic a block: most blocks of a wide row keep a few scores or none
+                place = tl.atomic_add(count_ptr + seq, kept, sem="relaxed") + tl.cumsum(keep.to(tl.int32), axis=0) - 1
+                tl.store(cand_ptr + seq * capacity + place, s, mask=keep & (place < capacity))
+                if POSITIONS:
+                    tl.store(cand_pos_ptr + seq * capacity + place, pos, mask=keep & (place < capacity))
 
     @triton.jit(do_not_specialize=["num_seqs", "row_blocks", "cand_blocks", "k"])
     def _pass_kernel(scores_ptr, lens_ptr, cand_ptr, count_ptr, hist_ptr, state_ptr, stride_sb, width,
