@@ -357,9 +357,11 @@ def _next_pow2(n: int, floor: int) -> int:
 # FP8 index keys with a bf16 query: score in fp16 (kernels above). On the H200 the batch-16 decode
 # step with FP8 index keys took 8.85 / 8.83 ms at 512K with it against 9.67 / 9.63 without (8K:
 # 2.91 against 2.94), where bf16 keys took 9.61; yet the scoring kernel timed alone
-# (bench.probe_score) was 7% slower with it (220 against 206 us a layer, tile 128, 2 warps). The
-# step is what counts; why the two disagree is not known (RESULTS, fourteenth session).
-# WIDEEP_FP8_SCORES_F16=0 widens FP8 keys to bf16 instead.
+# (bench.probe_score) was 7% slower with it (220 against 206 us a layer, tile 128, 2 warps), one
+# tile a program: each program scaled the query again, a reduction across warps that the fp16
+# form alone has. With several tiles a program (FP8_SCORE_PROGRAMS) the scaling is paid once and
+# the fp16 form takes 178.8 us (the bf16-widened form was not timed that way; RESULTS, fourteenth
+# and fifteenth sessions). WIDEEP_FP8_SCORES_F16=0 widens FP8 keys to bf16 instead.
 FP8_SCORES_IN_F16 = os.environ.get("WIDEEP_FP8_SCORES_F16", "1") != "0"
 
 
