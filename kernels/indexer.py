@@ -416,7 +416,7 @@ def _score_launch(q, w, index_keys, block_tables, g_lens, block_size,
         if maxima.shape[1] % tile:
             raise ValueError(f"the maxima's group stride {maxima.shape[1]} must be a multiple of the tile {tile}")
         programs = maxima.shape[1] // tile
-    elif programs is None and not probe and key_scale is not None:
+    elif programs is None and key_scale is not None:  # (the tuner's choices are timed in this form too)
         programs = triton.cdiv(FP8_SCORE_PROGRAMS, num_seqs)
     programs = min(programs or row_tiles, row_tiles) if maxima is None else programs
     # Mixed dtypes meet in fp32. So do bf16 ones under the CPU interpreter, whose tl.dot

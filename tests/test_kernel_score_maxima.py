@@ -95,8 +95,10 @@ def test_fp8_keys_take_several_tiles_a_program_by_default(device, monkeypatch):
         "__getitem__": lambda self, grid: launched.append(grid) or real[grid]})())
     monkeypatch.setattr(indexer, "FP8_SCORE_PROGRAMS", 3)
     got = indexer._score_launch(q, w, keys8, tables, lens, 16, key_scale=scale)
-    want = indexer._score_launch(q, w, keys8, tables, lens, 16, tile=128, num_warps=4, key_scale=scale)
-    assert launched[0] == (2, 2) and launched[1][1] == -(-tables.shape[1] * 16 // 128)
+    row_tiles = -(-tables.shape[1] * 16 // 128)
+    want = indexer._score_launch(q, w, keys8, tables, lens, 16, tile=128, num_warps=4, key_scale=scale,
+                                 programs=row_tiles)
+    assert launched[0] == (2, 2) and launched[1] == (2, row_tiles)
     live = torch.isfinite(want)
     assert torch.equal(live, torch.isfinite(got))
     assert float((got - want)[live].abs().max()) <= 1e-5 * float(want[live].abs().max())
