@@ -324,8 +324,7 @@ def threshold_passes(scores: torch.Tensor, k: int, g_lens: torch.Tensor | None =
         raise ValueError(f"maxima must be [{num_seqs}, T] with T >= k = {k}, got {tuple(maxima.shape)}")
     # One allocation zeroed by the first launch: the maxima's histograms, the candidates'
     # histograms, the candidate counts.
-    zeroed = ws is not None
-    ws = (ws if zeroed else threshold_workspace(num_seqs, device)).view(-1)
+    ws = (ws if ws is not None else threshold_workspace(num_seqs, device)).view(-1)
     hist_m = ws[:4 * num_seqs * 256].view(4, num_seqs, 256)
     hist = ws[4 * num_seqs * 256:8 * num_seqs * 256].view(4, num_seqs, 256)
     count = ws[8 * num_seqs * 256:]
