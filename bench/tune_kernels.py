@@ -25,7 +25,7 @@ from bench.kernel_mla_decode import quantize_in_chunks
 from bench.kernel_timing import graph_ms
 from kernels import tuning
 from kernels.fp8_kv import quantize_kv
-from kernels.indexer import _score_launch, score_tune_key
+from kernels.index_score import _score_launch, score_tune_key
 from kernels.mla_decode import mla_decode_triton, tune_key
 
 HEADS, KV_LORA, ROPE, BLOCK, TOPK, WINDOW = 16, 512, 64, 64, 2048, 129

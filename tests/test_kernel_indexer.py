@@ -229,7 +229,7 @@ def test_fp8_keys_scored_in_fp16(device, q_scale):
     (bit for bit under the interpreter), a query past fp16's range (scaled down by a power of two
     and back) included."""
     from kernels.fp8_kv import quantize_kv
-    from kernels.indexer import _score_launch
+    from kernels.index_score import _score_launch
     g_lens, bs = [70, 9, 33], 8
     q, w, keys, tables, lens = make_case(device, g_lens, bs, seed=6)
     keys8, scale = quantize_kv(keys.float())

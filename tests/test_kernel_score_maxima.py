@@ -1,11 +1,12 @@
 """The indexer's scoring launch taking several tiles a program and, for the threshold select, the
-strided group maxima (kernels/indexer.py _score_launch, kernels/wide_select.py threshold_passes):
+strided group maxima (kernels/index_score.py _score_launch, kernels/wide_select.py threshold_passes):
 the same scores as one tile a program, the maxima of a plain torch reduction, and the reference's
 selection with the maxima's own launch left out."""
 import pytest
 import torch
 
 from kernel_devices import DEVICES, poison_empty
+import kernels.index_score as score
 import kernels.indexer as indexer
 import kernels.wide_select as ws
 from test_kernel_indexer import check_rows, make_case
@@ -27,9 +28,9 @@ def maxima_reference(scores, stride):
 ])
 def test_scores_and_maxima_from_one_launch(device, g_lens, block_size, tile, stride):
     args = make_case(device, g_lens, block_size)
-    want = indexer._score_launch(*args, block_size, tile=tile, num_warps=4)
+    want = score._score_launch(*args, block_size, tile=tile, num_warps=4)
     m = torch.full((len(g_lens), stride), float("nan"), device=device)
-    got = indexer._score_launch(*args, block_size, tile=tile, num_warps=4, maxima=m)
+    got = score._score_launch(*args, block_size, tile=tile, num_warps=4, maxima=m)
     assert torch.equal(got, want)
     assert torch.equal(m, maxima_reference(want, stride))
 
@@ -40,16 +41,16 @@ def test_several_tiles_a_program_give_the_same_scores(device, programs):
     """Also with FP8 keys and their scales (scored in fp16 where q is bf16, on CUDA)."""
     g_lens = [700, 129, 5]
     args = make_case(device, g_lens, 32)
-    want = indexer._score_launch(*args, 32, tile=32, num_warps=4)
-    got = indexer._score_launch(*args, 32, tile=32, num_warps=4, programs=programs)
+    want = score._score_launch(*args, 32, tile=32, num_warps=4)
+    got = score._score_launch(*args, 32, tile=32, num_warps=4, programs=programs)
     assert torch.equal(got, want)
     q, w, keys, tables, lens = args
     keys8 = keys.to(torch.float8_e4m3fn)
     scale = torch.rand(keys.shape[0], device=device) + 0.5
     if device == "cuda":
         q, w = q.bfloat16(), w.bfloat16()
-    want = indexer._score_launch(q, w, keys8, tables, lens, 32, tile=32, num_warps=4, key_scale=scale)
-    got = indexer._score_launch(q, w, keys8, tables, lens, 32, tile=32, num_warps=4, key_scale=scale,
+    want = score._score_launch(q, w, keys8, tables, lens, 32, tile=32, num_warps=4, key_scale=scale)
+    got = score._score_launch(q, w, keys8, tables, lens, 32, tile=32, num_warps=4, key_scale=scale,
                                 programs=programs)
     assert torch.equal(got, want)
 
@@ -90,13 +91,13 @@ def test_fp8_keys_take_several_tiles_a_program_by_default(device, monkeypatch):
     if device == "cuda":
         q, w = q.bfloat16(), w.bfloat16()
     launched = []
-    real = indexer._score_tile_kernel
-    monkeypatch.setattr(indexer, "_score_tile_kernel", type("Spy", (), {
+    real = score._score_tile_kernel
+    monkeypatch.setattr(score, "_score_tile_kernel", type("Spy", (), {
         "__getitem__": lambda self, grid: launched.append(grid) or real[grid]})())
-    monkeypatch.setattr(indexer, "FP8_SCORE_PROGRAMS", 3)
-    got = indexer._score_launch(q, w, keys8, tables, lens, 16, key_scale=scale)
+    monkeypatch.setattr(score, "FP8_SCORE_PROGRAMS", 3)
+    got = score._score_launch(q, w, keys8, tables, lens, 16, key_scale=scale)
     row_tiles = -(-tables.shape[1] * 16 // 128)
-    want = indexer._score_launch(q, w, keys8, tables, lens, 16, tile=128, num_warps=4, key_scale=scale,
+    want = score._score_launch(q, w, keys8, tables, lens, 16, tile=128, num_warps=4, key_scale=scale,
                                  programs=row_tiles)
     assert launched[0] == (2, 2) and launched[1] == (2, row_tiles)
     live = torch.isfinite(want)
@@ -107,9 +108,9 @@ def test_fp8_keys_take_several_tiles_a_program_by_default(device, monkeypatch):
 def test_bad_maxima_are_refused():
     args = make_case("cpu", [100], 16)
     with pytest.raises(ValueError, match="multiple of the tile"):
-        indexer._score_launch(*args, 16, tile=32, maxima=torch.empty(1, 48))
+        score._score_launch(*args, 16, tile=32, maxima=torch.empty(1, 48))
     with pytest.raises(ValueError, match="maxima must be"):
-        indexer._score_launch(*args, 16, tile=32, maxima=torch.empty(2, 64))
+        score._score_launch(*args, 16, tile=32, maxima=torch.empty(2, 64))
     scores = torch.zeros(1, 128)
     with pytest.raises(ValueError, match="come together"):
         ws.threshold_passes(scores, 8, maxima=torch.zeros(1, 64))
@@ -122,7 +123,7 @@ def compiled_variants() -> int:
     import kernels.row_select as row_select
     from triton.runtime.jit import JITFunction
     total = 0
-    for module in (indexer, ws, row_select):
+    for module in (score, indexer, ws, row_select):
         for fn in vars(module).values():
             if isinstance(fn, JITFunction):
                 caches = getattr(fn, "device_caches", None)
