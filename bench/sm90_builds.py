@@ -84,20 +84,37 @@ def build_select(first: int, last: int) -> dict:
     from kernels.row_select import BLOCK, MAX_PARTS, _select_kernel
     fn = _select_kernel
     consts = dict(FIRST=first, LAST=last, BLOCK=BLOCK, PARTS=MAX_PARTS, FILL=1024)
-    signature = {name: "constexpr" if name in consts else "*fp32" if name == "scores_ptr"
-                 else "*i32" if name.endswith("_ptr") else "i32" for name in fn.arg_names}
-    src = ASTSource(fn=fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
-                    attrs={})
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-    info = _ptxas_info(kernel.asm["ptx"])
-    return dict(kernel=fn.__name__, phases=f"{first}-{last}", **info, triton=triton.__version__)
+    ptx = _launch_build(fn, consts, {"scores_ptr"}, 4)
+    return dict(kernel=fn.__name__, phases=f"{first}-{last}", **_ptxas_info(ptx),
+                vector_loads=ptx.count("ld.global.v4"), triton=triton.__version__)
+
+
+def _launch_build(fn, consts: dict, fp32: set, warps: int) -> str:
+    """PTX of fn for sm_90 as the launcher builds it on an H200: pointers and the integers it
+    specialises (all but do_not_specialize) taken as multiples of 16."""
+    plain = set(fn.do_not_specialize) | {fn.arg_names[i] for i in fn.do_not_specialize if isinstance(i, int)}
+    signature, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in consts:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = "*fp32" if name in fp32 else "*i32"
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            signature[name] = "i32"
+            if name not in plain:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=fn, signature=signature, attrs=attrs,
+                    constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps)).asm["ptx"]
 
 
 def build_wide() -> list[dict]:
     """The wide rows' k-th score (kernels/wide_select.py): group maxima, candidates and each byte
-    pass, with and without g_lens (with them the candidates keep their positions), and the
-    positions emitted from the candidates, as launched on an H200 (dependent launches on, integers
+    pass, with and without g_lens (with them the candidates keep their positions), the
+    positions emitted from the candidates and the radix passes' sparse atomics, as launched on an H200 (dependent launches on, integers
     specialised as the launcher does: pointers and the widths and strides it keeps)."""
+    from kernels import indexer
     from kernels import wide_select as ws
     fp32 = {"scores_ptr", "m_ptr", "cand_ptr"}
     builds = []
@@ -106,27 +123,15 @@ def build_wide() -> list[dict]:
         builds.append((ws._candidate_kernel, dict(HAS_LENS=lens, BLOCK=ws.BLOCK, POSITIONS=lens), 4))
         builds += [(ws._pass_kernel, dict(PASS=p, HAS_LENS=lens, BLOCK=ws.BLOCK), 8) for p in range(4)]
     builds.append((ws._emit_candidates_kernel, dict(BLOCK=ws.BLOCK, FILL=1024), 4))
+    # the radix passes over whole rows, with their last two bytes' atomics for sparse blocks
+    builds += [(indexer._radix_pass_kernel, dict(PASS=p, BLOCK=indexer._SELECT_BLOCK, SPARSE=True,
+                                                 SPARSE_MAX=indexer.SPARSE_MAX), 8) for p in (2, 3)]
     rows = []
     for fn, consts, warps in builds:
         consts = dict(consts, PDL=2)
-        plain = set(fn.do_not_specialize) | {fn.arg_names[i] for i in fn.do_not_specialize if isinstance(i, int)}
-        signature, attrs = {}, {}
-        for i, name in enumerate(fn.arg_names):
-            if name in consts:
-                signature[name] = "constexpr"
-            elif name.endswith("_ptr"):
-                signature[name] = "*fp32" if name in fp32 else "*i32"
-                attrs[(i,)] = [["tt.divisibility", 16]]
-            else:
-                signature[name] = "i32"
-                if name not in plain:
-                    attrs[(i,)] = [["tt.divisibility", 16]]
-        src = ASTSource(fn=fn, signature=signature, attrs=attrs,
-                        constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
-        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
-        ptx = kernel.asm["ptx"]
+        ptx = _launch_build(fn, consts, fp32, warps)
         rows.append(dict(kernel=fn.__name__,
-                         **{k: v for k, v in consts.items() if k in ("PASS", "HAS_LENS", "POSITIONS")},
+                         **{k: v for k, v in consts.items() if k in ("PASS", "HAS_LENS", "POSITIONS", "SPARSE")},
                          **_ptxas_info(ptx), vector_loads=ptx.count("ld.global.v4"), triton=triton.__version__))
     return rows
 

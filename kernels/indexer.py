@@ -17,7 +17,7 @@ import torch
 
 from . import triton_ok
 from .index_score import _next_pow2, _score_choice, _score_launch, indexer_scores_triton  # noqa: F401 (the API)
-from .row_select import WORKSPACE_COLS, select_rows
+from .row_select import SPARSE_MAX, SPARSE_MAX_ROWS, WORKSPACE_COLS, select_rows
 from .score_warmup import build_wide_variants, remember as remember_scoring
 
 try:
@@ -81,7 +81,7 @@ def indexer_topk_reference(q: torch.Tensor, w: torch.Tensor, index_keys: torch.T
 
 
 if triton is not None:
-    from .row_select import _key_to_score, _order_key, _pick_digit
+    from .row_select import _key_to_score, _live_scores, _order_key, _pick_digit
 
     # Integer arguments that are 1 or a multiple of 16 get their own build unless listed in
     # do_not_specialize; chunk counts change as contexts grow, so they are listed (they only
@@ -118,11 +118,13 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["num_seqs", "span", "k"])
     def _radix_pass_kernel(scores_ptr, hist_ptr, state_ptr, stride_sb, width, num_seqs, span, k,
-                           PASS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
+                           PASS: tl.constexpr, BLOCK: tl.constexpr, SPARSE: tl.constexpr = False,
+                           SPARSE_MAX: tl.constexpr = 64, PDL: tl.constexpr = 0):
         """Histogram of the PASS-th byte (from the top) of the keys that match the k-th
         largest key in the bytes before it, over `span` positions of the row; counts are added
         into hist[PASS, seq]. The span is a runtime loop, not a block size, so one build serves
-        every batch size and context."""
+        every batch size and context. SPARSE: from the third byte on, a block where at most
+        SPARSE_MAX keys still match adds them by atomics instead of a histogram of the block."""
         pdl_enter(PDL)
         seq = tl.program_id(0)
         start = tl.program_id(1) * span
@@ -133,7 +135,9 @@ if triton is not None:
             prefix = prefix.to(tl.uint32, bitcast=True)
         counts = tl.zeros([256], dtype=tl.int32)
         for off in range(0, span, BLOCK):
-            pos = start + off + tl.arange(0, BLOCK)
+            # spans are whole blocks (radix_passes): the hint lets the loads vectorise, which the
+            # unspecialised span alone would not
+            pos = tl.multiple_of(start + off, BLOCK) + tl.arange(0, BLOCK)
             s = tl.load(scores_ptr + seq * stride_sb + pos, mask=pos < width, other=float("-inf"))
             key = _order_key(s)
             digit = (key >> (24 - 8 * PASS)) & 0xFF
@@ -143,7 +147,14 @@ if triton is not None:
             # Non-matching keys land in bin 0, which _pick_digit never needs exactly: it reads
             # only the counts of digits above the one it picks, and bin 0 is picked only when
             # every higher bin together holds fewer than `rank` keys.
-            counts += tl.histogram(tl.where(match, digit, 0).to(tl.int32), 256)
+            if SPARSE and PASS >= 2:
+                if tl.sum(match.to(tl.int32), axis=0) <= SPARSE_MAX:
+                    tl.atomic_add(hist_ptr + (PASS * num_seqs + seq) * 256 + digit, tl.full([BLOCK], 1, tl.int32),
+                                  mask=match, sem="relaxed")
+                else:
+                    counts += tl.histogram(tl.where(match, digit, 0).to(tl.int32), 256)
+            else:
+                counts += tl.histogram(tl.where(match, digit, 0).to(tl.int32), 256)
         bins = tl.arange(0, 256)
         tl.atomic_add(hist_ptr + (PASS * num_seqs + seq) * 256 + bins, counts, mask=counts > 0, sem="relaxed")
 
@@ -163,7 +174,7 @@ if triton is not None:
         chunk = tl.program_id(1)
         pos = chunk * CHUNK + tl.arange(0, CHUNK)
         live = (pos < tl.load(lens_ptr + seq)) & (pos < width)
-        s = tl.load(scores_ptr + seq * stride_sb + pos, mask=live, other=float("-inf"))
+        s = _live_scores(scores_ptr + seq * stride_sb, pos, live, width)
         if RADIX:  # the k-th score from the radix passes' last histogram; kept for the emit pass
             prefix, _ = _radix_state(hist_ptr, state_ptr, seq, num_seqs, k, 3)
             kth = _key_to_score(prefix.to(tl.uint32, bitcast=True))
@@ -227,7 +238,7 @@ if triton is not None:
 
         pos = chunk * CHUNK + tl.arange(0, CHUNK)
         live = (pos < tl.load(lens_ptr + seq)) & (pos < width)
-        s = tl.load(scores_ptr + seq * stride_sb + pos, mask=live, other=float("-inf"))
+        s = _live_scores(scores_ptr + seq * stride_sb, pos, live, width)
         kth = tl.load(kth_ptr + seq)
         row_out = out_ptr + seq * stride_ob
         is_above = live & (s > kth)
@@ -270,6 +281,10 @@ MAXIMA_MIN_PROGRAMS = 1024
 # passes): batch 64 at 8K 33.2 -> 28.1 us, batch 16 at 128K 59.4 -> 55.9 us; batch 1 and 16 at 8K
 # reach one block a program either way.
 _RADIX_PROGRAMS = 1024
+# The radix passes' last two bytes: blocks where few keys still match add them by atomics, as the
+# one-launch select does (kernels/row_select.py SPARSE_FROM); WIDEEP_RADIX_SPARSE=0 keeps the
+# histograms.
+RADIX_SPARSE = os.environ.get("WIDEEP_RADIX_SPARSE", "1") != "0"
 _SELECT_BLOCK = 1024
 # Chunk counts the offsets pass sums per step: a 1M-position row in one. (When each emit program
 # summed them itself, 64 a step cost 74 us a layer at 512K on the H200 and 1024 a step 45 us.)
@@ -301,11 +316,16 @@ def kth_scores(scores: torch.Tensor, k: int, method: str | None = None, span: in
 
 
 def radix_passes(scores: torch.Tensor, k: int, span: int | None = None, block: int | None = None,
-                 num_warps: int = 8, hist: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 num_warps: int = 8, hist: torch.Tensor | None = None,
+                 sparse: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The four histogram passes of the radix select: (hist [4, B, 256], state [3, 2, B]), from
     which _radix_state derives the k-th score (kth_scores; the count pass of select_topk_triton).
-    `hist`: histograms already zeroed (the scoring launch can do it)."""
+    `hist`: histograms already zeroed (the scoring launch can do it). `sparse`: the last two
+    passes count blocks with few matching keys by atomics (default RADIX_SPARSE, up to
+    SPARSE_MAX_ROWS rows)."""
     num_seqs, width = scores.shape
+    if sparse is None:
+        sparse = RADIX_SPARSE and num_seqs <= SPARSE_MAX_ROWS
     if hist is None:
         hist = torch.zeros(4, num_seqs, 256, device=scores.device, dtype=torch.int32)
     state = torch.empty(3, 2, num_seqs, device=scores.device, dtype=torch.int32)
@@ -320,7 +340,7 @@ def radix_passes(scores: torch.Tensor, k: int, span: int | None = None, block: i
     for p in range(4):
         _radix_pass_kernel[(num_seqs, triton.cdiv(width, span))](
             scores, hist, state, scores.stride(0), width, num_seqs, span, k, PASS=p, BLOCK=block,
-            num_warps=num_warps, **pdl_launch(scores))
+            SPARSE=sparse, SPARSE_MAX=SPARSE_MAX, num_warps=num_warps, **pdl_launch(scores))
     return hist, state
 
 
@@ -432,7 +452,6 @@ def warm_up(topk: int, device, max_rows: int) -> None:
     depend on none of the widths (kernels/row_select.py, kernels/wide_select.py),
     so narrow rows build them. On a GPU, also the scoring launch's wide-row variants for the
     input layouts the warm-up's requests scored with (kernels/score_warmup.py)."""
-    from .row_select import SPARSE_MAX_ROWS
     probe = torch.empty(0, device=device)
     if triton is None or not triton_ok(probe) or topk <= 0:
         return

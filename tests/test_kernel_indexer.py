@@ -281,6 +281,25 @@ def test_radix_launch_overrides(device):
         kth_scores(scores, 300, "radix", span=768, block=512)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_radix_sparse_blocks_count_as_histograms(device):
+    """The last two radix passes' atomics for blocks where few keys still match (RADIX_SPARSE)
+    add the same counts as the histograms: a row whose blocks hold few matching keys (distinct
+    random scores) and a row whose blocks hold hundreds (repeats of the k-th score)."""
+    from kernels.indexer import radix_passes
+    g = torch.Generator().manual_seed(9)
+    width, k = 6000, 300
+    scores = torch.randn(2, width, generator=g)
+    scores[1, 1000:3000] = scores[1].sort(descending=True).values[k - 1]  # 2000 ties: dense blocks
+    scores = scores.to(device)
+    dense_hist, dense_state = radix_passes(scores, k, span=1024, block=512, sparse=False)
+    sparse_hist, sparse_state = radix_passes(scores, k, span=1024, block=512, sparse=True)
+    # bin 0 also holds the non-matching keys of histogrammed blocks: never read exactly
+    assert torch.equal(dense_hist[..., 1:], sparse_hist[..., 1:]) and torch.equal(dense_state, sparse_state)
+    want = scores.sort(dim=1, descending=True).values[:, k - 1]
+    assert torch.equal(kth_scores(scores, k, "radix"), want)
+
+
 def test_unknown_selection_method_is_refused():
     scores = torch.zeros(1, 64, device=TRITON_DEVICE)
     with pytest.raises(ValueError, match="unknown selection method"):

@@ -51,7 +51,8 @@ def test_gluon_fp8_build_fits(tmp_path):
 
 def test_one_launch_select_builds_without_spills(tmp_path):
     """The indexer's one-launch select (barriers between phases) and each phase alone compile
-    for sm_90: the interpreter, which runs it on CPU, does not type-check the kernel."""
+    for sm_90 (the interpreter, which runs it on CPU, does not type-check the kernel), with
+    vector loads of the scores."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = tmp_path / "select.jsonl"
     r = subprocess.run([sys.executable, "-m", "bench.sm90_builds", "--select", "--json", str(out)], env=env,
@@ -60,11 +61,14 @@ def test_one_launch_select_builds_without_spills(tmp_path):
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [row["phases"] for row in rows] == ["0-5"] + [f"{p}-{p}" for p in range(6)]
     assert all(0 < row["registers"] <= 255 and row["spill_store_bytes"] == 0 for row in rows)
+    # the score loads are vector loads: masked by the row's width, not by g_len
+    assert all(row["vector_loads"] > 0 for row in rows)
 
 
 def test_wide_select_builds_without_spills(tmp_path):
     """The wide rows' k-th score (kernels/wide_select.py): group maxima, candidates and the four
-    byte passes, with and without g_lens, and the emit from the candidates compile for sm_90 with dependent launches; the row
+    byte passes, with and without g_lens, the emit from the candidates and the radix passes'
+    atomics for sparse blocks compile for sm_90 with dependent launches; the row
     loads are vector loads (the masks at multiples of 16 keep them so)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = tmp_path / "wide.jsonl"
@@ -73,6 +77,6 @@ def test_wide_select_builds_without_spills(tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [row["kernel"] for row in rows] == (2 * (["_group_max_kernel", "_candidate_kernel"] + 4 * ["_pass_kernel"])
-                                              + ["_emit_candidates_kernel"])
+                                              + ["_emit_candidates_kernel"] + 2 * ["_radix_pass_kernel"])
     assert all(0 < row["registers"] <= 255 and row["spill_store_bytes"] == 0 for row in rows)
     assert all(row["vector_loads"] > 0 for row in rows)
