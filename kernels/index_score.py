@@ -184,7 +184,7 @@ def _score_launch(q, w, index_keys, block_tables, g_lens, block_size,
                   programs: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """[B, width] fp32 scores, -inf past each row's g_len; `zero` (int32, B rows' worth: the
     selection's workspace) is zeroed too. `skip_dead`: tiles wholly past g_len are not written
-    (for the one-launch select, which ignores them). `maxima` [B, T] fp32 (T a multiple of
+    (for the one-launch select, which never reads there). `maxima` [B, T] fp32 (T a multiple of
     the tile): also write each row's strided group maxima for group stride T
     (kernels/wide_select.py), T / tile programs a row. `programs`: programs a row otherwise
     (each scores every programs-th tile). Launch choices left out come from _score_choice."""

@@ -81,7 +81,7 @@ def indexer_topk_reference(q: torch.Tensor, w: torch.Tensor, index_keys: torch.T
 
 
 if triton is not None:
-    from .row_select import _key_to_score, _live_scores, _order_key, _pick_digit
+    from .row_select import _key_to_score, _order_key, _pick_digit
 
     # Integer arguments that are 1 or a multiple of 16 get their own build unless listed in
     # do_not_specialize; chunk counts change as contexts grow, so they are listed (they only
@@ -157,6 +157,15 @@ if triton is not None:
                 counts += tl.histogram(tl.where(match, digit, 0).to(tl.int32), 256)
         bins = tl.arange(0, 256)
         tl.atomic_add(hist_ptr + (PASS * num_seqs + seq) * 256 + bins, counts, mask=counts > 0, sem="relaxed")
+
+    @triton.jit
+    def _live_scores(row_ptr, pos, live, width):
+        """A row's scores at `pos`, -inf where not `live`. The load is masked by the row's width
+        alone, a multiple of 16, so it is a vector load; a mask by g_len (any value) would split
+        it into one load a score. Past g_len the row holds anything, never NaN-checked: `live`
+        replaces it."""
+        s = tl.load(row_ptr + pos, mask=pos < width, other=float("-inf"))
+        return tl.where(live, s, float("-inf"))
 
     @triton.jit(do_not_specialize=["stride_cb", "num_seqs", "k"])
     def _count_chunk_kernel(scores_ptr, kth_ptr, lens_ptr, above_ptr, equal_ptr, hist_ptr, state_ptr,

@@ -12,9 +12,8 @@ programs (a span of positions each) that run six phases:
     5    emit the span's positions: above the k-th at their rank among the row's, then the
          latest positions equal to it into the places left (the reference's tie rule).
 
-Positions at or past a row's length (g_len) count as -inf keys, added by the row's last live
-part, whatever the row holds there; parts holding only such positions leave at once, and the
-last live block's tail is loaded only so that its loads are vector loads (`_live_scores`).
+Positions at or past a row's length (g_len) are never read: they count as -inf keys, added by
+the row's last live part, and parts holding only such positions leave at once.
 
 Between phases the row's live programs wait on a counter (`_row_barrier`). They can only all be
 running together if the programs that wait were not started before their partners could be:
@@ -68,15 +67,6 @@ if triton is not None:
         """fp32 -> uint32 whose unsigned order is the float order (-inf lowest)."""
         bits = s.to(tl.uint32, bitcast=True)
         return tl.where((bits >> 31) != 0, ~bits, bits | 0x80000000)
-
-    @triton.jit
-    def _live_scores(row_ptr, pos, live, width):
-        """A row's scores at `pos`, -inf where not `live`. The load is masked by the row's width
-        alone, a multiple of 16, so it is a vector load; a mask by g_len (any value) would split
-        it into one load a score. Past g_len the row holds anything, never NaN-checked: `live`
-        replaces it."""
-        s = tl.load(row_ptr + pos, mask=pos < width, other=float("-inf"))
-        return tl.where(live, s, float("-inf"))
 
     @triton.jit
     def _pick_digit(h, rank):
@@ -136,11 +126,14 @@ if triton is not None:
         row_scores = scores_ptr + seq * stride_sb
         start = part * span
         g_len = tl.load(lens_ptr + seq)
-        # Only blocks holding positions below g_len are read. A decode step's rows are as wide as
-        # its longest sequence's table padded to a graph's bucket (up to 1.25x), and shorter rows
-        # have more past their length. Those positions count as -inf keys (the last live part
-        # adds them), and the parts that hold only them leave at once: the row's barriers
+        # Only positions below g_len are read. A decode step's rows are as wide as its longest
+        # sequence's table padded to a graph's bucket (up to 1.25x), and shorter rows have more
+        # past their length. Those positions count as -inf keys without a load (the last live
+        # part adds them), and the parts that hold only them leave at once: the row's barriers
         # wait for its live parts alone (part 0 always, which fills the unused places).
+        # (The loads masked by g_len are one load a score. Masked by the width and vectorised, as
+        # kernels/indexer.py's chunk passes are, the kernel took 10 more registers and the batch-64
+        # select went from 23.2 to 33.1 us on the H200: its programs no longer fit in one wave.)
         live_end = tl.minimum(g_len, width)
         live_parts = tl.maximum(tl.cdiv(live_end, span), 1)
         if part >= live_parts:
@@ -172,9 +165,9 @@ if triton is not None:
                 dead_byte = (dead_key >> (24 - 8 * phase)) & 0xFF
                 counts = tl.where(dead_match & (bins == dead_byte), dead, 0).to(tl.int32)
                 for off in range(0, live_span, BLOCK):
-                    pos = tl.multiple_of(start + off, BLOCK) + tl.arange(0, BLOCK)
+                    pos = start + off + tl.arange(0, BLOCK)
                     in_row = pos < live_end
-                    key = _order_key(_live_scores(row_scores, pos, in_row, width))
+                    key = _order_key(tl.load(row_scores + pos, mask=in_row, other=float("-inf")))
                     match = in_row
                     if phase > 0:
                         match = match & ((key >> (32 - 8 * phase)) == prefix)
@@ -197,9 +190,9 @@ if triton is not None:
                 n_above = tl.zeros([], dtype=tl.int32)
                 n_equal = tl.zeros([], dtype=tl.int32)
                 for off in range(0, live_span, BLOCK):
-                    pos = tl.multiple_of(start + off, BLOCK) + tl.arange(0, BLOCK)
+                    pos = start + off + tl.arange(0, BLOCK)
                     live = pos < live_end
-                    s = _live_scores(row_scores, pos, live, width)
+                    s = tl.load(row_scores + pos, mask=live, other=float("-inf"))
                     n_above += tl.sum((live & (s > kth)).to(tl.int32), axis=0)
                     n_equal += tl.sum((live & (s == kth)).to(tl.int32), axis=0)
                 tl.store(above_ptr + part, n_above)
@@ -217,9 +210,9 @@ if triton is not None:
                 ties_wanted = k - total_above
                 row_out = out_ptr + seq * stride_ob
                 for off in range(0, live_span, BLOCK):
-                    pos = tl.multiple_of(start + off, BLOCK) + tl.arange(0, BLOCK)
+                    pos = start + off + tl.arange(0, BLOCK)
                     live = pos < live_end
-                    s = _live_scores(row_scores, pos, live, width)
+                    s = tl.load(row_scores + pos, mask=live, other=float("-inf"))
                     is_above = live & (s > kth)
                     tl.store(row_out + ranked + tl.cumsum(is_above.to(tl.int32), axis=0) - 1, pos, mask=is_above)
                     ranked += tl.sum(is_above.to(tl.int32), axis=0)
@@ -261,7 +254,7 @@ def select_rows(scores: torch.Tensor, g_lens: torch.Tensor, out: torch.Tensor, k
                 sparse_from: int | None = None, ws: torch.Tensor | None = None) -> torch.Tensor:
     """Write into out [B, topk] int32 the positions of each row's k highest scores (equal
     scores: latest position first; positions >= g_len never), -1 after them. scores [B, width]
-    fp32, its content at or past g_len ignored (any values, NaN too); g_lens int32 on the scores' device;
+    fp32, never read at or past g_len (any content there); g_lens int32 on the scores' device;
     1 <= k <= width.
     `phased` runs each phase as its own launch (the default off a GPU); `span` (a multiple of
     `block`, the positions a program loads a step) overrides the positions a program covers

@@ -58,7 +58,7 @@ def test_phases_match_reference(device, width, topk, span, sparse_from):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("topk", [100, 1600])
 def test_positions_past_the_length_are_never_read(device, topk):
-    """A row's positions past g_len count as -inf whatever they hold: garbage there (large scores,
+    """A row's positions past g_len count as -inf without a load: garbage there (large scores,
     NaN) changes nothing. topk 1600 is more than every row holds, so the -inf keys' count decides
     the k-th byte by byte."""
     scores, g_lens = tied_rows(1500, 3, device)
