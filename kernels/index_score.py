@@ -161,9 +161,10 @@ def score_tune_key(num_heads: int, head_dim: int, fp8: bool) -> str:
 # 65.5 / 234.7 (tile 128, 2 warps), 16 tiles 48.8 / 178.8, with the maxima (64 programs a row)
 # 49.9 / 180.1; bf16 keys one tile a program 69.6 / 267.0 (4 warps), with the maxima 73.5 / 279.1
 # at 2 warps against 88.1 / 333.8 at 4. The program loads and scales the query once for all of
-# its tiles.
+# its tiles. 1024 programs rather than 2048: batch 1 at 512K 13.6 against 15.3 us a layer, the
+# decode step 1.709 against 1.776 ms; batch 4 and 16 within 1% (RESULTS, sixteenth session).
 MAXIMA_WARPS = 2
-FP8_SCORE_PROGRAMS = 2048
+FP8_SCORE_PROGRAMS = 1024
 
 
 def _score_choice(q: torch.Tensor, scaled: bool) -> dict:
