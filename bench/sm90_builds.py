@@ -112,11 +112,12 @@ def _launch_build(fn, consts: dict, fp32: set, warps: int) -> str:
 def build_wide() -> list[dict]:
     """The wide rows' k-th score (kernels/wide_select.py): group maxima, candidates and each byte
     pass, with and without g_lens (with them the candidates keep their positions), the
-    positions emitted from the candidates and the radix passes' sparse atomics, as launched on an H200 (dependent launches on, integers
+    positions emitted from the candidates, the radix passes' sparse atomics and the count and emit
+    passes over whole rows, as launched on an H200 (dependent launches on, integers
     specialised as the launcher does: pointers and the widths and strides it keeps)."""
     from kernels import indexer
     from kernels import wide_select as ws
-    fp32 = {"scores_ptr", "m_ptr", "cand_ptr"}
+    fp32 = {"scores_ptr", "m_ptr", "cand_ptr", "kth_ptr"}
     builds = []
     for lens in (False, True):
         builds.append((ws._group_max_kernel, dict(HAS_LENS=lens, TILE=ws.GROUP_TILE, ROWS=ws.GROUP_ROWS), 4))
@@ -126,6 +127,9 @@ def build_wide() -> list[dict]:
     # the radix passes over whole rows, with their last two bytes' atomics for sparse blocks
     builds += [(indexer._radix_pass_kernel, dict(PASS=p, BLOCK=indexer._SELECT_BLOCK, SPARSE=True,
                                                  SPARSE_MAX=indexer.SPARSE_MAX), 8) for p in (2, 3)]
+    # the count and emit passes over whole rows, several chunks a program after the threshold select
+    builds.append((indexer._count_chunk_kernel, dict(CHUNK=indexer._SELECT_BLOCK, RADIX=True, FITTED=True), 4))
+    builds.append((indexer._emit_chunk_kernel, dict(CHUNK=indexer._SELECT_BLOCK, FILL=1024, FITTED=True), 4))
     rows = []
     for fn, consts, warps in builds:
         consts = dict(consts, PDL=2)

@@ -172,7 +172,8 @@ if triton is not None:
                             found_ptr, capacity, stride_sb, stride_cb, width, num_seqs, k,
                             CHUNK: tl.constexpr, RADIX: tl.constexpr, FITTED: tl.constexpr = False,
                             PDL: tl.constexpr = 0):
-        """FITTED: rows whose threshold candidates fit (found <= capacity) were emitted from them
+        """Program (seq, p) counts chunks p, p + P, ... of its row (P programs a row).
+        FITTED: rows whose threshold candidates fit (found <= capacity) were emitted from them
         (kernels/wide_select.py emit_candidates) and are skipped here, in the offsets and the
         emit pass."""
         pdl_enter(PDL)
@@ -180,19 +181,20 @@ if triton is not None:
         if FITTED:
             if tl.load(found_ptr + seq) <= capacity:
                 return
-        chunk = tl.program_id(1)
-        pos = chunk * CHUNK + tl.arange(0, CHUNK)
-        live = (pos < tl.load(lens_ptr + seq)) & (pos < width)
-        s = _live_scores(scores_ptr + seq * stride_sb, pos, live, width)
+        g_len = tl.load(lens_ptr + seq)
         if RADIX:  # the k-th score from the radix passes' last histogram; kept for the emit pass
             prefix, _ = _radix_state(hist_ptr, state_ptr, seq, num_seqs, k, 3)
             kth = _key_to_score(prefix.to(tl.uint32, bitcast=True))
-            if chunk == 0:
+            if tl.program_id(1) == 0:
                 tl.store(kth_ptr + seq, kth)
         else:
             kth = tl.load(kth_ptr + seq)
-        tl.store(above_ptr + seq * stride_cb + chunk, tl.sum((live & (s > kth)).to(tl.int32), axis=0))
-        tl.store(equal_ptr + seq * stride_cb + chunk, tl.sum((live & (s == kth)).to(tl.int32), axis=0))
+        for chunk in range(tl.program_id(1), tl.cdiv(width, CHUNK), tl.num_programs(1)):
+            pos = chunk * CHUNK + tl.arange(0, CHUNK)
+            live = (pos < g_len) & (pos < width)
+            s = _live_scores(scores_ptr + seq * stride_sb, pos, live, width)
+            tl.store(above_ptr + seq * stride_cb + chunk, tl.sum((live & (s > kth)).to(tl.int32), axis=0))
+            tl.store(equal_ptr + seq * stride_cb + chunk, tl.sum((live & (s == kth)).to(tl.int32), axis=0))
 
     @triton.jit(do_not_specialize=["stride_cb", "num_chunks"])
     def _chunk_offsets_kernel(above_ptr, equal_ptr, before_ptr, after_ptr, found_ptr, capacity, stride_cb, num_chunks,
@@ -230,35 +232,36 @@ if triton is not None:
                            stride_sb, stride_cb, stride_ob, width, num_chunks, k, topk,
                            CHUNK: tl.constexpr, FILL: tl.constexpr, FITTED: tl.constexpr = False,
                            PDL: tl.constexpr = 0):
+        """Program (seq, p) emits chunks p, p + P, ... of its row (P programs a row)."""
         pdl_enter(PDL)
         seq = tl.program_id(0)
         if FITTED:
             if tl.load(found_ptr + seq) <= capacity:
                 return
-        chunk = tl.program_id(1)
         row = seq * stride_cb
-        above_before = tl.load(before_ptr + row + chunk)
         total_above = tl.load(before_ptr + row + num_chunks)
-        ties_after = tl.load(after_ptr + row + chunk)
         total_equal = tl.load(after_ptr + row + num_chunks)
         # Everything above the k-th score is kept; the remaining places go to the scores equal
         # to it, latest position first.
         ties_wanted = k - total_above
-
-        pos = chunk * CHUNK + tl.arange(0, CHUNK)
-        live = (pos < tl.load(lens_ptr + seq)) & (pos < width)
-        s = _live_scores(scores_ptr + seq * stride_sb, pos, live, width)
+        g_len = tl.load(lens_ptr + seq)
         kth = tl.load(kth_ptr + seq)
         row_out = out_ptr + seq * stride_ob
-        is_above = live & (s > kth)
-        above_rank = above_before + tl.cumsum(is_above.to(tl.int32), axis=0) - 1
-        tl.store(row_out + above_rank, pos, mask=is_above)
-        is_tie = (live & (s == kth)).to(tl.int32)
-        later_ties = ties_after + tl.sum(is_tie, axis=0) - tl.cumsum(is_tie, axis=0)
-        take = (is_tie != 0) & (later_ties < ties_wanted)
-        tl.store(row_out + total_above + later_ties, pos, mask=take)
+        for chunk in range(tl.program_id(1), num_chunks, tl.num_programs(1)):
+            above_before = tl.load(before_ptr + row + chunk)
+            ties_after = tl.load(after_ptr + row + chunk)
+            pos = chunk * CHUNK + tl.arange(0, CHUNK)
+            live = (pos < g_len) & (pos < width)
+            s = _live_scores(scores_ptr + seq * stride_sb, pos, live, width)
+            is_above = live & (s > kth)
+            above_rank = above_before + tl.cumsum(is_above.to(tl.int32), axis=0) - 1
+            tl.store(row_out + above_rank, pos, mask=is_above)
+            is_tie = (live & (s == kth)).to(tl.int32)
+            later_ties = ties_after + tl.sum(is_tie, axis=0) - tl.cumsum(is_tie, axis=0)
+            take = (is_tie != 0) & (later_ties < ties_wanted)
+            tl.store(row_out + total_above + later_ties, pos, mask=take)
 
-        if chunk == 0:
+        if tl.program_id(1) == 0:
             filled = total_above + tl.minimum(ties_wanted, total_equal)
             for start in range(0, topk, FILL):
                 i = start + tl.arange(0, FILL)
@@ -298,6 +301,8 @@ _SELECT_BLOCK = 1024
 # Chunk counts the offsets pass sums per step: a 1M-position row in one. (When each emit program
 # summed them itself, 64 a step cost 74 us a layer at 512K on the H200 and 1024 a step 45 us.)
 _EMIT_SUMS = 1024
+# Programs in all, about, of the count and emit passes after the threshold select (above).
+FITTED_PROGRAMS = 1024
 
 
 def kth_scores(scores: torch.Tensor, k: int, method: str | None = None, span: int | None = None,
@@ -409,8 +414,12 @@ def select_topk_triton(scores: torch.Tensor, g_lens: torch.Tensor, topk: int,
     # one column more than the counts need: the offsets pass's outputs share their row stride
     above = torch.empty(num_seqs, num_chunks + 1, device=scores.device, dtype=torch.int32)
     equal = torch.empty_like(above)
-    grid = (num_seqs, num_chunks)
     fitted = method == "threshold"
+    # Where the threshold select's candidates fit (nearly always) these passes only read the
+    # row's count and leave, and what they cost is their programs' start: at batch 16 and 512K,
+    # 8192 such programs took 6 us a launch on the H200. So those rows get fewer programs, each
+    # taking several chunks where the row did overflow.
+    grid = (num_seqs, min(num_chunks, max(1, FITTED_PROGRAMS // num_seqs)) if fitted else num_chunks)
     _count_chunk_kernel[grid](scores, kth, g_lens, above, equal, hist, state, found, capacity, scores.stride(0),
                               above.stride(0), width, num_seqs, k, CHUNK=chunk, RADIX=method != "topk",
                               FITTED=fitted, num_warps=4, **pdl_launch(scores))

@@ -159,10 +159,14 @@ def test_select_matches_reference(device, width, topk, monkeypatch):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_select_from_candidates_and_from_overflowing_rows(device, monkeypatch):
+@pytest.mark.parametrize("fitted_programs", [1024, 6])
+def test_select_from_candidates_and_from_overflowing_rows(device, fitted_programs, monkeypatch):
     """Rows whose candidates fit take their positions from the candidates (emit_candidates),
     including rows with more ties at the k-th score than places; rows that overflow a small
-    capacity take the passes over the whole row; both in one batch."""
+    capacity take the passes over the whole row; both in one batch. With 6 programs for the
+    whole-row passes (kernels/indexer.py FITTED_PROGRAMS) each takes all three chunks of its row."""
+    import kernels.indexer
+    monkeypatch.setattr(kernels.indexer, "FITTED_PROGRAMS", fitted_programs)
     monkeypatch.setattr(ws, "CAPACITY", 64)
     poison_empty(monkeypatch)
     width, topk = 2500, 24
