@@ -108,10 +108,12 @@ def new_tokens(batch: ScheduledBatch, gen: torch.Generator, vocab: int) -> list[
 
 
 @torch.inference_mode()
-def time_forward(engine: LLMEngine, batch: ScheduledBatch, iters: int, same_tokens: bool = False
-                 ) -> tuple[float, float]:
+def time_forward(engine: LLMEngine, batch: ScheduledBatch, iters: int, same_tokens: bool = False,
+                 trace: list | None = None) -> tuple[float, float]:
     """(forward_ms, step_ms) medians. Replaying a step rewrites the same KV entries and window
-    slots; each replay and step computes a new token (new_tokens) unless `same_tokens`."""
+    slots; each replay and step computes a new token (new_tokens) unless `same_tokens`.
+    `trace`: gets, after each replay and step, the first row's indexer state per layer (k-th
+    score over the step's score scale, and misses so far; kernels/bound_select.py)."""
     r = engine.runner
     cuda = r.device.type == "cuda"
     gen, vocab = torch.Generator().manual_seed(1), r.model.cfg.vocab_size
@@ -139,6 +141,8 @@ def time_forward(engine: LLMEngine, batch: ScheduledBatch, iters: int, same_toke
             fwd.append(start.elapsed_time(end))
         else:
             fwd.append((time.perf_counter() - t0) * 1e3)
+        if trace is not None:
+            trace.append(bound_trace(engine))
         if not same_tokens:
             new_tokens(batch, gen, vocab)
         t0 = time.perf_counter()
@@ -146,7 +150,16 @@ def time_forward(engine: LLMEngine, batch: ScheduledBatch, iters: int, same_toke
         if cuda:
             torch.cuda.synchronize()
         step.append((time.perf_counter() - t0) * 1e3)
+        if trace is not None:
+            trace.append(bound_trace(engine))
     return statistics.median(fwd), statistics.median(step)
+
+
+def bound_trace(engine: LLMEngine) -> list:
+    """[(k-th score / scale, gap, misses)] of the first row in each layer after a step: the
+    next bound is the k-th score less the gap (kernels/wide_select.py _next_bound)."""
+    b = engine.runner.index_bounds[:, :, 0].cpu()
+    return [(round(float(x[0] + x[1]), 4), round(float(x[1]), 4), int(x[2])) for x in b if torch.isfinite(x[0])]
 
 
 @torch.inference_mode()
@@ -513,6 +526,9 @@ def main(argv=None):
     ap.add_argument("--bound-off", action="store_true",
                     help="also time the step with the indexer's bound from the last step off (wide rows take "
                          "the radix or threshold select)")
+    ap.add_argument("--bound-trace", action="store_true",
+                    help="record the first row's indexer k-th score (over the score scale) and misses per "
+                         "layer after every timed step")
     ap.add_argument("--same-tokens", action="store_true",
                     help="replay the very same step (the same token) rather than a new token each step")
     ap.add_argument("--json", default=None, help="append JSON lines here")
@@ -535,7 +551,8 @@ def main(argv=None):
         engine = LLMEngine(model, None, ecfg)
         batch = make_batch(engine, args.batch, context)
         misses_before = bound_misses_total(engine)
-        fwd, step = time_forward(engine, batch, args.iters, args.same_tokens)
+        trace = [] if args.bound_trace else None
+        fwd, step = time_forward(engine, batch, args.iters, args.same_tokens, trace)
         miss_rate = bound_miss_rate(engine, misses_before, 2 * args.iters * args.batch)
         touched = experts_touched(engine, batch)
         nbytes = step_bytes(engine, args.batch, context, touched)
@@ -549,7 +566,7 @@ def main(argv=None):
                    copy_gbs=bw and round(bw / 1e9, 1), roofline_ms=roof and round(roof, 3),
                    roofline_pct=roof and round(100 * roof / fwd, 1),
                    experts_touched_mean=round(sum(touched) / len(touched), 1), same_tokens=args.same_tokens,
-                   bound_miss_rate=miss_rate)
+                   bound_miss_rate=miss_rate, **({"bound_trace": trace} if trace is not None else {}))
         if args.graphs_vs_eager and engine.runner.graphs is not None:
             graphs, engine.runner.graphs = engine.runner.graphs, None
             row["eager_forward_ms"] = round(time_forward(engine, batch, args.iters)[0], 3)
