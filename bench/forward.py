@@ -5,8 +5,7 @@
     python -m bench.forward --device cpu --preset tiny --batch 2 --contexts 64 256 --iters 3   # smoke
 
 Sequences are made up, not prefilled: each of `batch` sequences gets `context` positions of
-random global KV (and a full window ring), then the decode step is replayed, each time with a new
-token (--same-tokens: the same one). Columns:
+random global KV (and a full window ring), then the same decode step is replayed. Columns:
 - forward_ms: the decode forward on the device (the CUDA graph's replay alone, or the eager
   forward), CUDA events, median; step_ms: the engine's whole `runner.run` (host-side inputs
   built from the block tables included), wall clock;
@@ -14,10 +13,7 @@ token (--same-tokens: the same one). Columns:
   measured in the same run (a device-to-device copy reads and writes: 2 x bytes / time);
   roofline_pct = roofline_ms / forward_ms;
 - pdl: the kernels' programmatic dependent launch mode (kernels/pdl.py, WIDEEP_PDL; 0 = off);
-- moe_share (--moe-share): 1 - forward time with every MoE layer replaced by a no-op / full;
-- bound_miss_rate: the share of the scoring layers' rows, over the timed steps, whose indexer
-  bound from the step before missed (kernels/bound_select.py: they took the whole-row passes);
-  empty where no row is wide enough to take that path.
+- moe_share (--moe-share): 1 - forward time with every MoE layer replaced by a no-op / full.
 `--index-topk-freq 1 4 16` adds rows with the indexer scoring in every n-th layer only
 (EngineConfig.index_topk_freq); their roofline counts only the index keys those layers read.
 """
@@ -97,34 +93,17 @@ def make_batch(engine: LLMEngine, batch: int, context: int, seed: int = 0) -> Sc
     return ScheduledBatch(seqs=seqs, num_tokens=[1] * batch)
 
 
-def new_tokens(batch: ScheduledBatch, gen: torch.Generator, vocab: int) -> list[int]:
-    """Give every sequence a new last token (the one the step computes), as each real decode step
-    has: the indexer's query changes with it, and so does its k-th score (kernels/bound_select.py
-    keeps a bound from the last step). Returns the tokens."""
-    ids = torch.randint(4, min(1000, vocab), (len(batch.seqs),), generator=gen).tolist()
-    for seq, t in zip(batch.seqs, ids):
-        seq.output_ids[-1] = t
-    return ids
-
-
 @torch.inference_mode()
-def time_forward(engine: LLMEngine, batch: ScheduledBatch, iters: int, same_tokens: bool = False,
-                 trace: list | None = None) -> tuple[float, float]:
-    """(forward_ms, step_ms) medians. Replaying a step rewrites the same KV entries and window
-    slots; each replay and step computes a new token (new_tokens) unless `same_tokens`.
-    `trace`: gets, after each replay and step, the first row's indexer state per layer (k-th
-    score over the step's score scale, and misses so far; kernels/bound_select.py)."""
+def time_forward(engine: LLMEngine, batch: ScheduledBatch, iters: int) -> tuple[float, float]:
+    """(forward_ms, step_ms) medians. Replaying the same step is idempotent: it rewrites the
+    same KV entries and window slots."""
     r = engine.runner
     cuda = r.device.type == "cuda"
-    gen, vocab = torch.Generator().manual_seed(1), r.model.cfg.vocab_size
     for _ in range(3):
         r.run(batch)
     fwd, step = [], []
     for _ in range(iters):
-        ids = None if same_tokens else new_tokens(batch, gen, vocab)
         inputs = r.decode_inputs(batch) if r.graphs is None else None
-        if r.graphs is not None and ids is not None:  # the graph's token ids lead its input buffer
-            r.graphs.last_inputs[:8 * len(ids)].view(torch.int64).copy_(torch.tensor(ids))
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -141,25 +120,12 @@ def time_forward(engine: LLMEngine, batch: ScheduledBatch, iters: int, same_toke
             fwd.append(start.elapsed_time(end))
         else:
             fwd.append((time.perf_counter() - t0) * 1e3)
-        if trace is not None:
-            trace.append(bound_trace(engine))
-        if not same_tokens:
-            new_tokens(batch, gen, vocab)
         t0 = time.perf_counter()
         r.run(batch)
         if cuda:
             torch.cuda.synchronize()
         step.append((time.perf_counter() - t0) * 1e3)
-        if trace is not None:
-            trace.append(bound_trace(engine))
     return statistics.median(fwd), statistics.median(step)
-
-
-def bound_trace(engine: LLMEngine) -> list:
-    """[(k-th score / scale, gap, misses)] of the first row in each layer after a step: the
-    next bound is the k-th score less the gap (kernels/wide_select.py _next_bound)."""
-    b = engine.runner.index_bounds[:, :, 0].cpu()
-    return [(round(float(x[0] + x[1]), 4), round(float(x[1]), 4), int(x[2])) for x in b if torch.isfinite(x[0])]
 
 
 @torch.inference_mode()
@@ -207,21 +173,6 @@ def step_parts(engine: LLMEngine, batch: ScheduledBatch, iters: int) -> dict:
         r.sample(batch.seqs, logits)
         lap("sample_us", t)
     return {k: round(statistics.median(v[2:]), 1) for k, v in parts.items()}
-
-
-def bound_misses_total(engine: LLMEngine) -> float | None:
-    bounds = engine.runner.index_bounds
-    return float(bounds[:, 2].sum()) if bounds is not None else None
-
-
-def bound_miss_rate(engine: LLMEngine, before: float | None, row_steps: int) -> float | None:
-    """Share of the scoring layers' rows whose bound (kernels/bound_select.py) missed since
-    `before`, over `row_steps` rows times steps; None where no row took the bound path."""
-    bounds = engine.runner.index_bounds
-    if before is None or not bool(torch.isfinite(bounds[:, 0]).any()):
-        return None
-    scoring = sum(engine.cfg.index_scoring_layers(engine.runner.model.cfg))
-    return round((bound_misses_total(engine) - before) / (row_steps * scoring), 4)
 
 
 def step_bytes(engine: LLMEngine, batch: int, context: int, experts_touched: list[int]) -> int:
@@ -417,20 +368,6 @@ def select_method(fused_max_width: int, programs: int | None = None):
     return change
 
 
-def bound_select(on: bool):
-    """Decode steps' wide rows on the bound from their last step (kernels/bound_select.py) or on
-    the radix or threshold select, in time_changed's form."""
-    from kernels import indexer
-
-    def change():
-        saved, indexer.BOUND_SELECT = indexer.BOUND_SELECT, on
-
-        def undo():
-            indexer.BOUND_SELECT = saved
-        return undo
-    return change
-
-
 def overlap(engine: LLMEngine, on: bool):
     """Side-stream branches in the captured step (EngineConfig.decode_overlap) on or off, in
     time_changed's form."""
@@ -523,14 +460,6 @@ def main(argv=None):
                     help="with --select: split rows over about this many programs in all")
     ap.add_argument("--step-parts", action="store_true",
                     help="also time the host parts of a CUDA-graph step (inputs, replay, sampling) one by one")
-    ap.add_argument("--bound-off", action="store_true",
-                    help="also time the step with the indexer's bound from the last step off (wide rows take "
-                         "the radix or threshold select)")
-    ap.add_argument("--bound-trace", action="store_true",
-                    help="record the first row's indexer k-th score (over the score scale) and misses per "
-                         "layer after every timed step")
-    ap.add_argument("--same-tokens", action="store_true",
-                    help="replay the very same step (the same token) rather than a new token each step")
     ap.add_argument("--json", default=None, help="append JSON lines here")
     ap.add_argument("--profile", default=None,
                     help="write the eager decode step's kernels (count, device time) per context here")
@@ -550,10 +479,7 @@ def main(argv=None):
                             cuda_graph_max_batch=args.batch)
         engine = LLMEngine(model, None, ecfg)
         batch = make_batch(engine, args.batch, context)
-        misses_before = bound_misses_total(engine)
-        trace = [] if args.bound_trace else None
-        fwd, step = time_forward(engine, batch, args.iters, args.same_tokens, trace)
-        miss_rate = bound_miss_rate(engine, misses_before, 2 * args.iters * args.batch)
+        fwd, step = time_forward(engine, batch, args.iters)
         touched = experts_touched(engine, batch)
         nbytes = step_bytes(engine, args.batch, context, touched)
         roof = nbytes / bw * 1e3 if bw else None
@@ -565,8 +491,7 @@ def main(argv=None):
                    tok_s=round(args.batch / fwd * 1e3, 1), bytes_per_step_gb=round(nbytes / 1e9, 3),
                    copy_gbs=bw and round(bw / 1e9, 1), roofline_ms=roof and round(roof, 3),
                    roofline_pct=roof and round(100 * roof / fwd, 1),
-                   experts_touched_mean=round(sum(touched) / len(touched), 1), same_tokens=args.same_tokens,
-                   bound_miss_rate=miss_rate, **({"bound_trace": trace} if trace is not None else {}))
+                   experts_touched_mean=round(sum(touched) / len(touched), 1))
         if args.graphs_vs_eager and engine.runner.graphs is not None:
             graphs, engine.runner.graphs = engine.runner.graphs, None
             row["eager_forward_ms"] = round(time_forward(engine, batch, args.iters)[0], 3)
@@ -606,8 +531,6 @@ def main(argv=None):
             for name, width, programs in choices:
                 ms = time_changed(engine, batch, args.iters, select_method(width, programs))
                 row[f"select_{name}_forward_ms"] = round(ms, 3)
-        if args.bound_off:
-            row["bound_off_forward_ms"] = round(time_changed(engine, batch, args.iters, bound_select(False)), 3)
         if args.step_parts:
             row.update(step_parts(engine, batch, args.iters))
         if args.profile:
@@ -619,14 +542,12 @@ def main(argv=None):
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
     base = rows[0]["forward_ms"] if rows else None
-    print("\n| kv | moe gemm | index freq | context | batch | forward ms | step ms | vs first | roofline ms | % roofline "
-          "| bound misses |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| kv | moe gemm | index freq | context | batch | forward ms | step ms | vs first | roofline ms | % roofline |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['kv_dtype']} | {r['moe_gemm']} | {r['index_topk_freq']} | {r['context']} | {r['batch']} | "
               f"{r['forward_ms']} | {r['step_ms']} | "
-              f"{r['forward_ms'] / base - 1:+.1%} | {r['roofline_ms']} | {r['roofline_pct']} | "
-              f"{'' if r['bound_miss_rate'] is None else format(r['bound_miss_rate'], '.1%')} |")
+              f"{r['forward_ms'] / base - 1:+.1%} | {r['roofline_ms']} | {r['roofline_pct']} |")
     if args.json:
         with open(args.json, "a") as f:
             for r in rows:

@@ -90,10 +90,6 @@ def build_select(first: int, last: int) -> dict:
                 vector_loads=ptx.count("ld.global.v4"), triton=triton.__version__)
 
 
-# Scalar arguments passed as Python floats
-FLOAT_ARGS = {"margin", "w_scale"}
-
-
 def _launch_build(fn, consts: dict, fp32: set, warps: int) -> str:
     """PTX of fn for sm_90 as the launcher builds it on an H200: pointers and the integers it
     specialises (all but do_not_specialize) taken as multiples of 16."""
@@ -105,8 +101,6 @@ def _launch_build(fn, consts: dict, fp32: set, warps: int) -> str:
     for i, name in enumerate(fn.arg_names):
         if name in consts:
             signature[name] = "constexpr"
-        elif name in FLOAT_ARGS:
-            signature[name] = "fp32"
         elif name.endswith("_ptr"):
             signature[name] = "*fp32" if name in fp32 else "*i32"
             attrs[(i,)] = [["tt.divisibility", 16]]
@@ -122,23 +116,18 @@ def _launch_build(fn, consts: dict, fp32: set, warps: int) -> str:
 def build_wide() -> list[dict]:
     """The wide rows' k-th score (kernels/wide_select.py): group maxima, candidates and each byte
     pass, with and without g_lens (with them the candidates keep their positions), the
-    positions emitted from the candidates, the candidates above a bound kept from the last step and
-    the emit that sets the next, the radix passes' sparse atomics and the count and emit
+    positions emitted from the candidates, the radix passes' sparse atomics and the count and emit
     passes over whole rows, as launched on an H200 (dependent launches on, integers
     specialised as the launcher does: pointers and the widths and strides it keeps)."""
     from kernels import indexer
     from kernels import wide_select as ws
-    fp32 = {"scores_ptr", "m_ptr", "cand_ptr", "kth_ptr", "bound_ptr"}
+    fp32 = {"scores_ptr", "m_ptr", "cand_ptr", "kth_ptr"}
     builds = []
     for lens in (False, True):
         builds.append((ws._group_max_kernel, dict(HAS_LENS=lens, TILE=ws.GROUP_TILE, ROWS=ws.GROUP_ROWS), 4))
         builds.append((ws._candidate_kernel, dict(HAS_LENS=lens, BLOCK=ws.BLOCK, POSITIONS=lens), 4))
         builds += [(ws._pass_kernel, dict(PASS=p, HAS_LENS=lens, BLOCK=ws.BLOCK), 8) for p in range(4)]
-    # the candidates above a decode row's bound from its last step, and the emit setting the next
-    # one (kernels/bound_select.py)
-    builds.append((ws._candidate_kernel, dict(HAS_LENS=True, BLOCK=ws.BLOCK, POSITIONS=True, BOUND=True), 4))
-    builds += [(ws._emit_candidates_kernel, dict(BLOCK=ws.BLOCK, FILL=1024, HAS_LENS=True, BOUND=bound), 4)
-               for bound in (False, True)]
+    builds.append((ws._emit_candidates_kernel, dict(BLOCK=ws.BLOCK, FILL=1024), 4))
     # the radix passes over whole rows, with their last two bytes' atomics for sparse blocks
     builds += [(indexer._radix_pass_kernel, dict(PASS=p, BLOCK=indexer._SELECT_BLOCK, SPARSE=True,
                                                  SPARSE_MAX=indexer.SPARSE_MAX), 8) for p in (2, 3)]
@@ -148,12 +137,9 @@ def build_wide() -> list[dict]:
     rows = []
     for fn, consts, warps in builds:
         consts = dict(consts, PDL=2)
-        # (the candidate kernel reads the bounds, fp32, where it otherwise reads the radix state)
-        bound_state = {"state_ptr"} if consts.get("BOUND") and fn is ws._candidate_kernel else set()
-        ptx = _launch_build(fn, consts, fp32 | bound_state, warps)
+        ptx = _launch_build(fn, consts, fp32, warps)
         rows.append(dict(kernel=fn.__name__,
-                         **{k: v for k, v in consts.items()
-                            if k in ("PASS", "HAS_LENS", "POSITIONS", "SPARSE", "BOUND")},
+                         **{k: v for k, v in consts.items() if k in ("PASS", "HAS_LENS", "POSITIONS", "SPARSE")},
                          **_ptxas_info(ptx), vector_loads=ptx.count("ld.global.v4"), triton=triton.__version__))
     return rows
 

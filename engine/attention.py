@@ -56,9 +56,6 @@ class AttentionContext:
     # The latest scoring layer's top-k (decode kernels: positions; padded path: the mask), which
     # layers that reuse a selection attend to (EngineConfig.index_topk_freq)
     shared_topk: torch.Tensor | None = None
-    # Decode steps: each layer's indexer bounds kept across steps ([layers, 4, rows];
-    # kernels/bound_select.py)
-    index_bounds: torch.Tensor | None = None
     shared_g_mask: torch.Tensor | None = None
     _gathered: dict = field(default_factory=dict)
 

@@ -88,10 +88,8 @@ def decode_topk(attn, idx_q: torch.Tensor | None, idx_w: torch.Tensor | None, ct
     if attn.indexer is None or not dec.sparse:
         return None
     scale = ctx.index_scale[attn.source] if ctx.index_scale is not None else None
-    bounds = ctx.index_bounds[attn.layer] if ctx.index_bounds is not None else None
     return indexer_topk(idx_q, idx_w, ctx.index_keys[attn.source], dec.block_tables, dec.g_lens,
-                        dec.block_size, cfg.index_topk, key_scale=scale, w_scale=attn.indexer.n_heads ** -0.5,
-                        bounds=bounds)
+                        dec.block_size, cfg.index_topk, key_scale=scale, w_scale=attn.indexer.n_heads ** -0.5)
 
 
 def decode_attention(attn, q: tuple[torch.Tensor, torch.Tensor], topk_pos: torch.Tensor | None,

@@ -6,8 +6,6 @@ from contextvars import ContextVar
 import numpy as np
 import torch
 
-from kernels.bound_select import bound_state
-
 from .attention import AttentionContext, build_masks
 from .cuda_graphs import DecodeGraphs
 from .decode_attention import build_decode_batch, build_token_batch
@@ -94,11 +92,6 @@ class ModelRunner:
         for layer, scores in zip(model.model.layers, cfg.index_scoring_layers(model.cfg)):
             layer.self_attn.reuse_topk = not scores
         self.sampler = Sampler()
-        # Each decode row's indexer bound, kept from step to step (kernels/bound_select.py); a
-        # layer a [4, max_num_seqs] slice. Row b of a step takes row b's: a guess either way.
-        self.index_bounds = (torch.stack([bound_state(cfg.max_num_seqs, self.device)
-                                          for _ in range(model.cfg.num_hidden_layers)])
-                             if model.cfg.index_topk else None)
         # Graphs only without expert parallelism: its collectives run on the host's word.
         self.graphs = (DecodeGraphs(self, cfg.cuda_graph_max_batch)
                        if cfg.cuda_graphs and self.device.type == "cuda" else None)
@@ -315,8 +308,6 @@ class ModelRunner:
             ctx.win_write_rows, ctx.win_write_slot = rows, window_slots
             ctx.win_write_idx = positions % self.kv.window
         ctx.decode = build_decode_batch(positions, block_tables, self.cfg.block_size, self.kv.window, ring_pos, sparse)
-        if self.index_bounds is not None and positions.shape[0] <= self.index_bounds.shape[2]:
-            ctx.index_bounds = self.index_bounds
         return ctx
 
     def decode_forward(self, input_ids, positions, write_slots, block_tables, window_slots, sparse) -> torch.Tensor:

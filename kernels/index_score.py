@@ -47,12 +47,9 @@ if triton is not None:
 
     @triton.jit
     def _score_store(keys, scale, q, q_exp, wt, row_out_ptr, pos, g_len, width, best, UPCAST: tl.constexpr,
-                     F16: tl.constexpr, SCALED: tl.constexpr, MAXIMA: tl.constexpr, PRECISION: tl.constexpr,
-                     BOUND: tl.constexpr = False, bound=0.0, count_ptr=None, cand_ptr=None, cand_pos_ptr=None,
-                     capacity=0):
+                     F16: tl.constexpr, SCALED: tl.constexpr, MAXIMA: tl.constexpr, PRECISION: tl.constexpr):
         """Score one tile (-inf past g_len) and store it; returns `best` with the tile's order keys
-        maxed in (MAXIMA). BOUND: also append its live scores >= `bound` and their positions to
-        the row's candidates (kernels/bound_select.py), counted in *count_ptr."""
+        maxed in (MAXIMA)."""
         if UPCAST:
             keys = keys.to(tl.float32)
         elif F16:
@@ -67,14 +64,6 @@ if triton is not None:
             score = score * scale
         score = tl.where(pos < g_len, score, float("-inf"))
         tl.store(row_out_ptr + pos, score, mask=pos < width)
-        if BOUND:
-            keep = (score >= bound) & (pos < g_len)
-            kept = tl.sum(keep.to(tl.int32), axis=0)
-            if kept > 0:  # one atomic a tile, and most tiles of a wide row keep none
-                place = tl.atomic_add(count_ptr, kept, sem="relaxed") + tl.cumsum(keep.to(tl.int32), axis=0) - 1
-                fits = keep & (place < capacity)
-                tl.store(cand_ptr + place, score, mask=fits)
-                tl.store(cand_pos_ptr + place, pos, mask=fits)
         if MAXIMA:
             best = tl.maximum(best, _order_key(score))
         return best
@@ -84,16 +73,12 @@ if triton is not None:
                            stride_qb, stride_qh, stride_qd, stride_wb, stride_wh,
                            stride_ks, stride_kd, stride_tb, stride_tm, stride_ob, stride_mb,
                            num_heads, head_dim, width, block_size, w_scale, zero_ptr, zero_per_row, tiles,
-                           bound_ptr, bound_rows, count_ptr, cand_ptr, cand_pos_ptr, capacity,
                            HEADS: tl.constexpr, DIM: tl.constexpr, TILE: tl.constexpr,
                            PRECISION: tl.constexpr, UPCAST: tl.constexpr, SCALED: tl.constexpr,
                            ZERO: tl.constexpr, SKIP_DEAD: tl.constexpr, F16: tl.constexpr = False,
-                           MAXIMA: tl.constexpr = False, LOOP: tl.constexpr = False, BOUND: tl.constexpr = False,
-                           PDL: tl.constexpr = 0):
+                           MAXIMA: tl.constexpr = False, LOOP: tl.constexpr = False, PDL: tl.constexpr = 0):
         """Program (seq, p) scores tiles p, p + P, p + 2 P, ... (`tiles` of them, P programs a row;
-        LOOP set where `tiles` > 1). BOUND: it also takes the row's candidates above its bound
-        for kernels/bound_select.py: bound_ptr[seq] times this step's score scale, which program
-        0 of the row stores at bound_ptr[3 * bound_rows + seq].
+        LOOP set where `tiles` > 1).
         MAXIMA: it also writes m[seq, p * TILE + j], the largest score at positions
         p * TILE + j + i * P * TILE, which are the strided group maxima of kernels/wide_select.py
         for the group stride P * TILE (on the order keys, as _group_max_kernel takes them)."""
@@ -135,33 +120,15 @@ if triton is not None:
             q_exp = tl.maximum(tl.ceil(tl.log2(tl.max(tl.max(tl.abs(qf), axis=1), axis=0))) - 14.0, 0.0)
             q = (qf * tl.exp2(-q_exp)).to(tl.float16)
         wt = tl.load(w_ptr + seq * stride_wb + h * stride_wh, mask=h_ok, other=0.0).to(tl.float32) * w_scale
-        bound = 0.0
-        if BOUND:
-            # The scale of this step's scores: what a unit key in the direction of each head's
-            # query would score, over the heads that add. The bound is kept relative to it, so a
-            # query of another size moves the bound with the scores.
-            qf = q.to(tl.float32)
-            q_norm = tl.sqrt(tl.sum(qf * qf, axis=0))
-            if F16:
-                q_norm = q_norm * tl.exp2(q_exp)
-            scale_now = tl.maximum(tl.sum(tl.maximum(wt, 0.0) * q_norm, axis=0), 1e-20)
-            bound = tl.load(bound_ptr + seq) * scale_now
-            if tl.program_id(1) == 0:
-                tl.store(bound_ptr + 3 * bound_rows + seq, scale_now)
-        count_ptr += seq
-        cand_ptr += seq * capacity
-        cand_pos_ptr += seq * capacity
         best = _score_store(keys, scale, q, q_exp, wt, out_ptr + seq * stride_ob, pos, g_len, width,
-                            tl.zeros([TILE], dtype=tl.uint32), UPCAST, F16, SCALED, MAXIMA, PRECISION,
-                            BOUND, bound, count_ptr, cand_ptr, cand_pos_ptr, capacity)
+                            tl.zeros([TILE], dtype=tl.uint32), UPCAST, F16, SCALED, MAXIMA, PRECISION)
         if LOOP:  # a build of its own: the loop's registers would cost one-tile programs occupancy
             for _ in range(1, tiles):  # the program's later tiles, a row's P * TILE positions apart
                 pos += tl.num_programs(1) * TILE
                 keys, scale = _tile_keys(keys_ptr, scale_ptr, table_ptr + seq * stride_tb, stride_tm, stride_ks,
                                          stride_kd, block_size, g_len, pos, d, d_ok, SCALED)
                 best = _score_store(keys, scale, q, q_exp, wt, out_ptr + seq * stride_ob, pos, g_len, width, best,
-                                    UPCAST, F16, SCALED, MAXIMA, PRECISION,
-                                    BOUND, bound, count_ptr, cand_ptr, cand_pos_ptr, capacity)
+                                    UPCAST, F16, SCALED, MAXIMA, PRECISION)
         if MAXIMA:
             tl.store(m_ptr + seq * stride_mb + tl.program_id(1) * TILE + lane, _key_to_score(best))
 
@@ -215,16 +182,13 @@ def _score_launch(q, w, index_keys, block_tables, g_lens, block_size,
                   key_scale: torch.Tensor | None = None, w_scale: float = 1.0,
                   zero: torch.Tensor | None = None, skip_dead: bool = False,
                   f16: bool | None = None, maxima: torch.Tensor | None = None,
-                  programs: int | None = None, num_stages: int | None = None,
-                  bound: tuple | None = None) -> torch.Tensor:
+                  programs: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """[B, width] fp32 scores, -inf past each row's g_len; `zero` (int32, B rows' worth: the
     selection's workspace) is zeroed too. `skip_dead`: tiles wholly past g_len are not written
     (for the one-launch select, which never reads there). `maxima` [B, T] fp32 (T a multiple of
     the tile): also write each row's strided group maxima for group stride T
     (kernels/wide_select.py), T / tile programs a row. `programs`: programs a row otherwise
-    (each scores every programs-th tile). `bound`: (bounds [3, R], count [B] int32 zeroed,
-    (candidate scores, positions) [B, capacity] each): also take each row's candidates at or
-    above its bound (kernels/bound_select.py). Launch choices left out come from _score_choice."""
+    (each scores every programs-th tile). Launch choices left out come from _score_choice."""
     num_seqs, num_heads, head_dim = q.shape
     width = block_tables.shape[1] * block_size
     out = torch.empty(num_seqs, width, device=q.device, dtype=torch.float32)
@@ -272,11 +236,8 @@ def _score_launch(q, w, index_keys, block_tables, g_lens, block_size,
         out.stride(0), maxima.stride(0) if maxima is not None else 0,
         num_heads, head_dim, width, block_size, float(w_scale), zero if zero is not None else g_lens,
         zero.numel() // num_seqs if zero is not None else 0, tiles,
-        *((bound[0], bound[0].shape[1], bound[1], *bound[2], bound[2][0].shape[1]) if bound is not None
-          else (out, 0, g_lens, out, g_lens, 0)),
         HEADS=heads, DIM=dim, TILE=tile, PRECISION="ieee" if fp32 else "tf32", UPCAST=upcast, SCALED=scaled,
         ZERO=zero is not None, SKIP_DEAD=skip_dead, F16=f16, MAXIMA=maxima is not None, LOOP=tiles > 1,
-        BOUND=bound is not None,
         num_warps=num_warps, **({"num_stages": num_stages} if num_stages else {}), **pdl_launch(q))
     return out
 

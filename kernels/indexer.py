@@ -159,13 +159,6 @@ if triton is not None:
         tl.atomic_add(hist_ptr + (PASS * num_seqs + seq) * 256 + bins, counts, mask=counts > 0, sem="relaxed")
 
     @triton.jit
-    def _fits(found, live, k, capacity):
-        """Whether a row's `found` candidates hold its top k: they fit in the capacity and are
-        at least min(k, live) (a bound from group maxima always gives that many; a guessed one,
-        kernels/bound_select.py, may not)."""
-        return (found <= capacity) & (found >= tl.minimum(k, live))
-
-    @triton.jit
     def _live_scores(row_ptr, pos, live, width):
         """A row's scores at `pos`, -inf where not `live`. The load is masked by the row's width
         alone, a multiple of 16, so it is a vector load; a mask by g_len (any value) would split
@@ -185,10 +178,10 @@ if triton is not None:
         emit pass."""
         pdl_enter(PDL)
         seq = tl.program_id(0)
-        g_len = tl.load(lens_ptr + seq)
         if FITTED:
-            if _fits(tl.load(found_ptr + seq), tl.minimum(g_len, width), k, capacity):
+            if tl.load(found_ptr + seq) <= capacity:
                 return
+        g_len = tl.load(lens_ptr + seq)
         if RADIX:  # the k-th score from the radix passes' last histogram; kept for the emit pass
             prefix, _ = _radix_state(hist_ptr, state_ptr, seq, num_seqs, k, 3)
             kth = _key_to_score(prefix.to(tl.uint32, bitcast=True))
@@ -203,10 +196,9 @@ if triton is not None:
             tl.store(above_ptr + seq * stride_cb + chunk, tl.sum((live & (s > kth)).to(tl.int32), axis=0))
             tl.store(equal_ptr + seq * stride_cb + chunk, tl.sum((live & (s == kth)).to(tl.int32), axis=0))
 
-    @triton.jit(do_not_specialize=["stride_cb", "num_chunks", "k"])
-    def _chunk_offsets_kernel(above_ptr, equal_ptr, before_ptr, after_ptr, found_ptr, lens_ptr, capacity, stride_cb,
-                              num_chunks, width, k, SUMS: tl.constexpr, FITTED: tl.constexpr = False,
-                              PDL: tl.constexpr = 0):
+    @triton.jit(do_not_specialize=["stride_cb", "num_chunks"])
+    def _chunk_offsets_kernel(above_ptr, equal_ptr, before_ptr, after_ptr, found_ptr, capacity, stride_cb, num_chunks,
+                              SUMS: tl.constexpr, FITTED: tl.constexpr = False, PDL: tl.constexpr = 0):
         """Per row: before[c] = positions above the k-th score in the chunks before c, after[c] =
         positions equal to it in the chunks after c; column num_chunks holds the row's totals.
         Once a row here, so the emit pass's programs each read two numbers, not every chunk's
@@ -214,8 +206,7 @@ if triton is not None:
         one build serves every width."""
         pdl_enter(PDL)
         if FITTED:
-            live = tl.minimum(tl.load(lens_ptr + tl.program_id(0)), width)
-            if _fits(tl.load(found_ptr + tl.program_id(0)), live, k, capacity):
+            if tl.load(found_ptr + tl.program_id(0)) <= capacity:
                 return
         row = tl.program_id(0) * stride_cb
         total_equal = tl.zeros([], dtype=tl.int32)
@@ -244,9 +235,8 @@ if triton is not None:
         """Program (seq, p) emits chunks p, p + P, ... of its row (P programs a row)."""
         pdl_enter(PDL)
         seq = tl.program_id(0)
-        g_len = tl.load(lens_ptr + seq)
         if FITTED:
-            if _fits(tl.load(found_ptr + seq), tl.minimum(g_len, width), k, capacity):
+            if tl.load(found_ptr + seq) <= capacity:
                 return
         row = seq * stride_cb
         total_above = tl.load(before_ptr + row + num_chunks)
@@ -254,6 +244,7 @@ if triton is not None:
         # Everything above the k-th score is kept; the remaining places go to the scores equal
         # to it, latest position first.
         ties_wanted = k - total_above
+        g_len = tl.load(lens_ptr + seq)
         kth = tl.load(kth_ptr + seq)
         row_out = out_ptr + seq * stride_ob
         for chunk in range(tl.program_id(1), num_chunks, tl.num_programs(1)):
@@ -306,10 +297,6 @@ _RADIX_PROGRAMS = 1024
 # one-launch select does (kernels/row_select.py SPARSE_FROM); WIDEEP_RADIX_SPARSE=0 keeps the
 # histograms.
 RADIX_SPARSE = os.environ.get("WIDEEP_RADIX_SPARSE", "1") != "0"
-# Wide rows whose caller keeps a bound from the last step (indexer_topk's `bounds`) take their
-# candidates above it in the scoring launch (kernels/bound_select.py); WIDEEP_BOUND_SELECT=0 gives
-# them the radix or threshold select instead.
-BOUND_SELECT = os.environ.get("WIDEEP_BOUND_SELECT", "1") != "0"
 _SELECT_BLOCK = 1024
 # Chunk counts the offsets pass sums per step: a 1M-position row in one. (When each emit program
 # summed them itself, 64 a step cost 74 us a layer at 512K on the H200 and 1024 a step 45 us.)
@@ -380,8 +367,7 @@ def default_select(width: int, rows: int = 1) -> str:
 
 def select_topk_triton(scores: torch.Tensor, g_lens: torch.Tensor, topk: int,
                        chunk: int | None = None, method: str | None = None,
-                       hist: torch.Tensor | None = None, maxima: torch.Tensor | None = None,
-                       bounds: torch.Tensor | None = None, bound_ws: tuple | None = None) -> torch.Tensor:
+                       hist: torch.Tensor | None = None, maxima: torch.Tensor | None = None) -> torch.Tensor:
     """Positions [B, topk] int32 of the top-k scores of each row (the reference's tie rule),
     -1 past min(g_len, topk); in no particular order.
 
@@ -393,9 +379,6 @@ def select_topk_triton(scores: torch.Tensor, g_lens: torch.Tensor, topk: int,
     zeroed (radix_passes' histograms, the one launch's [B, WORKSPACE_COLS], or with `maxima` the
     threshold select's); 'threshold' zeroes its own otherwise. `maxima`: the rows' group maxima
     for 'threshold', written by the scoring launch (kernels/wide_select.py threshold_passes).
-    'bound' takes the candidates above each row's bound from its last step: `bounds`, the state
-    kept across steps, and `bound_ws`, the candidates the scoring launch took
-    (kernels/bound_select.py; without it they are taken from `scores`).
     """
     num_seqs, width = scores.shape
     out = torch.empty(num_seqs, topk, device=scores.device, dtype=torch.int32)
@@ -407,16 +390,11 @@ def select_topk_triton(scores: torch.Tensor, g_lens: torch.Tensor, topk: int,
     method = method or default_select(width, num_seqs)
     if method == "fused":
         return select_rows(scores, g_lens, out, k, ws=hist)
-    if method not in ("radix", "threshold", "topk", "bound"):
-        raise ValueError(f"unknown selection method {method!r}; known: fused, radix, threshold, topk, bound")
+    if method not in ("radix", "threshold", "topk"):
+        raise ValueError(f"unknown selection method {method!r}; known: fused, radix, threshold, topk")
     found, capacity = g_lens, 0  # with the threshold select: the rows' candidate counts and places
-    if method in ("radix", "threshold", "bound"):  # the count pass derives the k-th score from the last histogram
-        if method == "bound":
-            if bounds is None:
-                raise ValueError("method 'bound' needs the rows' bounds (kernels/bound_select.py bound_state)")
-            from .bound_select import bound_select
-            hist, state, found, capacity = bound_select(scores, g_lens, k, out, bounds, workspace=bound_ws)
-        elif method == "radix":
+    if method in ("radix", "threshold"):  # the count pass derives the k-th score from the last histogram
+        if method == "radix":
             hist, state = radix_passes(scores, k, hist=hist)
         else:
             # Rows whose candidates fit take their positions from them; the passes below only
@@ -426,7 +404,7 @@ def select_topk_triton(scores: torch.Tensor, g_lens: torch.Tensor, topk: int,
             capacity = candidates[0].shape[1]
             hist, state, found = threshold_passes(scores, k, g_lens, maxima=maxima, candidates=candidates,
                                                   ws=hist if maxima is not None else None)
-            emit_candidates(candidates, found, hist, state, out, k, width, g_lens=g_lens)
+            emit_candidates(candidates, found, hist, state, out, k, width)
         kth = torch.empty(num_seqs, device=scores.device, dtype=torch.float32)
     else:
         kth = kth_scores(scores, k, method)
@@ -436,7 +414,7 @@ def select_topk_triton(scores: torch.Tensor, g_lens: torch.Tensor, topk: int,
     # one column more than the counts need: the offsets pass's outputs share their row stride
     above = torch.empty(num_seqs, num_chunks + 1, device=scores.device, dtype=torch.int32)
     equal = torch.empty_like(above)
-    fitted = method in ("threshold", "bound")
+    fitted = method == "threshold"
     # Where the threshold select's candidates fit (nearly always) these passes only read the
     # row's count and leave, and what they cost is their programs' start: at batch 16 and 512K,
     # 8192 such programs took 6 us a launch on the H200. So those rows get fewer programs, each
@@ -447,9 +425,8 @@ def select_topk_triton(scores: torch.Tensor, g_lens: torch.Tensor, topk: int,
                               FITTED=fitted, num_warps=4, **pdl_launch(scores))
     before = torch.empty(num_seqs, num_chunks + 1, device=scores.device, dtype=torch.int32)
     after = torch.empty_like(before)
-    _chunk_offsets_kernel[(num_seqs,)](above, equal, before, after, found, g_lens, capacity, above.stride(0),
-                                       num_chunks, width, k, SUMS=_EMIT_SUMS, FITTED=fitted, num_warps=4,
-                                       **pdl_launch(above))
+    _chunk_offsets_kernel[(num_seqs,)](above, equal, before, after, found, capacity, above.stride(0), num_chunks,
+                                       SUMS=_EMIT_SUMS, FITTED=fitted, num_warps=4, **pdl_launch(above))
     _emit_chunk_kernel[grid](scores, kth, g_lens, before, after, out, found, capacity,
                              scores.stride(0), before.stride(0), out.stride(0), width, num_chunks, k, topk,
                              CHUNK=chunk, FILL=fill, FITTED=fitted, num_warps=4, **pdl_launch(scores))
@@ -459,22 +436,15 @@ def select_topk_triton(scores: torch.Tensor, g_lens: torch.Tensor, topk: int,
 def indexer_topk_triton(q: torch.Tensor, w: torch.Tensor, index_keys: torch.Tensor,
                         block_tables: torch.Tensor, g_lens: torch.Tensor,
                         block_size: int, topk: int, key_scale: torch.Tensor | None = None,
-                        w_scale: float = 1.0, bounds: torch.Tensor | None = None) -> torch.Tensor:
+                        w_scale: float = 1.0) -> torch.Tensor:
     """Same position set as indexer_topk_reference, in no particular order."""
     num_seqs, width = q.shape[0], block_tables.shape[1] * block_size
     if q.is_cuda:
         remember_scoring(q, w, index_keys, key_scale, block_size, w_scale, topk)
     # The selection's workspace (the radix histograms, or the one launch's), zeroed by the scoring
     method = default_select(width, num_seqs) if 0 < min(topk, width) else None
-    ws = maxima = bound_ws = None
-    if bounds is not None and method in ("radix", "threshold") and BOUND_SELECT:
-        # Wide rows with a bound kept from the last step: the scoring launch takes the candidates.
-        from .bound_select import bound_workspace, check_bounds
-        check_bounds(bounds, num_seqs)
-        method = "bound"
-        bound_ws = bound_workspace(num_seqs, q.device)
-        ws = bound_ws[0]
-    elif method == "radix":
+    ws = maxima = None
+    if method == "radix":
         ws = torch.empty(4, num_seqs, 256, device=q.device, dtype=torch.int32)
     elif method == "fused":
         ws = torch.empty(num_seqs, WORKSPACE_COLS, device=q.device, dtype=torch.int32)
@@ -489,30 +459,26 @@ def indexer_topk_triton(q: torch.Tensor, w: torch.Tensor, index_keys: torch.Tens
         stride = max(group_stride(width, min(topk, width)), triton.cdiv(MAXIMA_MIN_PROGRAMS, num_seqs) * tile)
         maxima = torch.empty(num_seqs, triton.cdiv(stride, tile) * tile, device=q.device, dtype=torch.float32)
     scores = _score_launch(q, w, index_keys, block_tables, g_lens, block_size, key_scale=key_scale, w_scale=w_scale,
-                           zero=ws, skip_dead=method == "fused", maxima=maxima,
-                           bound=(bounds, *bound_ws[1:]) if bound_ws is not None else None)
-    return select_topk_triton(scores, g_lens, topk, method=method, hist=ws, maxima=maxima, bounds=bounds,
-                              bound_ws=bound_ws)
+                           zero=ws, skip_dead=method == "fused", maxima=maxima)
+    return select_topk_triton(scores, g_lens, topk, method=method, hist=ws, maxima=maxima)
 
 
 def warm_up(topk: int, device, max_rows: int) -> None:
     """Build, on dummy scores, every selection variant serving can meet: the one-launch select
     with and without its atomics (up to and past SPARSE_MAX_ROWS rows) and the wide rows' radix,
-    threshold, bound and torch.topk paths, whose widths the warm-up's requests never reach. Their builds
+    threshold and torch.topk paths, whose widths the warm-up's requests never reach. Their builds
     depend on none of the widths (kernels/row_select.py, kernels/wide_select.py),
     so narrow rows build them. On a GPU, also the scoring launch's wide-row variants for the
     input layouts the warm-up's requests scored with (kernels/score_warmup.py)."""
     probe = torch.empty(0, device=device)
     if triton is None or not triton_ok(probe) or topk <= 0:
         return
-    from .bound_select import bound_state
     width = 64 * (topk // 64 + 1)  # past topk: a real selection
     for rows in sorted({1, min(max_rows, SPARSE_MAX_ROWS + 1)}):
         scores = torch.zeros(rows, width, device=device)
         g_lens = torch.full((rows,), width, dtype=torch.int32, device=device)
         for method in ("fused", "radix", "threshold", "topk"):
             select_topk_triton(scores, g_lens, topk, method=method)
-        select_topk_triton(scores, g_lens, topk, method="bound", bounds=bound_state(rows, device))
     if probe.is_cuda:
         build_wide_variants(device)
 
@@ -520,7 +486,7 @@ def warm_up(topk: int, device, max_rows: int) -> None:
 def indexer_topk(q: torch.Tensor, w: torch.Tensor, index_keys: torch.Tensor,
                  block_tables: torch.Tensor, g_lens: torch.Tensor,
                  block_size: int, topk: int, key_scale: torch.Tensor | None = None,
-                 w_scale: float = 1.0, bounds: torch.Tensor | None = None) -> torch.Tensor:
+                 w_scale: float = 1.0) -> torch.Tensor:
     """Top-k cached positions per decoding sequence by indexer score.
 
     q [B, Hi, Di], w [B, Hi], index_keys [S, Di] (slot = block * block_size + offset),
@@ -528,12 +494,8 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, index_keys: torch.Tensor,
     Returns [B, topk] int32 positions (not slots); -1 fills the row past min(g_len, topk).
     Row order is unspecified (best-first on the reference path). FP8 index keys
     (float8_e4m3fn) come with key_scale [S] fp32: key = index_keys[slot] * key_scale[slot].
-    The head weights are w.float() * w_scale. `bounds` (kernels/bound_select.py bound_state,
-    one column a row, kept by the caller across decode steps): rows wider than the one-launch
-    select take their candidates above a bound guessed from their last step (checked: a wrong
-    guess costs time, not positions). The reference path ignores it.
+    The head weights are w.float() * w_scale.
     """
     if triton is not None and triton_ok(q):
-        return indexer_topk_triton(q, w, index_keys, block_tables, g_lens, block_size, topk, key_scale, w_scale,
-                                   bounds)
+        return indexer_topk_triton(q, w, index_keys, block_tables, g_lens, block_size, topk, key_scale, w_scale)
     return indexer_topk_reference(q, w, index_keys, block_tables, g_lens, block_size, topk, key_scale, w_scale)

@@ -4,9 +4,8 @@ Triton builds a kernel once per variant (constexpr values, pointer dtypes and al
 classes). The engine's warm-up requests are short, so they build the scoring kernel
 (kernels/index_score.py _score_tile_kernel) only as short rows launch it: one tile a program, the
 one-launch select's flags. Rows past FUSED_MAX_WIDTH zero the radix histograms instead, FP8 keys
-take several tiles a program once the batch has enough of them, the threshold select's rows
-also write the group maxima, and decode steps' rows take their candidates above a bound
-(kernels/bound_select.py); each is a build of its own, which the first decode step that meets
+take several tiles a program once the batch has enough of them, and the threshold select's rows
+also write the group maxima; each is a build of its own, which the first decode step that meets
 it would wait for (a second or so, every running request with it).
 
 `remember` notes the dtypes, strides and alignment of each scoring call's inputs (the engine's
@@ -60,7 +59,6 @@ def wide_shapes() -> list[tuple[int, int]]:
 def build_wide_variants(device) -> int:
     """Run the indexer on stand-ins of every remembered layout on `device` at wide_shapes();
     returns the number of layouts."""
-    from .bound_select import bound_state
     from .indexer import indexer_topk_triton
     device = torch.device(device)
     layouts = [k for k in _SEEN if k[0] == device]
@@ -71,7 +69,6 @@ def build_wide_variants(device) -> int:
             width = -(-width // block_size) * block_size
             tables = torch.zeros(rows, width // block_size, dtype=torch.int32, device=device)
             g_lens = torch.full((rows,), width, dtype=torch.int32, device=device)
-            for bounds in (None, bound_state(rows, device)):  # chunk steps, decode steps
-                indexer_topk_triton(_stand_in(q_layout, rows, device), _stand_in(w_layout, rows, device), keys,
-                                    tables, g_lens, block_size, topk, key_scale=scale, w_scale=w_scale, bounds=bounds)
+            indexer_topk_triton(_stand_in(q_layout, rows, device), _stand_in(w_layout, rows, device), keys, tables,
+                                g_lens, block_size, topk, key_scale=scale, w_scale=w_scale)
     return len(layouts)

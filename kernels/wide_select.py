@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from .indexer import _fits, _keep_radix_state, _radix_state, radix_passes
+from .indexer import _keep_radix_state, _radix_state, radix_passes
 
 try:
     import triton
@@ -111,22 +111,19 @@ if triton is not None:
     def _candidate_kernel(scores_ptr, lens_ptr, hist_ptr, state_ptr, count_ptr, cand_ptr, cand_pos_ptr, stride_sb,
                           width, num_seqs, blocks, k, capacity,
                           HAS_LENS: tl.constexpr, BLOCK: tl.constexpr, POSITIONS: tl.constexpr = False,
-                          BOUND: tl.constexpr = False, PDL: tl.constexpr = 0):
+                          PDL: tl.constexpr = 0):
         """Append the finite scores >= tau (the k-th largest group maximum, from the maxima's
-        last histogram; BOUND: the row's guessed bound, state_ptr[seq]) of `blocks` blocks of
-        the row to cand[seq] (and, POSITIONS, their positions to cand_pos[seq]); count[seq]
-        counts them all, also those past the capacity, which are dropped."""
+        last histogram) of `blocks` blocks of the row to cand[seq] (and, POSITIONS, their
+        positions to cand_pos[seq]); count[seq] counts them all, also those past the capacity,
+        which are dropped."""
         pdl_enter(PDL)
         seq = tl.program_id(0)
         end, load_end = _live_end(lens_ptr, seq, width, HAS_LENS)
         start = tl.program_id(1) * blocks * BLOCK
         if start >= end:
             return
-        if BOUND:  # the bound is relative to the step's score scale (kernels/bound_select.py)
-            tau = tl.load(state_ptr + seq) * tl.load(state_ptr + 3 * num_seqs + seq)
-        else:
-            prefix, _ = _radix_state(hist_ptr, state_ptr, seq, num_seqs, k, 3)
-            tau = _key_to_score(prefix.to(tl.uint32, bitcast=True))
+        prefix, _ = _radix_state(hist_ptr, state_ptr, seq, num_seqs, k, 3)
+        tau = _key_to_score(prefix.to(tl.uint32, bitcast=True))
         row = scores_ptr + seq * stride_sb
         for b in range(0, blocks):
             pos = start + b * BLOCK + tl.arange(0, BLOCK)
@@ -154,12 +151,12 @@ if triton is not None:
                 _keep_radix_state(state_ptr, seq, num_seqs, prefix, rank, PASS - 1)
             prefix = prefix.to(tl.uint32, bitcast=True)
         found = tl.load(count_ptr + seq)
-        row_end, row_load_end = _live_end(lens_ptr, seq, width, HAS_LENS)
-        overflow = _fits(found, row_end, k, capacity) == 0
+        overflow = found > capacity
         if overflow:
             src = scores_ptr + seq * stride_sb
         else:
             src = cand_ptr + seq * capacity
+        row_end, row_load_end = _live_end(lens_ptr, seq, width, HAS_LENS)
         end = tl.where(overflow, row_end, found)
         load_end = tl.where(overflow, row_load_end, tl.minimum(tl.cdiv(found, 16) * 16, capacity))
         # Fewer than k candidates only when the row has fewer than k finite scores: the places
@@ -201,58 +198,21 @@ if triton is not None:
             n += tl.sum(((s == kth) & (p >= cut)).to(tl.int32), axis=0)
         return n
 
-    @triton.jit
-    def _next_bound(bound_ptr, rows, seq, kth, found, live, k, capacity, margin):
-        """The row's bound for the next step (kernels/bound_select.py) from this step's k-th score
-        and candidate count, relative to the step's score scale (bound_ptr[3 * rows + seq]): the
-        k-th score less a gap that would have held about `margin` k candidates below it, were the
-        scores near it as dense as they were this step. A guess: a wrong one costs a pass over
-        the whole row, never a position."""
-        scale_now = tl.load(bound_ptr + 3 * rows + seq)
-        kth = kth / scale_now
-        bound = tl.load(bound_ptr + seq)
-        gap = tl.load(bound_ptr + rows + seq)
-        k_live = tl.minimum(k, live)
-        if bound > float("-inf"):
-            if found >= k_live:  # the bound was at or below the k-th score
-                # Narrowing is safe (scores alike the next step still give at least k
-                # candidates), so it may be steep; widening costs the capacity.
-                spread = tl.maximum(found - k_live, 1).to(tl.float32)
-                gap = (kth - bound) * tl.minimum(tl.maximum(margin * k / spread, 1.0 / 256), 4.0)
-            else:  # above it: too few candidates. Room for the k-th score falling as far again.
-                gap = 2 * gap + (bound - kth)
-        else:  # the first step, or the row had fewer than k scores
-            gap = tl.abs(kth) * 0.25
-        # never 0: a row with many scores equal to its k-th stays a miss rather than stuck at it
-        gap = tl.maximum(gap, tl.maximum(tl.abs(kth) * 1e-6, 1e-30))
-        nxt = kth - gap
-        # fewer than k finite scores (k-th -inf), or infinite ones: every score a candidate next time
-        nxt = tl.where((nxt == nxt) & (kth > float("-inf")), nxt, float("-inf"))
-        tl.store(bound_ptr + seq, nxt)
-        tl.store(bound_ptr + rows + seq, tl.where(gap == gap, gap, 0.0))
-        missed = _fits(found, live, k, capacity) == 0
-        tl.store(bound_ptr + 2 * rows + seq, tl.load(bound_ptr + 2 * rows + seq) + missed.to(tl.float32))
-
-    @triton.jit(do_not_specialize=["num_seqs", "k", "topk", "width", "rows"])
-    def _emit_candidates_kernel(cand_ptr, cand_pos_ptr, count_ptr, hist_ptr, state_ptr, out_ptr, lens_ptr, bound_ptr,
-                                stride_ob, num_seqs, k, topk, width, capacity, rows, margin,
-                                BLOCK: tl.constexpr, FILL: tl.constexpr, HAS_LENS: tl.constexpr,
-                                BOUND: tl.constexpr = False, PDL: tl.constexpr = 0):
+    @triton.jit(do_not_specialize=["num_seqs", "k", "topk", "width"])
+    def _emit_candidates_kernel(cand_ptr, cand_pos_ptr, count_ptr, hist_ptr, state_ptr, out_ptr, stride_ob,
+                                num_seqs, k, topk, width, capacity,
+                                BLOCK: tl.constexpr, FILL: tl.constexpr, PDL: tl.constexpr = 0):
         """A row whose candidates fit: its top-k positions from them alone, the tie rule of
         select_topk_triton's emit pass (every position above the k-th score, then the latest
         positions scoring exactly it), -1 past the places filled. Rows that overflowed are left
-        to the passes over the whole row. BOUND: every row also sets its next bound
-        (bound_ptr [4, rows]: kernels/bound_select.py)."""
+        to the passes over the whole row."""
         pdl_enter(PDL)
         seq = tl.program_id(0)
         found = tl.load(count_ptr + seq)
-        live, _ = _live_end(lens_ptr, seq, width, HAS_LENS)
+        if found > capacity:
+            return
         prefix, _ = _radix_state(hist_ptr, state_ptr, seq, num_seqs, k, 3)
         kth = _key_to_score(prefix.to(tl.uint32, bitcast=True))
-        if BOUND:
-            _next_bound(bound_ptr, rows, seq, kth, found, live, k, capacity, margin)
-        if _fits(found, live, k, capacity) == 0:
-            return
         row = cand_ptr + seq * capacity
         row_pos = cand_pos_ptr + seq * capacity
         row_out = out_ptr + seq * stride_ob
@@ -316,22 +276,16 @@ def candidate_buffers(num_seqs: int, device, capacity: int | None = None) -> tup
 
 
 def emit_candidates(candidates: tuple[torch.Tensor, torch.Tensor], count: torch.Tensor, hist: torch.Tensor,
-                    state: torch.Tensor, out: torch.Tensor, k: int, width: int, g_lens: torch.Tensor | None = None,
-                    bounds: torch.Tensor | None = None, margin: float = 1.0) -> None:
-    """out[b] (int32 [B, topk]) = the top-k positions of each row whose candidates hold them
-    (count[b] <= capacity, and at least min(k, g_len) of them), from the passes' hist, state and
-    count with `candidates`; the other rows' places are left as they are. `bounds` [4, R >= B]
-    (kernels/bound_select.py): each row's bound for the next step is set from this one, for
-    about (1 + margin) k candidates."""
+                    state: torch.Tensor, out: torch.Tensor, k: int, width: int) -> None:
+    """out[b] (int32 [B, topk]) = the top-k positions of each row whose candidates fit (count[b] <=
+    capacity), from threshold_passes' hist, state and count with `candidates`; the other rows'
+    places are left as they are."""
     cand, cand_pos = candidates
     num_seqs, capacity = cand.shape
     topk = out.shape[1]
-    lens = g_lens if g_lens is not None else count  # not read without
     _emit_candidates_kernel[(num_seqs,)](
-        cand, cand_pos, count, hist, state, out, lens, bounds if bounds is not None else cand, out.stride(0),
-        num_seqs, k, topk, width, capacity, bounds.shape[1] if bounds is not None else 0, float(margin),
-        BLOCK=BLOCK, FILL=min(1024, max(16, 1 << (topk - 1).bit_length())), HAS_LENS=g_lens is not None,
-        BOUND=bounds is not None, num_warps=4, **pdl_launch(cand))
+        cand, cand_pos, count, hist, state, out, out.stride(0), num_seqs, k, topk, width, capacity,
+        BLOCK=BLOCK, FILL=min(1024, max(16, 1 << (topk - 1).bit_length())), num_warps=4, **pdl_launch(cand))
 
 
 def threshold_workspace(num_seqs: int, device) -> torch.Tensor:
@@ -374,8 +328,9 @@ def threshold_passes(scores: torch.Tensor, k: int, g_lens: torch.Tensor | None =
     hist_m = ws[:4 * num_seqs * 256].view(4, num_seqs, 256)
     hist = ws[4 * num_seqs * 256:8 * num_seqs * 256].view(4, num_seqs, 256)
     count = ws[8 * num_seqs * 256:]
+    state = torch.empty(3, 2, num_seqs, device=device, dtype=torch.int32)
     if num_seqs == 0:
-        return hist, torch.empty(3, 2, 0, device=device, dtype=torch.int32), count
+        return hist, state, count
     has_lens = g_lens is not None
     lens = g_lens.to(device=device, dtype=torch.int32).contiguous() if has_lens else count  # not read without
     m = maxima
@@ -399,19 +354,6 @@ def threshold_passes(scores: torch.Tensor, k: int, g_lens: torch.Tensor | None =
         scores, lens, hist_m, state_m, count, cand, cand_pos, scores.stride(0), width, num_seqs, blocks, k, capacity,
         HAS_LENS=has_lens, BLOCK=BLOCK, POSITIONS=candidates is not None, num_warps=4, **pdl_launch(scores))
 
-    state = candidate_passes(scores, k, lens if has_lens else None, count, hist, cand)
-    return hist, state, count
-
-
-def candidate_passes(scores: torch.Tensor, k: int, g_lens: torch.Tensor | None, count: torch.Tensor,
-                     hist: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
-    """The four byte-histogram passes (into `hist` [4, B, 256], zeroed) over each row's
-    candidates cand [B, capacity] (count [B] of them), or over the whole row of `scores` where
-    they do not hold its top k; returns the radix state [3, 2, B]."""
-    num_seqs, width = scores.shape
-    capacity = cand.shape[1]
-    state = torch.empty(3, 2, num_seqs, device=scores.device, dtype=torch.int32)
-    lens = g_lens if g_lens is not None else count  # not read without
     # The programs of a row cover both all of it and the most candidates a pass can read (never
     # more than the row's positions; at least k, the -inf places).
     parts = max(1, min(_cdiv(width, BLOCK), PASS_PROGRAMS // num_seqs))
@@ -420,5 +362,5 @@ def candidate_passes(scores: torch.Tensor, k: int, g_lens: torch.Tensor | None, 
     for p in range(4):
         _pass_kernel[(num_seqs, parts)](
             scores, lens, cand, count, hist, state, scores.stride(0), width, num_seqs, row_blocks, cand_blocks, k,
-            capacity, PASS=p, HAS_LENS=g_lens is not None, BLOCK=BLOCK, num_warps=8, **pdl_launch(scores))
-    return state
+            capacity, PASS=p, HAS_LENS=has_lens, BLOCK=BLOCK, num_warps=8, **pdl_launch(scores))
+    return hist, state, count

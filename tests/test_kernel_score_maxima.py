@@ -9,7 +9,6 @@ from kernel_devices import DEVICES, poison_empty
 import kernels.index_score as score
 import kernels.indexer as indexer
 import kernels.wide_select as ws
-from kernels.bound_select import bound_state
 from test_kernel_indexer import check_rows, make_case
 
 
@@ -139,12 +138,11 @@ def compiled_variants() -> int:
 def test_warm_up_builds_the_wide_rows_variants(fp8):
     """After one short scoring call (as the engine's warm-up requests make) and warm_up, rows of
     other wide shapes (the one-launch select with FP8 keys looping, the radix passes with one
-    tile a program and with several, the threshold select with the maxima, each with and without
-    a decode step's bounds) build nothing new."""
+    tile a program and with several, the threshold select with the maxima) build nothing new."""
     g = torch.Generator(device="cuda").manual_seed(0)
     heads, dim, bs, topk = 8, 64, 64, 2048
 
-    def call(rows, width, bounds=None):
+    def call(rows, width):
         q = torch.randn(rows, heads, dim, device="cuda", generator=g).bfloat16()
         w = torch.randn(rows, heads, device="cuda", generator=g).bfloat16()
         blocks = width // bs
@@ -154,14 +152,12 @@ def test_warm_up_builds_the_wide_rows_variants(fp8):
             keys, scale = keys.to(torch.float8_e4m3fn), torch.rand(blocks * bs, device="cuda") + 0.5
         tables = torch.randint(0, blocks, (rows, blocks), device="cuda", generator=g, dtype=torch.int32)
         lens = torch.full((rows,), width, device="cuda", dtype=torch.int32)
-        return indexer.indexer_topk_triton(q, w, keys, tables, lens, bs, topk, key_scale=scale, w_scale=0.35,
-                                           bounds=bounds)
+        return indexer.indexer_topk_triton(q, w, keys, tables, lens, bs, topk, key_scale=scale, w_scale=0.35)
 
     call(3, 4096)
     indexer.warm_up(topk, "cuda", 16)
     before = compiled_variants()
     for rows, width in [(12, 32768), (2, 65536), (8, 131072 + 5 * bs), (16, 262144)]:
-        for bounds in (None, bound_state(rows, "cuda")):
-            out = call(rows, width, bounds)
-            assert out.shape == (rows, topk) and bool((out >= 0).all())
+        out = call(rows, width)
+        assert out.shape == (rows, topk) and bool((out >= 0).all())
     assert compiled_variants() == before

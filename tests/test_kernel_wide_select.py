@@ -19,16 +19,16 @@ def as_sets(pos):
     return [sorted(p for p in row.tolist() if p >= 0) for row in pos.cpu()]
 
 
-def check_select(scores, g_lens, topk, select=None):
-    """select_topk_triton(method="threshold"), or select(scores, g_lens, topk), picks the
-    reference's positions. The reference reads clean scores (-inf past g_len); the kernel gets a
-    copy with +inf and NaN there, which it must never use."""
+def check_select(scores, g_lens, topk):
+    """select_topk_triton(method="threshold") picks the reference's positions. The reference
+    reads clean scores (-inf past g_len); the kernel gets a copy with +inf and NaN there, which
+    it must never use."""
     want = select_topk_reference(scores, g_lens, topk)
     dirty = scores.clone()
     dead = torch.arange(scores.shape[1], device=scores.device)[None, :] >= g_lens[:, None].long()
     garbage = torch.where(torch.arange(scores.shape[1], device=scores.device) % 2 == 0, float("inf"), float("nan"))
     dirty[dead] = garbage.expand_as(dirty)[dead]
-    got = (select or (lambda *a: select_topk_triton(*a, method="threshold")))(dirty, g_lens, topk)
+    got = select_topk_triton(dirty, g_lens, topk, method="threshold")
     assert got.shape == want.shape and got.dtype == torch.int32
     assert as_sets(got) == as_sets(want)
     for row, n in zip(got.cpu(), g_lens.tolist()):
