@@ -117,7 +117,7 @@ def build_wide() -> list[dict]:
     """The wide rows' k-th score (kernels/wide_select.py): group maxima, candidates and each byte
     pass, with and without g_lens (with them the candidates keep their positions), the
     positions emitted from the candidates, the radix passes' sparse atomics and the count and emit
-    passes over whole rows, as launched on an H200 (dependent launches on, integers
+    passes over whole rows (and the one launch that replaces them), as launched on an H200 (dependent launches on, integers
     specialised as the launcher does: pointers and the widths and strides it keeps)."""
     from kernels import indexer
     from kernels import wide_select as ws
@@ -134,6 +134,9 @@ def build_wide() -> list[dict]:
     # the count and emit passes over whole rows, several chunks a program after the threshold select
     builds.append((indexer._count_chunk_kernel, dict(CHUNK=indexer._SELECT_BLOCK, RADIX=True, FITTED=True), 4))
     builds.append((indexer._emit_chunk_kernel, dict(CHUNK=indexer._SELECT_BLOCK, FILL=1024, FITTED=True), 4))
+    # the positions in one launch after the radix passes, and after the threshold passes
+    builds += [(indexer._emit_rows_kernel, dict(CHUNK=indexer._SELECT_BLOCK, FILL=1024, FITTED=fitted), 4)
+               for fitted in (False, True)]
     rows = []
     for fn, consts, warps in builds:
         consts = dict(consts, PDL=2)

@@ -268,6 +268,69 @@ if triton is not None:
                 tl.store(row_out + i, tl.full([FILL], -1, tl.int32), mask=(i >= filled) & (i < topk))
 
 
+    @triton.jit(do_not_specialize=["num_seqs", "k", "topk"])
+    def _emit_rows_kernel(scores_ptr, lens_ptr, hist_ptr, state_ptr, slots_ptr, out_ptr, found_ptr, capacity,
+                          stride_sb, stride_ob, width, num_seqs, k, topk,
+                          CHUNK: tl.constexpr, FILL: tl.constexpr, FITTED: tl.constexpr = False,
+                          PDL: tl.constexpr = 0):
+        """The positions of each row's top k in one pass, from the radix passes' histograms and
+        state alone: the last pass gives the k-th score's key, how many of the positions scoring
+        exactly it are wanted (its rank among them) and how many there are (its bin; bin 0 also
+        holds keys that did not match, so it is not trusted). Program (seq, p) takes chunks p,
+        p + P, ... and appends their positions above the k-th score at places counted by an
+        atomic (slots[seq, 0], zeroed), and, where every tie is wanted, their ties after those
+        (slots[seq, 1]). Where fewer ties are wanted than there are (scores equal to the k-th,
+        rare past relu's zeros), program 0 takes the latest ones, scanning back from g_len.
+        FITTED: rows whose threshold candidates fit were emitted from them and are skipped."""
+        pdl_enter(PDL)
+        seq = tl.program_id(0)
+        if FITTED:
+            if tl.load(found_ptr + seq) <= capacity:
+                return
+        g_len = tl.minimum(tl.load(lens_ptr + seq), width)
+        prefix, ties_wanted = _radix_state(hist_ptr, state_ptr, seq, num_seqs, k, 3)
+        kth = _key_to_score(prefix.to(tl.uint32, bitcast=True))
+        total_above = k - ties_wanted
+        digit = prefix & 0xFF
+        ties = tl.load(hist_ptr + (3 * num_seqs + seq) * 256 + digit)
+        # A k-th score of -inf (fewer than k live positions): the places left stay -1.
+        ties_wanted = tl.where(kth > float("-inf"), ties_wanted, 0)
+        every_tie = (ties == ties_wanted) & (digit != 0)
+        row = scores_ptr + seq * stride_sb
+        row_out = out_ptr + seq * stride_ob
+        for chunk in range(tl.program_id(1), tl.cdiv(g_len, CHUNK), tl.num_programs(1)):
+            pos = chunk * CHUNK + tl.arange(0, CHUNK)
+            live = pos < g_len
+            s = _live_scores(row, pos, live, width)
+            is_above = (live & (s > kth)).to(tl.int32)
+            n = tl.sum(is_above, axis=0)
+            if n > 0:
+                place = tl.atomic_add(slots_ptr + seq * 2, n, sem="relaxed") + tl.cumsum(is_above, axis=0) - 1
+                tl.store(row_out + place, pos, mask=is_above != 0)
+            if every_tie:
+                is_tie = (live & (s == kth)).to(tl.int32)
+                n = tl.sum(is_tie, axis=0)
+                if n > 0:
+                    place = tl.atomic_add(slots_ptr + seq * 2 + 1, n, sem="relaxed") + tl.cumsum(is_tie, axis=0) - 1
+                    tl.store(row_out + total_above + place, pos, mask=is_tie != 0)
+        if tl.program_id(1) == 0:
+            if (every_tie == 0) & (ties_wanted > 0):
+                taken = tl.zeros([], dtype=tl.int32)
+                c = tl.cdiv(g_len, CHUNK) - 1
+                while (taken < ties_wanted) & (c >= 0):
+                    pos = c * CHUNK + tl.arange(0, CHUNK)
+                    live = pos < g_len
+                    is_tie = (live & (_live_scores(row, pos, live, width) == kth)).to(tl.int32)
+                    later = taken + tl.sum(is_tie, axis=0) - tl.cumsum(is_tie, axis=0)  # ties past each
+                    tl.store(row_out + total_above + later, pos, mask=(is_tie != 0) & (later < ties_wanted))
+                    taken += tl.sum(is_tie, axis=0)
+                    c -= 1
+            filled = total_above + ties_wanted
+            for start in range(0, topk, FILL):
+                i = start + tl.arange(0, FILL)
+                tl.store(row_out + i, tl.full([FILL], -1, tl.int32), mask=(i >= filled) & (i < topk))
+
+
 # Rows up to FUSED_MAX_WIDTH get the whole selection in one launch (kernels/row_select.py). Wider
 # rows get the k-th score from the multi-launch radix passes, or, once the batch holds
 # THRESHOLD_MIN_POSITIONS positions or more, from the candidates above a bound
@@ -298,6 +361,10 @@ _RADIX_PROGRAMS = 1024
 # histograms.
 RADIX_SPARSE = os.environ.get("WIDEEP_RADIX_SPARSE", "1") != "0"
 _SELECT_BLOCK = 1024
+# After the radix or threshold passes, the positions come from one launch (_emit_rows_kernel)
+# rather than three (count, offsets, emit); WIDEEP_ONE_EMIT=0 keeps the three. The one launch
+# writes a row's positions in the order its programs reach them.
+ONE_EMIT = os.environ.get("WIDEEP_ONE_EMIT", "1") != "0"
 # Chunk counts the offsets pass sums per step: a 1M-position row in one. (When each emit program
 # summed them itself, 64 a step cost 74 us a layer at 512K on the H200 and 1024 a step 45 us.)
 _EMIT_SUMS = 1024
@@ -367,7 +434,8 @@ def default_select(width: int, rows: int = 1) -> str:
 
 def select_topk_triton(scores: torch.Tensor, g_lens: torch.Tensor, topk: int,
                        chunk: int | None = None, method: str | None = None,
-                       hist: torch.Tensor | None = None, maxima: torch.Tensor | None = None) -> torch.Tensor:
+                       hist: torch.Tensor | None = None, maxima: torch.Tensor | None = None,
+                       slots: torch.Tensor | None = None) -> torch.Tensor:
     """Positions [B, topk] int32 of the top-k scores of each row (the reference's tie rule),
     -1 past min(g_len, topk); in no particular order.
 
@@ -379,6 +447,8 @@ def select_topk_triton(scores: torch.Tensor, g_lens: torch.Tensor, topk: int,
     zeroed (radix_passes' histograms, the one launch's [B, WORKSPACE_COLS], or with `maxima` the
     threshold select's); 'threshold' zeroes its own otherwise. `maxima`: the rows' group maxima
     for 'threshold', written by the scoring launch (kernels/wide_select.py threshold_passes).
+    `slots`: [B, 2] int32 zeros for the one-launch emit's counters (ONE_EMIT; zeroed here if
+    not given).
     """
     num_seqs, width = scores.shape
     out = torch.empty(num_seqs, topk, device=scores.device, dtype=torch.int32)
@@ -406,6 +476,19 @@ def select_topk_triton(scores: torch.Tensor, g_lens: torch.Tensor, topk: int,
                                                   ws=hist if maxima is not None else None)
             emit_candidates(candidates, found, hist, state, out, k, width)
         kth = torch.empty(num_seqs, device=scores.device, dtype=torch.float32)
+        if ONE_EMIT:
+            if slots is None:
+                slots = torch.zeros(num_seqs, 2, device=scores.device, dtype=torch.int32)
+            chunk = chunk or _SELECT_BLOCK
+            num_chunks = triton.cdiv(width, chunk)
+            fitted = method == "threshold"
+            # (where the threshold select's candidates fit, as nearly always, programs only start
+            # and leave: fewer of them, as for the passes below)
+            grid = (num_seqs, min(num_chunks, max(1, FITTED_PROGRAMS // num_seqs)) if fitted else num_chunks)
+            _emit_rows_kernel[grid](scores, g_lens, hist, state, slots, out, found, capacity, scores.stride(0),
+                                    out.stride(0), width, num_seqs, k, topk, CHUNK=chunk, FILL=fill, FITTED=fitted,
+                                    num_warps=4, **pdl_launch(scores))
+            return out
     else:
         kth = kth_scores(scores, k, method)
         hist = state = kth  # not read
@@ -443,9 +526,11 @@ def indexer_topk_triton(q: torch.Tensor, w: torch.Tensor, index_keys: torch.Tens
         remember_scoring(q, w, index_keys, key_scale, block_size, w_scale, topk)
     # The selection's workspace (the radix histograms, or the one launch's), zeroed by the scoring
     method = default_select(width, num_seqs) if 0 < min(topk, width) else None
-    ws = maxima = None
+    ws = maxima = slots = None
     if method == "radix":
-        ws = torch.empty(4, num_seqs, 256, device=q.device, dtype=torch.int32)
+        # the radix histograms and the one-launch emit's counters, zeroed together
+        zeroed = torch.empty(4 * num_seqs * 256 + 2 * num_seqs, device=q.device, dtype=torch.int32)
+        ws, slots = zeroed[:4 * num_seqs * 256].view(4, num_seqs, 256), zeroed[4 * num_seqs * 256:].view(num_seqs, 2)
     elif method == "fused":
         ws = torch.empty(num_seqs, WORKSPACE_COLS, device=q.device, dtype=torch.int32)
     elif method == "threshold" and SCORE_MAXIMA:
@@ -459,8 +544,8 @@ def indexer_topk_triton(q: torch.Tensor, w: torch.Tensor, index_keys: torch.Tens
         stride = max(group_stride(width, min(topk, width)), triton.cdiv(MAXIMA_MIN_PROGRAMS, num_seqs) * tile)
         maxima = torch.empty(num_seqs, triton.cdiv(stride, tile) * tile, device=q.device, dtype=torch.float32)
     scores = _score_launch(q, w, index_keys, block_tables, g_lens, block_size, key_scale=key_scale, w_scale=w_scale,
-                           zero=ws, skip_dead=method == "fused", maxima=maxima)
-    return select_topk_triton(scores, g_lens, topk, method=method, hist=ws, maxima=maxima)
+                           zero=zeroed if slots is not None else ws, skip_dead=method == "fused", maxima=maxima)
+    return select_topk_triton(scores, g_lens, topk, method=method, hist=ws, maxima=maxima, slots=slots)
 
 
 def warm_up(topk: int, device, max_rows: int) -> None:

@@ -64,8 +64,10 @@ if triton is not None:
 
     @triton.jit
     def _order_key(s):
-        """fp32 -> uint32 whose unsigned order is the float order (-inf lowest)."""
-        bits = s.to(tl.uint32, bitcast=True)
+        """fp32 -> uint32 whose unsigned order is the float order (-inf lowest). -0.0 takes
+        0.0's key: they are equal scores, so that a count of the keys equal to the k-th one is
+        also a count of the scores equal to it (kernels/indexer.py _emit_rows_kernel)."""
+        bits = tl.where(s == 0.0, 0.0, s).to(tl.uint32, bitcast=True)
         return tl.where((bits >> 31) != 0, ~bits, bits | 0x80000000)
 
     @triton.jit

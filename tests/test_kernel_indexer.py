@@ -189,6 +189,38 @@ def test_selection_with_many_ties_across_chunks(device, width, topk, chunk, meth
     check_rows(got, want, g_lens.tolist(), topk)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("one_emit", [True, False])
+@pytest.mark.parametrize("method", ["radix", "threshold"])
+def test_emit_after_the_passes_keeps_the_tie_rule(device, one_emit, method, monkeypatch):
+    """After the radix or threshold passes, the positions from one launch (ONE_EMIT) or from the
+    count, offsets and emit passes: rows whose k-th score is shared by more positions than places
+    (the latest kept), by exactly as many (all kept: values whose key's last byte is not 0, so
+    the tie count comes from the histogram), and the -0.0 / 0.0 pair as ties; chunks of 16 over
+    several programs."""
+    import kernels.indexer as mod
+    import kernels.wide_select as ws
+    monkeypatch.setattr(mod, "ONE_EMIT", one_emit)
+    monkeypatch.setattr(ws, "CAPACITY", 16)  # the threshold rows overflow into the whole-row passes
+    width, topk = 500, 40
+    g = torch.Generator().manual_seed(2)
+    values = torch.tensor([0.3, 0.7, 1.3, 2.9])
+    scores = values[torch.randint(0, 4, (5, width), generator=g)]
+    scores[1] = torch.randn(width, generator=g)
+    places = torch.randperm(width - 3, generator=g)
+    scores[1, places[:37]] = 4 + torch.rand(37, generator=g)
+    scores[1, places[37:40]] = 3.3  # the k-th score: 3 ties, all wanted
+    scores[2] = torch.where(torch.rand(width, generator=g) < 0.5, 0.0, -0.0)
+    scores[2, :30] = 1.1  # the k-th score is zero: 10 of 470 signed zeros, the latest
+    scores[3] = torch.randn(width, generator=g)  # no ties
+    g_lens = torch.tensor([width, width - 3, width, 417, 33], dtype=torch.int32)
+    scores[torch.arange(width)[None, :] >= g_lens[:, None].long()] = float("-inf")
+    scores, g_lens = scores.to(device), g_lens.to(device)
+    want = select_topk_reference(scores, g_lens, topk)
+    got = select_topk_triton(scores, g_lens, topk, chunk=16, method=method)
+    check_rows(got, want, g_lens.tolist(), topk)
+
+
 def test_dispatcher_uses_reference_without_triton_device(monkeypatch):
     import kernels.indexer as mod
     args = make_case(TRITON_DEVICE, [30, 9], 8)

@@ -65,7 +65,7 @@ def test_one_launch_select_builds_without_spills(tmp_path):
 def test_wide_select_builds_without_spills(tmp_path):
     """The wide rows' k-th score (kernels/wide_select.py): group maxima, candidates and the four
     byte passes, with and without g_lens, the emit from the candidates, the radix passes'
-    atomics for sparse blocks and the chunk passes compile for sm_90 with dependent launches; the row
+    atomics for sparse blocks, the chunk passes and the one-launch emit compile for sm_90 with dependent launches; the row
     loads are vector loads (the masks at multiples of 16 keep them so)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = tmp_path / "wide.jsonl"
@@ -75,6 +75,7 @@ def test_wide_select_builds_without_spills(tmp_path):
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [row["kernel"] for row in rows] == (2 * (["_group_max_kernel", "_candidate_kernel"] + 4 * ["_pass_kernel"])
                                               + ["_emit_candidates_kernel"] + 2 * ["_radix_pass_kernel"]
-                                              + ["_count_chunk_kernel", "_emit_chunk_kernel"])
+                                              + ["_count_chunk_kernel", "_emit_chunk_kernel"]
+                                              + 2 * ["_emit_rows_kernel"])
     assert all(0 < row["registers"] <= 255 and row["spill_store_bytes"] == 0 for row in rows)
     assert all(row["vector_loads"] > 0 for row in rows)
