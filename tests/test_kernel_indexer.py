@@ -281,7 +281,7 @@ def test_radix_select_over_several_pass_chunks(device, programs, monkeypatch):
     """Rows longer than one histogram chunk (4096, or 1024 when few rows leave the GPU idle),
     scores sharing their top bytes (one binade, many repeats), negative and -inf ones: every
     radix pass has to narrow the k-th score."""
-    import kernels.indexer as mod
+    import kernels.radix_select as mod
     monkeypatch.setattr(mod, "_RADIX_PROGRAMS", programs)
     g = torch.Generator().manual_seed(7)
     width, topk = 9000, 300
