@@ -125,8 +125,7 @@ def build_wide() -> list[dict]:
     builds = []
     for lens in (False, True):
         builds.append((ws._group_max_kernel, dict(HAS_LENS=lens, TILE=ws.GROUP_TILE, ROWS=ws.GROUP_ROWS), 4))
-        builds.append((ws._candidate_kernel, dict(HAS_LENS=lens, BLOCK=ws.BLOCK, POSITIONS=lens,
-                                                  FEW=ws.APPEND_ATOMICS), 4))
+        builds.append((ws._candidate_kernel, dict(HAS_LENS=lens, BLOCK=ws.BLOCK, POSITIONS=lens), 4))
         builds += [(ws._pass_kernel, dict(PASS=p, HAS_LENS=lens, BLOCK=ws.BLOCK), 8) for p in range(4)]
     builds.append((ws._emit_candidates_kernel, dict(BLOCK=ws.BLOCK, FILL=1024), 4))
     # the radix passes over whole rows, with their last two bytes' atomics for sparse blocks
@@ -136,8 +135,7 @@ def build_wide() -> list[dict]:
     builds.append((radix_select._count_chunk_kernel, dict(CHUNK=radix_select._SELECT_BLOCK, RADIX=True, FITTED=True), 4))
     builds.append((radix_select._emit_chunk_kernel, dict(CHUNK=radix_select._SELECT_BLOCK, FILL=1024, FITTED=True), 4))
     # the positions in one launch after the radix passes, and after the threshold passes
-    builds += [(radix_select._emit_rows_kernel, dict(CHUNK=radix_select._SELECT_BLOCK, FILL=1024, FITTED=fitted,
-                                                     FEW=radix_select.APPEND_ATOMICS), 4)
+    builds += [(radix_select._emit_rows_kernel, dict(CHUNK=radix_select._SELECT_BLOCK, FILL=1024, FITTED=fitted), 4)
                for fitted in (False, True)]
     rows = []
     for fn, consts, warps in builds:

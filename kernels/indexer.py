@@ -17,7 +17,7 @@ import torch
 
 from . import triton_ok
 from .index_score import _next_pow2, _score_choice, _score_launch, indexer_scores_triton  # noqa: F401 (the API)
-from .radix_select import APPEND_ATOMICS, _SELECT_BLOCK, radix_passes
+from .radix_select import _SELECT_BLOCK, radix_passes
 from .row_select import SPARSE_MAX_ROWS, WORKSPACE_COLS, select_rows
 from .score_warmup import build_wide_variants, remember as remember_scoring
 
@@ -198,7 +198,7 @@ def select_topk_triton(scores: torch.Tensor, g_lens: torch.Tensor, topk: int,
             grid = (num_seqs, min(num_chunks, max(1, FITTED_PROGRAMS // num_seqs)) if fitted else num_chunks)
             _emit_rows_kernel[grid](scores, g_lens, hist, state, slots, out, found, capacity, scores.stride(0),
                                     out.stride(0), width, num_seqs, k, topk, CHUNK=chunk, FILL=fill, FITTED=fitted,
-                                    FEW=APPEND_ATOMICS, num_warps=4, **pdl_launch(scores))
+                                    num_warps=4, **pdl_launch(scores))
             return out
     else:
         kth = kth_scores(scores, k, method)

@@ -31,10 +31,6 @@ _RADIX_PROGRAMS = 1024
 # histograms.
 RADIX_SPARSE = os.environ.get("WIDEEP_RADIX_SPARSE", "1") != "0"
 _SELECT_BLOCK = 1024
-# A block that keeps at most this many positions (above the k-th score, or candidates above a
-# bound) takes its places by one atomic each rather than one atomic for the block and a prefix
-# sum over all of it; WIDEEP_APPEND_ATOMICS=0 always takes the prefix sum.
-APPEND_ATOMICS = 32 if os.environ.get("WIDEEP_APPEND_ATOMICS", "1") != "0" else 0
 
 
 if triton is not None:
@@ -114,17 +110,6 @@ if triton is not None:
                 counts += tl.histogram(tl.where(match, digit, 0).to(tl.int32), 256)
         bins = tl.arange(0, 256)
         tl.atomic_add(hist_ptr + (PASS * num_seqs + seq) * 256 + bins, counts, mask=counts > 0, sem="relaxed")
-
-    @triton.jit
-    def _places(count_ptr, keep, n, FEW: tl.constexpr):
-        """Places for a block's kept lanes (`n` of them) after those the row's counter has
-        handed out, which it then counts too: one atomic a lane where at most FEW are kept (the
-        usual case in a wide row), else one for the block and a prefix sum over the block."""
-        if n <= FEW:
-            place = tl.atomic_add(count_ptr + tl.zeros_like(keep.to(tl.int32)), 1, mask=keep, sem="relaxed")
-        else:
-            place = tl.atomic_add(count_ptr, n, sem="relaxed") + tl.cumsum(keep.to(tl.int32), axis=0) - 1
-        return place
 
     @triton.jit
     def _live_scores(row_ptr, pos, live, width):
@@ -240,7 +225,7 @@ if triton is not None:
     def _emit_rows_kernel(scores_ptr, lens_ptr, hist_ptr, state_ptr, slots_ptr, out_ptr, found_ptr, capacity,
                           stride_sb, stride_ob, width, num_seqs, k, topk,
                           CHUNK: tl.constexpr, FILL: tl.constexpr, FITTED: tl.constexpr = False,
-                          FEW: tl.constexpr = 0, PDL: tl.constexpr = 0):
+                          PDL: tl.constexpr = 0):
         """The positions of each row's top k in one pass, from the radix passes' histograms and
         state alone: the last pass gives the k-th score's key, how many of the positions scoring
         exactly it are wanted (its rank among them) and how many there are (its bin; bin 0 also
@@ -270,16 +255,17 @@ if triton is not None:
             pos = chunk * CHUNK + tl.arange(0, CHUNK)
             live = pos < g_len
             s = _live_scores(row, pos, live, width)
-            is_above = live & (s > kth)
-            n = tl.sum(is_above.to(tl.int32), axis=0)
+            is_above = (live & (s > kth)).to(tl.int32)
+            n = tl.sum(is_above, axis=0)
             if n > 0:
-                tl.store(row_out + _places(slots_ptr + seq * 2, is_above, n, FEW), pos, mask=is_above)
+                place = tl.atomic_add(slots_ptr + seq * 2, n, sem="relaxed") + tl.cumsum(is_above, axis=0) - 1
+                tl.store(row_out + place, pos, mask=is_above != 0)
             if every_tie:
-                is_tie = live & (s == kth)
-                n = tl.sum(is_tie.to(tl.int32), axis=0)
+                is_tie = (live & (s == kth)).to(tl.int32)
+                n = tl.sum(is_tie, axis=0)
                 if n > 0:
-                    tl.store(row_out + total_above + _places(slots_ptr + seq * 2 + 1, is_tie, n, FEW), pos,
-                             mask=is_tie)
+                    place = tl.atomic_add(slots_ptr + seq * 2 + 1, n, sem="relaxed") + tl.cumsum(is_tie, axis=0) - 1
+                    tl.store(row_out + total_above + place, pos, mask=is_tie != 0)
         if tl.program_id(1) == 0:
             if (every_tie == 0) & (ties_wanted > 0):
                 taken = tl.zeros([], dtype=tl.int32)

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from .radix_select import APPEND_ATOMICS, _keep_radix_state, _places, _radix_state, radix_passes
+from .radix_select import _keep_radix_state, _radix_state, radix_passes
 
 try:
     import triton
@@ -111,7 +111,7 @@ if triton is not None:
     def _candidate_kernel(scores_ptr, lens_ptr, hist_ptr, state_ptr, count_ptr, cand_ptr, cand_pos_ptr, stride_sb,
                           width, num_seqs, blocks, k, capacity,
                           HAS_LENS: tl.constexpr, BLOCK: tl.constexpr, POSITIONS: tl.constexpr = False,
-                          FEW: tl.constexpr = 0, PDL: tl.constexpr = 0):
+                          PDL: tl.constexpr = 0):
         """Append the finite scores >= tau (the k-th largest group maximum, from the maxima's
         last histogram) of `blocks` blocks of the row to cand[seq] (and, POSITIONS, their
         positions to cand_pos[seq]); count[seq] counts them all, also those past the capacity,
@@ -130,8 +130,8 @@ if triton is not None:
             s = _load_live(row, pos, end, load_end)
             keep = (s >= tau) & (s > float("-inf"))
             kept = tl.sum(keep.to(tl.int32), axis=0)
-            if kept > 0:  # most blocks of a wide row keep a few scores or none
-                place = _places(count_ptr + seq, keep, kept, FEW)
+            if kept > 0:  # one atomic a block: most blocks of a wide row keep a few scores or none
+                place = tl.atomic_add(count_ptr + seq, kept, sem="relaxed") + tl.cumsum(keep.to(tl.int32), axis=0) - 1
                 tl.store(cand_ptr + seq * capacity + place, s, mask=keep & (place < capacity))
                 if POSITIONS:
                     tl.store(cand_pos_ptr + seq * capacity + place, pos, mask=keep & (place < capacity))
@@ -352,8 +352,7 @@ def threshold_passes(scores: torch.Tensor, k: int, g_lens: torch.Tensor | None =
     blocks = _cdiv(width, parts * BLOCK)
     _candidate_kernel[(num_seqs, _cdiv(width, blocks * BLOCK))](
         scores, lens, hist_m, state_m, count, cand, cand_pos, scores.stride(0), width, num_seqs, blocks, k, capacity,
-        HAS_LENS=has_lens, BLOCK=BLOCK, POSITIONS=candidates is not None, FEW=APPEND_ATOMICS, num_warps=4,
-        **pdl_launch(scores))
+        HAS_LENS=has_lens, BLOCK=BLOCK, POSITIONS=candidates is not None, num_warps=4, **pdl_launch(scores))
 
     # The programs of a row cover both all of it and the most candidates a pass can read (never
     # more than the row's positions; at least k, the -inf places).
