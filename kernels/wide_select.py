@@ -130,7 +130,10 @@ if triton is not None:
             s = _load_live(row, pos, end, load_end)
             keep = (s >= tau) & (s > float("-inf"))
             kept = tl.sum(keep.to(tl.int32), axis=0)
-            if kept > 0:  # one atomic a block: most blocks of a wide row keep a few scores or none
+            # One atomic a block: most blocks of a wide row keep a few scores or none. (One atomic
+            # a kept score where a block keeps at most 32, without the prefix sum, was slower on
+            # the H200: the threshold select at batch 16 and 512K 74.5 against 70.1 us.)
+            if kept > 0:
                 place = tl.atomic_add(count_ptr + seq, kept, sem="relaxed") + tl.cumsum(keep.to(tl.int32), axis=0) - 1
                 tl.store(cand_ptr + seq * capacity + place, s, mask=keep & (place < capacity))
                 if POSITIONS:
