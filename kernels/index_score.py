@@ -46,11 +46,10 @@ if triton is not None:
         return keys, scale
 
     @triton.jit
-    def _score_store(keys, scale, q, q_exp, wt, row_out_ptr, pos, g_len, width, best, counts, UPCAST: tl.constexpr,
-                     F16: tl.constexpr, SCALED: tl.constexpr, MAXIMA: tl.constexpr, PRECISION: tl.constexpr,
-                     RADIX0: tl.constexpr):
+    def _score_store(keys, scale, q, q_exp, wt, row_out_ptr, pos, g_len, width, best, UPCAST: tl.constexpr,
+                     F16: tl.constexpr, SCALED: tl.constexpr, MAXIMA: tl.constexpr, PRECISION: tl.constexpr):
         """Score one tile (-inf past g_len) and store it; returns `best` with the tile's order keys
-        maxed in (MAXIMA) and `counts` with the histogram of their top bytes added (RADIX0)."""
+        maxed in (MAXIMA)."""
         if UPCAST:
             keys = keys.to(tl.float32)
         elif F16:
@@ -67,27 +66,22 @@ if triton is not None:
         tl.store(row_out_ptr + pos, score, mask=pos < width)
         if MAXIMA:
             best = tl.maximum(best, _order_key(score))
-        if RADIX0:  # positions past the row's width land in bin 0, as in the radix pass itself
-            counts += tl.histogram(tl.where(pos < width, _order_key(score) >> 24, 0).to(tl.int32), 256)
-        return best, counts
+        return best
 
     @triton.jit(do_not_specialize=["stride_tb", "tiles"])
     def _score_tile_kernel(q_ptr, w_ptr, keys_ptr, scale_ptr, table_ptr, lens_ptr, out_ptr, m_ptr,
                            stride_qb, stride_qh, stride_qd, stride_wb, stride_wh,
                            stride_ks, stride_kd, stride_tb, stride_tm, stride_ob, stride_mb,
-                           num_heads, head_dim, width, block_size, w_scale, zero_ptr, zero_per_row, tiles, hist_ptr,
+                           num_heads, head_dim, width, block_size, w_scale, zero_ptr, zero_per_row, tiles,
                            HEADS: tl.constexpr, DIM: tl.constexpr, TILE: tl.constexpr,
                            PRECISION: tl.constexpr, UPCAST: tl.constexpr, SCALED: tl.constexpr,
                            ZERO: tl.constexpr, SKIP_DEAD: tl.constexpr, F16: tl.constexpr = False,
-                           MAXIMA: tl.constexpr = False, LOOP: tl.constexpr = False, RADIX0: tl.constexpr = False,
-                           PDL: tl.constexpr = 0):
+                           MAXIMA: tl.constexpr = False, LOOP: tl.constexpr = False, PDL: tl.constexpr = 0):
         """Program (seq, p) scores tiles p, p + P, p + 2 P, ... (`tiles` of them, P programs a row;
         LOOP set where `tiles` > 1).
         MAXIMA: it also writes m[seq, p * TILE + j], the largest score at positions
         p * TILE + j + i * P * TILE, which are the strided group maxima of kernels/wide_select.py
-        for the group stride P * TILE (on the order keys, as _group_max_kernel takes them).
-        RADIX0: it adds its scores' top-byte histogram into hist[seq] (the radix select's first
-        pass, kernels/radix_select.py)."""
+        for the group stride P * TILE (on the order keys, as _group_max_kernel takes them)."""
         pdl_enter(PDL)
         seq = tl.program_id(0)
         lane = tl.arange(0, TILE)
@@ -126,21 +120,17 @@ if triton is not None:
             q_exp = tl.maximum(tl.ceil(tl.log2(tl.max(tl.max(tl.abs(qf), axis=1), axis=0))) - 14.0, 0.0)
             q = (qf * tl.exp2(-q_exp)).to(tl.float16)
         wt = tl.load(w_ptr + seq * stride_wb + h * stride_wh, mask=h_ok, other=0.0).to(tl.float32) * w_scale
-        best, counts = _score_store(keys, scale, q, q_exp, wt, out_ptr + seq * stride_ob, pos, g_len, width,
-                                    tl.zeros([TILE], dtype=tl.uint32), tl.zeros([256], dtype=tl.int32),
-                                    UPCAST, F16, SCALED, MAXIMA, PRECISION, RADIX0)
+        best = _score_store(keys, scale, q, q_exp, wt, out_ptr + seq * stride_ob, pos, g_len, width,
+                            tl.zeros([TILE], dtype=tl.uint32), UPCAST, F16, SCALED, MAXIMA, PRECISION)
         if LOOP:  # a build of its own: the loop's registers would cost one-tile programs occupancy
             for _ in range(1, tiles):  # the program's later tiles, a row's P * TILE positions apart
                 pos += tl.num_programs(1) * TILE
                 keys, scale = _tile_keys(keys_ptr, scale_ptr, table_ptr + seq * stride_tb, stride_tm, stride_ks,
                                          stride_kd, block_size, g_len, pos, d, d_ok, SCALED)
-                best, counts = _score_store(keys, scale, q, q_exp, wt, out_ptr + seq * stride_ob, pos, g_len,
-                                            width, best, counts, UPCAST, F16, SCALED, MAXIMA, PRECISION, RADIX0)
+                best = _score_store(keys, scale, q, q_exp, wt, out_ptr + seq * stride_ob, pos, g_len, width, best,
+                                    UPCAST, F16, SCALED, MAXIMA, PRECISION)
         if MAXIMA:
             tl.store(m_ptr + seq * stride_mb + tl.program_id(1) * TILE + lane, _key_to_score(best))
-        if RADIX0:  # the radix select's first histogram (zeroed before this launch: kernels/indexer.py)
-            bins = tl.arange(0, 256)
-            tl.atomic_add(hist_ptr + seq * 256 + bins, counts, mask=counts > 0, sem="relaxed")
 
 
 def _next_pow2(n: int, floor: int) -> int:
@@ -192,16 +182,13 @@ def _score_launch(q, w, index_keys, block_tables, g_lens, block_size,
                   key_scale: torch.Tensor | None = None, w_scale: float = 1.0,
                   zero: torch.Tensor | None = None, skip_dead: bool = False,
                   f16: bool | None = None, maxima: torch.Tensor | None = None,
-                  programs: int | None = None, num_stages: int | None = None,
-                  radix0: torch.Tensor | None = None) -> torch.Tensor:
+                  programs: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """[B, width] fp32 scores, -inf past each row's g_len; `zero` (int32, B rows' worth: the
     selection's workspace) is zeroed too. `skip_dead`: tiles wholly past g_len are not written
     (for the one-launch select, which never reads there). `maxima` [B, T] fp32 (T a multiple of
     the tile): also write each row's strided group maxima for group stride T
     (kernels/wide_select.py), T / tile programs a row. `programs`: programs a row otherwise
-    (each scores every programs-th tile). `radix0` [B, 256] int32, zeroed (not by `zero`, in
-    this same launch): add the histogram of the scores' top bytes, the radix select's first pass.
-    Launch choices left out come from _score_choice."""
+    (each scores every programs-th tile). Launch choices left out come from _score_choice."""
     num_seqs, num_heads, head_dim = q.shape
     width = block_tables.shape[1] * block_size
     out = torch.empty(num_seqs, width, device=q.device, dtype=torch.float32)
@@ -248,10 +235,9 @@ def _score_launch(q, w, index_keys, block_tables, g_lens, block_size,
         index_keys.stride(0), index_keys.stride(1), block_tables.stride(0), block_tables.stride(1),
         out.stride(0), maxima.stride(0) if maxima is not None else 0,
         num_heads, head_dim, width, block_size, float(w_scale), zero if zero is not None else g_lens,
-        zero.numel() // num_seqs if zero is not None else 0, tiles, radix0 if radix0 is not None else g_lens,
+        zero.numel() // num_seqs if zero is not None else 0, tiles,
         HEADS=heads, DIM=dim, TILE=tile, PRECISION="ieee" if fp32 else "tf32", UPCAST=upcast, SCALED=scaled,
         ZERO=zero is not None, SKIP_DEAD=skip_dead, F16=f16, MAXIMA=maxima is not None, LOOP=tiles > 1,
-        RADIX0=radix0 is not None,
         num_warps=num_warps, **({"num_stages": num_stages} if num_stages else {}), **pdl_launch(q))
     return out
 

@@ -100,10 +100,6 @@ THRESHOLD_MIN_POSITIONS = 1 << 21
 # launch fewer a layer; kernels/index_score.py); WIDEEP_SCORE_MAXIMA=0 leaves them to their own
 # kernel. The launch has T / tile programs a row for T groups: at least MAXIMA_MIN_PROGRAMS in all.
 SCORE_MAXIMA = os.environ.get("WIDEEP_SCORE_MAXIMA", "1") != "0"
-# The radix select's first histogram taken by the scoring launch too (a launch and a read of the
-# scores fewer a layer; its workspace is then zeroed before the scoring, by a launch of its own);
-# WIDEEP_SCORE_RADIX0=0 leaves it to the first radix pass.
-SCORE_RADIX0 = os.environ.get("WIDEEP_SCORE_RADIX0", "1") != "0"
 MAXIMA_MIN_PROGRAMS = 1024
 # After the radix or threshold passes, the positions come from one launch (_emit_rows_kernel)
 # rather than three (count, offsets, emit); WIDEEP_ONE_EMIT=0 keeps the three. The one launch
@@ -150,7 +146,7 @@ def default_select(width: int, rows: int = 1) -> str:
 def select_topk_triton(scores: torch.Tensor, g_lens: torch.Tensor, topk: int,
                        chunk: int | None = None, method: str | None = None,
                        hist: torch.Tensor | None = None, maxima: torch.Tensor | None = None,
-                       slots: torch.Tensor | None = None, radix_from: int = 0) -> torch.Tensor:
+                       slots: torch.Tensor | None = None) -> torch.Tensor:
     """Positions [B, topk] int32 of the top-k scores of each row (the reference's tie rule),
     -1 past min(g_len, topk); in no particular order.
 
@@ -163,7 +159,7 @@ def select_topk_triton(scores: torch.Tensor, g_lens: torch.Tensor, topk: int,
     threshold select's); 'threshold' zeroes its own otherwise. `maxima`: the rows' group maxima
     for 'threshold', written by the scoring launch (kernels/wide_select.py threshold_passes).
     `slots`: [B, 2] int32 zeros for the one-launch emit's counters (ONE_EMIT; zeroed here if
-    not given). `radix_from` 1: 'radix' finds the first histogram in `hist` already.
+    not given).
     """
     num_seqs, width = scores.shape
     out = torch.empty(num_seqs, topk, device=scores.device, dtype=torch.int32)
@@ -180,7 +176,7 @@ def select_topk_triton(scores: torch.Tensor, g_lens: torch.Tensor, topk: int,
     found, capacity = g_lens, 0  # with the threshold select: the rows' candidate counts and places
     if method in ("radix", "threshold"):  # the count pass derives the k-th score from the last histogram
         if method == "radix":
-            hist, state = radix_passes(scores, k, hist=hist, first=radix_from)
+            hist, state = radix_passes(scores, k, hist=hist)
         else:
             # Rows whose candidates fit take their positions from them; the passes below only
             # serve rows that overflowed.
@@ -241,13 +237,10 @@ def indexer_topk_triton(q: torch.Tensor, w: torch.Tensor, index_keys: torch.Tens
         remember_scoring(q, w, index_keys, key_scale, block_size, w_scale, topk)
     # The selection's workspace (the radix histograms, or the one launch's), zeroed by the scoring
     method = default_select(width, num_seqs) if 0 < min(topk, width) else None
-    ws = maxima = slots = zeroed = None
-    radix0 = method == "radix" and SCORE_RADIX0
+    ws = maxima = slots = None
     if method == "radix":
-        # The radix histograms and the one-launch emit's counters, zeroed together: by the
-        # scoring launch, or before it where that launch takes the first histogram.
-        zeroed = (torch.zeros if radix0 else torch.empty)(4 * num_seqs * 256 + 2 * num_seqs, device=q.device,
-                                                          dtype=torch.int32)
+        # the radix histograms and the one-launch emit's counters, zeroed together
+        zeroed = torch.empty(4 * num_seqs * 256 + 2 * num_seqs, device=q.device, dtype=torch.int32)
         ws, slots = zeroed[:4 * num_seqs * 256].view(4, num_seqs, 256), zeroed[4 * num_seqs * 256:].view(num_seqs, 2)
     elif method == "fused":
         ws = torch.empty(num_seqs, WORKSPACE_COLS, device=q.device, dtype=torch.int32)
@@ -262,10 +255,8 @@ def indexer_topk_triton(q: torch.Tensor, w: torch.Tensor, index_keys: torch.Tens
         stride = max(group_stride(width, min(topk, width)), triton.cdiv(MAXIMA_MIN_PROGRAMS, num_seqs) * tile)
         maxima = torch.empty(num_seqs, triton.cdiv(stride, tile) * tile, device=q.device, dtype=torch.float32)
     scores = _score_launch(q, w, index_keys, block_tables, g_lens, block_size, key_scale=key_scale, w_scale=w_scale,
-                           zero=None if radix0 else zeroed if zeroed is not None else ws, skip_dead=method == "fused",
-                           maxima=maxima, radix0=ws[0] if radix0 else None)
-    return select_topk_triton(scores, g_lens, topk, method=method, hist=ws, maxima=maxima, slots=slots,
-                              radix_from=1 if radix0 else 0)
+                           zero=zeroed if slots is not None else ws, skip_dead=method == "fused", maxima=maxima)
+    return select_topk_triton(scores, g_lens, topk, method=method, hist=ws, maxima=maxima, slots=slots)
 
 
 def warm_up(topk: int, device, max_rows: int) -> None:

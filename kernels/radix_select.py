@@ -286,13 +286,12 @@ if triton is not None:
 
 def radix_passes(scores: torch.Tensor, k: int, span: int | None = None, block: int | None = None,
                  num_warps: int = 8, hist: torch.Tensor | None = None,
-                 sparse: bool | None = None, first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                 sparse: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The four histogram passes of the radix select: (hist [4, B, 256], state [3, 2, B]), from
     which _radix_state derives the k-th score (kth_scores; the count pass of select_topk_triton).
     `hist`: histograms already zeroed (the scoring launch can do it). `sparse`: the last two
     passes count blocks with few matching keys by atomics (default RADIX_SPARSE, up to
-    SPARSE_MAX_ROWS rows). `first` 1: the first histogram is already in `hist` (the scoring
-    launch took it)."""
+    SPARSE_MAX_ROWS rows)."""
     num_seqs, width = scores.shape
     if sparse is None:
         sparse = RADIX_SPARSE and num_seqs <= SPARSE_MAX_ROWS
@@ -307,7 +306,7 @@ def radix_passes(scores: torch.Tensor, k: int, span: int | None = None, block: i
             span //= 2
     if span % block:
         raise ValueError(f"span {span} must be a multiple of block {block}")
-    for p in range(first, 4):
+    for p in range(4):
         _radix_pass_kernel[(num_seqs, triton.cdiv(width, span))](
             scores, hist, state, scores.stride(0), width, num_seqs, span, k, PASS=p, BLOCK=block,
             SPARSE=sparse, SPARSE_MAX=SPARSE_MAX, num_warps=num_warps, **pdl_launch(scores))

@@ -80,34 +80,6 @@ def test_threshold_select_with_the_scoring_maxima(device, score_maxima, min_prog
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("radix0,fp8", [(True, False), (True, True), (False, False)])
-def test_radix_select_with_the_first_histogram_from_scoring(device, radix0, fp8, monkeypatch):
-    """indexer_topk_triton on the radix path: with SCORE_RADIX0 the scoring launch adds the first
-    histogram (its workspace zeroed before it, the rest from torch.empty full of garbage) and
-    three radix passes follow; without it, four. Rows of several tiles a program (FP8 keys),
-    a short and an empty row, a block table wider than every row."""
-    import kernels.radix_select as radix_select
-    monkeypatch.setattr(indexer, "FUSED_MAX_WIDTH", 0)
-    monkeypatch.setattr(indexer, "SCORE_RADIX0", radix0)
-    monkeypatch.setattr(score, "FP8_SCORE_PROGRAMS", 3)
-    launched = []
-    real = radix_select._radix_pass_kernel
-    monkeypatch.setattr(radix_select, "_radix_pass_kernel", type("Spy", (), {
-        "__getitem__": lambda self, grid: launched.append(grid) or real[grid]})())
-    poison_empty(monkeypatch)
-    g_lens = [1000, 70, 0, 513]
-    q, w, keys, tables, lens = make_case(device, g_lens, 64)
-    scale = None
-    if fp8:
-        keys, scale = keys.to(torch.float8_e4m3fn), torch.rand(keys.shape[0], device=device) + 0.5
-    for topk in (33, 200):
-        want = indexer.indexer_topk_reference(q, w, keys, tables, lens, 64, topk, key_scale=scale)
-        got = indexer.indexer_topk_triton(q, w, keys, tables, lens, 64, topk, key_scale=scale)
-        check_rows(got, want, g_lens, topk)
-    assert len(launched) == 2 * (3 if radix0 else 4)
-
-
-@pytest.mark.parametrize("device", DEVICES)
 def test_fp8_keys_take_several_tiles_a_program_by_default(device, monkeypatch):
     """FP8 keys are scored by about FP8_SCORE_PROGRAMS programs (here 3 for 2 rows: 2 a row, each
     several tiles), with the scores of one tile a program (to 1e-5: on a GPU the tuned launch may
