@@ -116,9 +116,10 @@ def _launch_build(fn, consts: dict, fp32: set, warps: int) -> str:
 def build_wide() -> list[dict]:
     """The wide rows' k-th score (kernels/wide_select.py): group maxima, candidates and each byte
     pass, with and without g_lens (with them the candidates keep their positions), the
-    positions emitted from the candidates, the radix passes' sparse atomics and the count and emit
-    passes over whole rows (and the one launch that replaces them), as launched on an H200 (dependent launches on, integers
-    specialised as the launcher does: pointers and the widths and strides it keeps)."""
+    positions emitted from the candidates, the radix passes' sparse atomics, and the count and emit
+    passes over whole rows and the one launch that replaces them, as launched on an H200
+    (dependent launches on, integers specialised as the launcher does: pointers and the widths
+    and strides it keeps)."""
     from kernels import radix_select
     from kernels import wide_select as ws
     fp32 = {"scores_ptr", "m_ptr", "cand_ptr", "kth_ptr"}
@@ -129,13 +130,14 @@ def build_wide() -> list[dict]:
         builds += [(ws._pass_kernel, dict(PASS=p, HAS_LENS=lens, BLOCK=ws.BLOCK), 8) for p in range(4)]
     builds.append((ws._emit_candidates_kernel, dict(BLOCK=ws.BLOCK, FILL=1024), 4))
     # the radix passes over whole rows, with their last two bytes' atomics for sparse blocks
-    builds += [(radix_select._radix_pass_kernel, dict(PASS=p, BLOCK=radix_select._SELECT_BLOCK, SPARSE=True,
-                                                 SPARSE_MAX=radix_select.SPARSE_MAX), 8) for p in (2, 3)]
+    chunk = radix_select._SELECT_BLOCK
+    builds += [(radix_select._radix_pass_kernel, dict(PASS=p, BLOCK=chunk, SPARSE=True,
+                                                      SPARSE_MAX=radix_select.SPARSE_MAX), 8) for p in (2, 3)]
     # the count and emit passes over whole rows, several chunks a program after the threshold select
-    builds.append((radix_select._count_chunk_kernel, dict(CHUNK=radix_select._SELECT_BLOCK, RADIX=True, FITTED=True), 4))
-    builds.append((radix_select._emit_chunk_kernel, dict(CHUNK=radix_select._SELECT_BLOCK, FILL=1024, FITTED=True), 4))
+    builds.append((radix_select._count_chunk_kernel, dict(CHUNK=chunk, RADIX=True, FITTED=True), 4))
+    builds.append((radix_select._emit_chunk_kernel, dict(CHUNK=chunk, FILL=1024, FITTED=True), 4))
     # the positions in one launch after the radix passes, and after the threshold passes
-    builds += [(radix_select._emit_rows_kernel, dict(CHUNK=radix_select._SELECT_BLOCK, FILL=1024, FITTED=fitted), 4)
+    builds += [(radix_select._emit_rows_kernel, dict(CHUNK=chunk, FILL=1024, FITTED=fitted), 4)
                for fitted in (False, True)]
     rows = []
     for fn, consts, warps in builds:

@@ -84,7 +84,7 @@ def indexer_topk_reference(q: torch.Tensor, w: torch.Tensor, index_keys: torch.T
 # Rows up to FUSED_MAX_WIDTH get the whole selection in one launch (kernels/row_select.py). Wider
 # rows get the k-th score from the multi-launch radix passes, or, once the batch holds
 # THRESHOLD_MIN_POSITIONS positions or more, from the candidates above a bound
-# (kernels/wide_select.py); the count and emit passes then keep the positions.
+# (kernels/wide_select.py); one launch then writes the positions (kernels/radix_select.py).
 # On the H200 the one launch took 1-2% off the decode step at 8K against the radix passes, and
 # lost at 128K-512K, where MAX_PARTS programs a row are too few (RESULTS, ninth session). The
 # selection alone (bench.probe_select --wide, us; RESULTS, fourteenth session): radix passes /
@@ -186,7 +186,6 @@ def select_topk_triton(scores: torch.Tensor, g_lens: torch.Tensor, topk: int,
             hist, state, found = threshold_passes(scores, k, g_lens, maxima=maxima, candidates=candidates,
                                                   ws=hist if maxima is not None else None)
             emit_candidates(candidates, found, hist, state, out, k, width)
-        kth = torch.empty(num_seqs, device=scores.device, dtype=torch.float32)
         if ONE_EMIT:
             if slots is None:
                 slots = torch.zeros(num_seqs, 2, device=scores.device, dtype=torch.int32)
@@ -200,6 +199,7 @@ def select_topk_triton(scores: torch.Tensor, g_lens: torch.Tensor, topk: int,
                                     out.stride(0), width, num_seqs, k, topk, CHUNK=chunk, FILL=fill, FITTED=fitted,
                                     num_warps=4, **pdl_launch(scores))
             return out
+        kth = torch.empty(num_seqs, device=scores.device, dtype=torch.float32)
     else:
         kth = kth_scores(scores, k, method)
         hist = state = kth  # not read
