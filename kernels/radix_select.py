@@ -87,6 +87,7 @@ if triton is not None:
                 _keep_radix_state(state_ptr, seq, num_seqs, prefix, rank, PASS - 1)
             prefix = prefix.to(tl.uint32, bitcast=True)
         counts = tl.zeros([256], dtype=tl.int32)
+        strays = tl.zeros([], dtype=tl.int32)
         for off in range(0, span, BLOCK):
             # spans are whole blocks (radix_passes): the hint lets the loads vectorise, which the
             # unspecialised span alone would not
@@ -97,18 +98,20 @@ if triton is not None:
             match = pos < width
             if PASS > 0:
                 match = match & ((key >> (32 - 8 * PASS)) == prefix)
-            # Non-matching keys land in bin 0, which _pick_digit never needs exactly: it reads
-            # only the counts of digits above the one it picks, and bin 0 is picked only when
-            # every higher bin together holds fewer than `rank` keys.
+            # Non-matching keys land in bin 0 of the block's histogram and are taken out of it
+            # again (strays), so that every bin is exact: the emit reads the k-th key's own bin.
             if SPARSE and PASS >= 2:
                 if tl.sum(match.to(tl.int32), axis=0) <= SPARSE_MAX:
                     tl.atomic_add(hist_ptr + (PASS * num_seqs + seq) * 256 + digit, tl.full([BLOCK], 1, tl.int32),
                                   mask=match, sem="relaxed")
                 else:
                     counts += tl.histogram(tl.where(match, digit, 0).to(tl.int32), 256)
+                    strays += BLOCK - tl.sum(match.to(tl.int32), axis=0)
             else:
                 counts += tl.histogram(tl.where(match, digit, 0).to(tl.int32), 256)
+                strays += BLOCK - tl.sum(match.to(tl.int32), axis=0)
         bins = tl.arange(0, 256)
+        counts -= tl.where(bins == 0, strays, 0)
         tl.atomic_add(hist_ptr + (PASS * num_seqs + seq) * 256 + bins, counts, mask=counts > 0, sem="relaxed")
 
     @triton.jit
@@ -228,12 +231,14 @@ if triton is not None:
                           PDL: tl.constexpr = 0):
         """The positions of each row's top k in one pass, from the radix passes' histograms and
         state alone: the last pass gives the k-th score's key, how many of the positions scoring
-        exactly it are wanted (its rank among them) and how many there are (its bin; bin 0 also
-        holds keys that did not match, so it is not trusted). Program (seq, p) takes chunks p,
+        exactly it are wanted (its rank among them) and how many there are (its bin). Program
+        (seq, p) takes chunks p,
         p + P, ... and appends their positions above the k-th score at places counted by an
         atomic (slots[seq, 0], zeroed), and, where every tie is wanted, their ties after those
         (slots[seq, 1]). Where fewer ties are wanted than there are (scores equal to the k-th,
-        rare past relu's zeros), program 0 takes the latest ones, scanning back from g_len.
+        rare past relu's zeros), program 0 takes the latest ones, scanning back from g_len: one
+        program reading the row, up to about 300 us at 512K on the H200 where the ties lie far
+        back (when bin 0 was not exact, a k-th key ending in a 0 byte took this path too).
         FITTED: rows whose threshold candidates fit were emitted from them and are skipped."""
         pdl_enter(PDL)
         seq = tl.program_id(0)
@@ -244,11 +249,10 @@ if triton is not None:
         prefix, ties_wanted = _radix_state(hist_ptr, state_ptr, seq, num_seqs, k, 3)
         kth = _key_to_score(prefix.to(tl.uint32, bitcast=True))
         total_above = k - ties_wanted
-        digit = prefix & 0xFF
-        ties = tl.load(hist_ptr + (3 * num_seqs + seq) * 256 + digit)
+        ties = tl.load(hist_ptr + (3 * num_seqs + seq) * 256 + (prefix & 0xFF))
         # A k-th score of -inf (fewer than k live positions): the places left stay -1.
         ties_wanted = tl.where(kth > float("-inf"), ties_wanted, 0)
-        every_tie = (ties == ties_wanted) & (digit != 0)
+        every_tie = ties == ties_wanted
         row = scores_ptr + seq * stride_sb
         row_out = out_ptr + seq * stride_ob
         for chunk in range(tl.program_id(1), tl.cdiv(g_len, CHUNK), tl.num_programs(1)):

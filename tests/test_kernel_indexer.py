@@ -275,6 +275,44 @@ def test_fp8_keys_scored_in_fp16(device, q_scale):
     torch.testing.assert_close(got[live], want[live], rtol=1e-5, atol=1e-5 * float(want[live].abs().max()))
 
 
+def order_keys(scores):
+    """The radix passes' order keys (kernels/row_select.py _order_key) as int64: unsigned order
+    is the float order, -0.0 takes 0.0's key."""
+    bits = torch.where(scores == 0, torch.zeros_like(scores), scores).contiguous().view(torch.int32).long() & 0xFFFFFFFF
+    return torch.where(bits >> 31 != 0, ~bits & 0xFFFFFFFF, bits | 0x80000000)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("sparse", [True, False])
+def test_radix_histograms_are_exact(device, sparse):
+    """Every bin of every radix pass counts exactly the keys that share the k-th key's bytes
+    before it, bin 0 included (keys that do not match are taken out of it): the one-launch emit
+    reads the k-th key's bin as its count of ties. Scores that are small integers and halves
+    have keys ending in zero bytes; -inf padding and -0.0 among them; the threshold passes over
+    a whole row (a tiny capacity) likewise."""
+    import kernels.radix_select as radix_select
+    import kernels.wide_select as ws
+    g = torch.Generator().manual_seed(3)
+    width, k = 5000, 300
+    scores = torch.randint(-8, 9, (3, width), generator=g).float() / 2
+    scores[1] = torch.randn(width, generator=g).round(decimals=1)
+    scores[2, 3000:] = float("-inf")
+    scores[2, ::7] = -0.0
+    keys = order_keys(scores)
+    kth = torch.topk(keys, k, dim=1).values[:, -1]
+    runs = [radix_select.radix_passes(scores.to(device), k, sparse=sparse)[0]]
+    runs.append(ws.threshold_passes(scores.to(device), k, capacity=16)[0])  # every row overflows 16
+    for hist in runs:
+        hist = hist.cpu()
+        for p in range(4):
+            shift = 32 - 8 * p
+            same = (keys >> shift) == (kth[:, None] >> shift) if p else torch.ones_like(keys, dtype=torch.bool)
+            digits = (keys >> (24 - 8 * p)) & 0xFF
+            for b in range(3):
+                want = torch.bincount(digits[b][same[b]], minlength=256)
+                assert torch.equal(hist[p, b].long(), want), (p, b)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("programs", [1, 128])
 def test_radix_select_over_several_pass_chunks(device, programs, monkeypatch):
