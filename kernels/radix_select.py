@@ -232,10 +232,9 @@ if triton is not None:
         """The positions of each row's top k in one pass, from the radix passes' histograms and
         state alone: the last pass gives the k-th score's key, how many of the positions scoring
         exactly it are wanted (its rank among them) and how many there are (its bin). Program
-        (seq, p) takes chunks p,
-        p + P, ... and appends their positions above the k-th score at places counted by an
-        atomic (slots[seq, 0], zeroed), and, where every tie is wanted, their ties after those
-        (slots[seq, 1]). Where fewer ties are wanted than there are (scores equal to the k-th,
+        (seq, p) takes chunks p, p + P, ... and appends their positions above the k-th score at
+        places counted by an atomic (slots[seq, 0], zeroed), and, where every tie is wanted,
+        their ties after those (slots[seq, 1]). Where fewer ties are wanted than there are (scores equal to the k-th,
         rare past relu's zeros), program 0 takes the latest ones, scanning back from g_len: one
         program reading the row, up to about 300 us at 512K on the H200 where the ties lie far
         back (when bin 0 was not exact, a k-th key ending in a 0 byte took this path too).
