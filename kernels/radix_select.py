@@ -69,6 +69,14 @@ if triton is not None:
         prefix, _ = _radix_state(hist_ptr, state_ptr, seq, num_seqs, k, 3)
         tl.store(kth_ptr + seq, _key_to_score(prefix.to(tl.uint32, bitcast=True)))
 
+    @triton.jit
+    def _matching_histogram(digit, match, BLOCK: tl.constexpr):
+        """The histogram [256] of the digits of a block's matching keys. The others land in bin 0
+        and are taken out of it again, so that every bin is exact: the one-launch emit reads the
+        k-th key's own bin as its count of ties."""
+        h = tl.histogram(tl.where(match, digit, 0).to(tl.int32), 256)
+        return h - tl.where(tl.arange(0, 256) == 0, BLOCK - tl.sum(match.to(tl.int32), axis=0), 0)
+
     @triton.jit(do_not_specialize=["num_seqs", "span", "k"])
     def _radix_pass_kernel(scores_ptr, hist_ptr, state_ptr, stride_sb, width, num_seqs, span, k,
                            PASS: tl.constexpr, BLOCK: tl.constexpr, SPARSE: tl.constexpr = False,
@@ -87,7 +95,6 @@ if triton is not None:
                 _keep_radix_state(state_ptr, seq, num_seqs, prefix, rank, PASS - 1)
             prefix = prefix.to(tl.uint32, bitcast=True)
         counts = tl.zeros([256], dtype=tl.int32)
-        strays = tl.zeros([], dtype=tl.int32)
         for off in range(0, span, BLOCK):
             # spans are whole blocks (radix_passes): the hint lets the loads vectorise, which the
             # unspecialised span alone would not
@@ -98,20 +105,15 @@ if triton is not None:
             match = pos < width
             if PASS > 0:
                 match = match & ((key >> (32 - 8 * PASS)) == prefix)
-            # Non-matching keys land in bin 0 of the block's histogram and are taken out of it
-            # again (strays), so that every bin is exact: the emit reads the k-th key's own bin.
             if SPARSE and PASS >= 2:
                 if tl.sum(match.to(tl.int32), axis=0) <= SPARSE_MAX:
                     tl.atomic_add(hist_ptr + (PASS * num_seqs + seq) * 256 + digit, tl.full([BLOCK], 1, tl.int32),
                                   mask=match, sem="relaxed")
                 else:
-                    counts += tl.histogram(tl.where(match, digit, 0).to(tl.int32), 256)
-                    strays += BLOCK - tl.sum(match.to(tl.int32), axis=0)
+                    counts += _matching_histogram(digit, match, BLOCK)
             else:
-                counts += tl.histogram(tl.where(match, digit, 0).to(tl.int32), 256)
-                strays += BLOCK - tl.sum(match.to(tl.int32), axis=0)
+                counts += _matching_histogram(digit, match, BLOCK)
         bins = tl.arange(0, 256)
-        counts -= tl.where(bins == 0, strays, 0)
         tl.atomic_add(hist_ptr + (PASS * num_seqs + seq) * 256 + bins, counts, mask=counts > 0, sem="relaxed")
 
     @triton.jit

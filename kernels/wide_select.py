@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from .radix_select import _keep_radix_state, _radix_state, radix_passes
+from .radix_select import _keep_radix_state, _matching_histogram, _radix_state, radix_passes
 
 try:
     import triton
@@ -170,20 +170,14 @@ if triton is not None:
         if start >= counted:
             return
         counts = tl.zeros([256], dtype=tl.int32)
-        strays = tl.zeros([], dtype=tl.int32)
         for b in range(0, blocks):
             pos = start + b * BLOCK + tl.arange(0, BLOCK)
             key = _order_key(_load_live(src, pos, end, load_end))
             match = pos < counted
             if PASS > 0:
                 match = match & ((key >> (32 - 8 * PASS)) == prefix)
-            # Non-matching keys land in bin 0 and are taken out again: exact bins, as in
-            # _radix_pass_kernel.
-            digit = (key >> (24 - 8 * PASS)) & 0xFF
-            counts += tl.histogram(tl.where(match, digit, 0).to(tl.int32), 256)
-            strays += BLOCK - tl.sum(match.to(tl.int32), axis=0)
+            counts += _matching_histogram((key >> (24 - 8 * PASS)) & 0xFF, match, BLOCK)
         bins = tl.arange(0, 256)
-        counts -= tl.where(bins == 0, strays, 0)
         tl.atomic_add(hist_ptr + (PASS * num_seqs + seq) * 256 + bins, counts, mask=counts > 0, sem="relaxed")
 
 
