@@ -76,8 +76,7 @@ if triton is not None:
                            HEADS: tl.constexpr, DIM: tl.constexpr, TILE: tl.constexpr,
                            PRECISION: tl.constexpr, UPCAST: tl.constexpr, SCALED: tl.constexpr,
                            ZERO: tl.constexpr, SKIP_DEAD: tl.constexpr, F16: tl.constexpr = False,
-                           MAXIMA: tl.constexpr = False, LOOP: tl.constexpr = False, PREFETCH: tl.constexpr = False,
-                           PDL: tl.constexpr = 0):
+                           MAXIMA: tl.constexpr = False, LOOP: tl.constexpr = False, PDL: tl.constexpr = 0):
         """Program (seq, p) scores tiles p, p + P, p + 2 P, ... (`tiles` of them, P programs a row;
         LOOP set where `tiles` > 1).
         MAXIMA: it also writes m[seq, p * TILE + j], the largest score at positions
@@ -121,29 +120,15 @@ if triton is not None:
             q_exp = tl.maximum(tl.ceil(tl.log2(tl.max(tl.max(tl.abs(qf), axis=1), axis=0))) - 14.0, 0.0)
             q = (qf * tl.exp2(-q_exp)).to(tl.float16)
         wt = tl.load(w_ptr + seq * stride_wb + h * stride_wh, mask=h_ok, other=0.0).to(tl.float32) * w_scale
-        best = tl.zeros([TILE], dtype=tl.uint32)
-        if PREFETCH:
-            # The next tile's keys are requested before this tile is scored, so each program has
-            # two tiles' loads (table entry, then keys) in flight instead of one.
-            for _ in range(1, tiles):
-                pos_next = pos + tl.num_programs(1) * TILE
-                keys_next, scale_next = _tile_keys(keys_ptr, scale_ptr, table_ptr + seq * stride_tb, stride_tm,
-                                                   stride_ks, stride_kd, block_size, g_len, pos_next, d, d_ok, SCALED)
+        best = _score_store(keys, scale, q, q_exp, wt, out_ptr + seq * stride_ob, pos, g_len, width,
+                            tl.zeros([TILE], dtype=tl.uint32), UPCAST, F16, SCALED, MAXIMA, PRECISION)
+        if LOOP:  # a build of its own: the loop's registers would cost one-tile programs occupancy
+            for _ in range(1, tiles):  # the program's later tiles, a row's P * TILE positions apart
+                pos += tl.num_programs(1) * TILE
+                keys, scale = _tile_keys(keys_ptr, scale_ptr, table_ptr + seq * stride_tb, stride_tm, stride_ks,
+                                         stride_kd, block_size, g_len, pos, d, d_ok, SCALED)
                 best = _score_store(keys, scale, q, q_exp, wt, out_ptr + seq * stride_ob, pos, g_len, width, best,
                                     UPCAST, F16, SCALED, MAXIMA, PRECISION)
-                keys, scale, pos = keys_next, scale_next, pos_next
-            best = _score_store(keys, scale, q, q_exp, wt, out_ptr + seq * stride_ob, pos, g_len, width, best,
-                                UPCAST, F16, SCALED, MAXIMA, PRECISION)
-        else:
-            best = _score_store(keys, scale, q, q_exp, wt, out_ptr + seq * stride_ob, pos, g_len, width, best,
-                                UPCAST, F16, SCALED, MAXIMA, PRECISION)
-            if LOOP:  # a build of its own: the loop's registers would cost one-tile programs occupancy
-                for _ in range(1, tiles):  # the program's later tiles, a row's P * TILE positions apart
-                    pos += tl.num_programs(1) * TILE
-                    keys, scale = _tile_keys(keys_ptr, scale_ptr, table_ptr + seq * stride_tb, stride_tm, stride_ks,
-                                             stride_kd, block_size, g_len, pos, d, d_ok, SCALED)
-                    best = _score_store(keys, scale, q, q_exp, wt, out_ptr + seq * stride_ob, pos, g_len, width,
-                                        best, UPCAST, F16, SCALED, MAXIMA, PRECISION)
         if MAXIMA:
             tl.store(m_ptr + seq * stride_mb + tl.program_id(1) * TILE + lane, _key_to_score(best))
 
@@ -179,10 +164,7 @@ def score_tune_key(num_heads: int, head_dim: int, fp8: bool) -> str:
 # its tiles. 1024 programs rather than 2048: batch 1 at 512K 13.6 against 15.3 us a layer, the
 # decode step 1.709 against 1.776 ms; batch 4 and 16 within 1% (RESULTS, sixteenth session).
 MAXIMA_WARPS = 2
-FP8_SCORE_PROGRAMS = int(os.environ.get("WIDEEP_FP8_SCORE_PROGRAMS", "1024"))
-# Programs that score several tiles request the next tile's keys before scoring the current one
-# (WIDEEP_SCORE_PREFETCH=1).
-SCORE_PREFETCH = os.environ.get("WIDEEP_SCORE_PREFETCH", "0") != "0"
+FP8_SCORE_PROGRAMS = 1024
 
 
 def _score_choice(q: torch.Tensor, scaled: bool) -> dict:
@@ -200,8 +182,7 @@ def _score_launch(q, w, index_keys, block_tables, g_lens, block_size,
                   key_scale: torch.Tensor | None = None, w_scale: float = 1.0,
                   zero: torch.Tensor | None = None, skip_dead: bool = False,
                   f16: bool | None = None, maxima: torch.Tensor | None = None,
-                  programs: int | None = None, num_stages: int | None = None,
-                  prefetch: bool | None = None) -> torch.Tensor:
+                  programs: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """[B, width] fp32 scores, -inf past each row's g_len; `zero` (int32, B rows' worth: the
     selection's workspace) is zeroed too. `skip_dead`: tiles wholly past g_len are not written
     (for the one-launch select, which never reads there). `maxima` [B, T] fp32 (T a multiple of
@@ -246,7 +227,6 @@ def _score_launch(q, w, index_keys, block_tables, g_lens, block_size,
     # fp32 operands must not be rounded to tf32, or near-equal scores would swap places.
     fp32 = upcast or q.dtype == torch.float32
     tiles = triton.cdiv(row_tiles, programs)
-    prefetch = (SCORE_PREFETCH if prefetch is None else prefetch) and tiles > 1
     grid = (num_seqs, programs)
     scale = key_scale.float().contiguous() if scaled else out  # any pointer when unused
     _score_tile_kernel[grid](
@@ -257,7 +237,7 @@ def _score_launch(q, w, index_keys, block_tables, g_lens, block_size,
         num_heads, head_dim, width, block_size, float(w_scale), zero if zero is not None else g_lens,
         zero.numel() // num_seqs if zero is not None else 0, tiles,
         HEADS=heads, DIM=dim, TILE=tile, PRECISION="ieee" if fp32 else "tf32", UPCAST=upcast, SCALED=scaled,
-        ZERO=zero is not None, SKIP_DEAD=skip_dead, F16=f16, MAXIMA=maxima is not None, LOOP=tiles > 1, PREFETCH=prefetch,
+        ZERO=zero is not None, SKIP_DEAD=skip_dead, F16=f16, MAXIMA=maxima is not None, LOOP=tiles > 1,
         num_warps=num_warps, **({"num_stages": num_stages} if num_stages else {}), **pdl_launch(q))
     return out
 
