@@ -24,7 +24,7 @@ import torch
 
 from bench.kernel_timing import graph_ms
 from kernels.indexer import kth_scores, select_topk_reference, select_topk_triton
-from kernels.row_select import MAX_PARTS, WIDE_PARTS, select_rows
+from kernels.row_select import MAX_PARTS, select_rows
 
 TOPK = 2048
 BATCHES = (1, 16, 64)
@@ -32,8 +32,6 @@ WIDTHS = (8192, 10240, 16384, 32768)
 SPLIT = ((256, 256), (512, 256), (512, 512), (1024, 512), (2048, 512))
 WIDE_WIDTHS = (65536, 131072, 524288)
 WIDE_METHODS = ("topk", "radix", "threshold")
-# --one-launch: the one-launch select over wide rows, split over up to WIDE_PARTS programs a row
-ONE_LAUNCH_SPANS = (512, 1024, 2048, 4096)
 
 
 def wide_scores(batch: int, width: int, dist: str, g: torch.Generator) -> torch.Tensor:
@@ -46,7 +44,7 @@ def wide_scores(batch: int, width: int, dist: str, g: torch.Generator) -> torch.
     return scores
 
 
-def wide_rows(widths, batches, dist: str, iters: int, one_launch: bool = False) -> list[dict]:
+def wide_rows(widths, batches, dist: str, iters: int) -> list[dict]:
     from kernels.wide_select import CAPACITY, threshold_passes
     rows = []
     for width in widths:
@@ -64,16 +62,9 @@ def wide_rows(widths, batches, dist: str, iters: int, one_launch: bool = False) 
                 choices[f"kth_{m}"] = (lambda m=m: kth_scores(scores, TOPK, m), kth_want)
             for m in WIDE_METHODS:
                 choices[f"select_{m}"] = (lambda m=m: select_topk_triton(scores, g_lens, TOPK, method=m), want)
-            out = torch.empty(batch, TOPK, dtype=torch.int32, device="cuda")
-            for span in ONE_LAUNCH_SPANS if one_launch else ():
-                if -(-width // span) <= WIDE_PARTS:
-                    for spin in (False, True):
-                        choices[f"one_s{span}" + ("_spin" if spin else "")] = (
-                            lambda s=span, spin=spin: select_rows(scores, g_lens, out, TOPK, span=s,
-                                                                  max_parts=WIDE_PARTS, spin_load=spin), want)
             for name, (fn, expect) in choices.items():
                 got = fn()
-                if name.startswith(("select_", "one_")):
+                if name.startswith("select_"):
                     got = got.sort(dim=1).values
                 if not torch.equal(got, expect):
                     raise SystemExit(f"wrong result: {name} batch {batch} width {width} {dist}")
@@ -91,8 +82,6 @@ def main(argv=None) -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
     ap.add_argument("--wide", action="store_true", help="instead: rows of 64K-512K positions (see above)")
     ap.add_argument("--dist", choices=("normal", "trend", "tied"), default="normal", help="--wide scores")
-    ap.add_argument("--one-launch", action="store_true",
-                    help="--wide: also the one-launch select with up to WIDE_PARTS programs a row, by span")
     ap.add_argument("--candidate-programs", type=int, default=None,
                     help="--wide: programs of the candidates' launch (kernels/wide_select.py CANDIDATE_PROGRAMS)")
     args = ap.parse_args(argv)
@@ -101,7 +90,7 @@ def main(argv=None) -> None:
         kernels.wide_select.CANDIDATE_PROGRAMS = args.candidate_programs
     if args.wide and args.widths == list(WIDTHS):
         args.widths = list(WIDE_WIDTHS)
-    rows = wide_rows(args.widths, args.batches, args.dist, args.iters, args.one_launch) if args.wide else []
+    rows = wide_rows(args.widths, args.batches, args.dist, args.iters) if args.wide else []
     for width in [] if args.wide else args.widths:
         for batch in args.batches:
             g = torch.Generator(device="cuda").manual_seed(batch * width)

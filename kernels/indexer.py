@@ -18,7 +18,7 @@ import torch
 from . import triton_ok
 from .index_score import _next_pow2, _score_choice, _score_launch, indexer_scores_triton  # noqa: F401 (the API)
 from .radix_select import _SELECT_BLOCK, radix_passes
-from .row_select import SPARSE_MAX_ROWS, WIDE_PARTS, WORKSPACE_COLS, select_rows, workspace_cols
+from .row_select import SPARSE_MAX_ROWS, WORKSPACE_COLS, select_rows
 from .score_warmup import build_wide_variants, remember as remember_scoring
 
 try:
@@ -96,11 +96,6 @@ def indexer_topk_reference(q: torch.Tensor, w: torch.Tensor, index_keys: torch.T
 # barriers, which needs a row's programs resident together; every GPU we know holds them).
 FUSED_MAX_WIDTH = 32768 if os.environ.get("WIDEEP_ONE_LAUNCH_SELECT", "1") != "0" else 0
 THRESHOLD_MIN_POSITIONS = 1 << 21
-# Wider rows of batches up to WIDE_ONE_LAUNCH_ROWS rows take the one launch too, split over up to
-# WIDE_PARTS programs a row ('fused_wide'); WIDE_SPAN positions a program (0: split_row's choice).
-WIDE_ONE_LAUNCH_ROWS = int(os.environ.get("WIDEEP_WIDE_ONE_LAUNCH_ROWS", "0"))
-WIDE_SPAN = int(os.environ.get("WIDEEP_WIDE_SPAN", "0")) or None
-WIDE_SPIN_LOAD = os.environ.get("WIDEEP_WIDE_SPIN_LOAD", "0") != "0"
 # The threshold select's group maxima taken by the scoring launch (one read of the scores and a
 # launch fewer a layer; kernels/index_score.py); WIDEEP_SCORE_MAXIMA=0 leaves them to their own
 # kernel. The launch has T / tile programs a row for T groups: at least MAXIMA_MIN_PROGRAMS in all.
@@ -145,8 +140,6 @@ def default_select(width: int, rows: int = 1) -> str:
     """The selection method `rows` rows of `width` positions get when none is asked for."""
     if width <= FUSED_MAX_WIDTH:
         return "fused"
-    if rows <= WIDE_ONE_LAUNCH_ROWS and FUSED_MAX_WIDTH:
-        return "fused_wide"
     return "threshold" if rows * width >= THRESHOLD_MIN_POSITIONS else "radix"
 
 
@@ -178,11 +171,8 @@ def select_topk_triton(scores: torch.Tensor, g_lens: torch.Tensor, topk: int,
     method = method or default_select(width, num_seqs)
     if method == "fused":
         return select_rows(scores, g_lens, out, k, ws=hist)
-    if method == "fused_wide":
-        return select_rows(scores, g_lens, out, k, ws=hist, span=WIDE_SPAN, max_parts=WIDE_PARTS,
-                           spin_load=WIDE_SPIN_LOAD)
     if method not in ("radix", "threshold", "topk"):
-        raise ValueError(f"unknown selection method {method!r}; known: fused, fused_wide, radix, threshold, topk")
+        raise ValueError(f"unknown selection method {method!r}; known: fused, radix, threshold, topk")
     found, capacity = g_lens, 0  # with the threshold select: the rows' candidate counts and places
     if method in ("radix", "threshold"):  # the count pass derives the k-th score from the last histogram
         if method == "radix":
@@ -252,9 +242,8 @@ def indexer_topk_triton(q: torch.Tensor, w: torch.Tensor, index_keys: torch.Tens
         # the radix histograms and the one-launch emit's counters, zeroed together
         zeroed = torch.empty(4 * num_seqs * 256 + 2 * num_seqs, device=q.device, dtype=torch.int32)
         ws, slots = zeroed[:4 * num_seqs * 256].view(4, num_seqs, 256), zeroed[4 * num_seqs * 256:].view(num_seqs, 2)
-    elif method in ("fused", "fused_wide"):
-        ws = torch.empty(num_seqs, WORKSPACE_COLS if method == "fused" else workspace_cols(WIDE_PARTS),
-                         device=q.device, dtype=torch.int32)
+    elif method == "fused":
+        ws = torch.empty(num_seqs, WORKSPACE_COLS, device=q.device, dtype=torch.int32)
     elif method == "threshold" and SCORE_MAXIMA:
         # The scoring launch also takes the group maxima (the threshold select's first read of the
         # scores) and zeroes its workspace.
@@ -266,8 +255,7 @@ def indexer_topk_triton(q: torch.Tensor, w: torch.Tensor, index_keys: torch.Tens
         stride = max(group_stride(width, min(topk, width)), triton.cdiv(MAXIMA_MIN_PROGRAMS, num_seqs) * tile)
         maxima = torch.empty(num_seqs, triton.cdiv(stride, tile) * tile, device=q.device, dtype=torch.float32)
     scores = _score_launch(q, w, index_keys, block_tables, g_lens, block_size, key_scale=key_scale, w_scale=w_scale,
-                           zero=zeroed if slots is not None else ws, skip_dead=method in ("fused", "fused_wide"),
-                           maxima=maxima)
+                           zero=zeroed if slots is not None else ws, skip_dead=method == "fused", maxima=maxima)
     return select_topk_triton(scores, g_lens, topk, method=method, hist=ws, maxima=maxima, slots=slots)
 
 
@@ -285,7 +273,7 @@ def warm_up(topk: int, device, max_rows: int) -> None:
     for rows in sorted({1, min(max_rows, SPARSE_MAX_ROWS + 1)}):
         scores = torch.zeros(rows, width, device=device)
         g_lens = torch.full((rows,), width, dtype=torch.int32, device=device)
-        for method in ("fused", "radix", "threshold", "topk") + (("fused_wide",) if WIDE_ONE_LAUNCH_ROWS else ()):
+        for method in ("fused", "radix", "threshold", "topk"):
             select_topk_triton(scores, g_lens, topk, method=method)
     if probe.is_cuda:
         build_wide_variants(device)

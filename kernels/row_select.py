@@ -41,11 +41,6 @@ except Exception:  # a CPU-only install without triton: kernels/indexer.py uses 
 
 # Programs a row is split over, at most; also the width of the per-part count arrays (one build).
 MAX_PARTS = 64
-# Wide rows of small batches (kernels/indexer.py default_select) are split over up to WIDE_PARTS
-# programs: a build of its own, with count arrays that wide. 1024 programs of four warps are
-# resident at once on an H100/H200 (132 SMs, about 11 such programs each at this kernel's
-# registers), which the barriers need.
-WIDE_PARTS = 1024
 # Positions a program loads per step: spans are whole multiples of it (one build for every width).
 BLOCK = 512
 # Rows are split so that there are about this many programs in all, each covering at least
@@ -61,14 +56,8 @@ SPARSE_FROM = 2
 SPARSE_MAX = 64
 SPARSE_MAX_ROWS = 64
 _HIST = 4 * 256
-
-
-def workspace_cols(max_parts: int = MAX_PARTS) -> int:
-    """A row's zeroed workspace: histograms, counts, barrier; the ticket is the last entry of row 0's."""
-    return _HIST + 2 * max_parts + 2
-
-
-WORKSPACE_COLS = workspace_cols()
+# A row's zeroed workspace: histograms, counts, barrier; the ticket is the last entry of row 0's.
+WORKSPACE_COLS = _HIST + 2 * MAX_PARTS + 2
 _PHASES = 6
 
 if triton is not None:
@@ -96,22 +85,15 @@ if triton is not None:
         return bits.to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _row_barrier(sync_ptr, target, SPIN_LOAD: tl.constexpr = False):
+    def _row_barrier(sync_ptr, target):
         """Wait until the row's counter reaches `target`, after adding this program's arrival.
         The CTA barrier before the release orders every thread's writes of the phase (the
         histogram atomics, the counts) before the arrival; the acquire and the barrier after
-        order the next phase's reads after every partner's arrival. SPIN_LOAD: wait on plain
-        (volatile) loads of the counter, then take the acquire by one atomic, so that a row's
-        many waiting programs do not queue atomics on one address while its last ones arrive."""
+        order the next phase's reads after every partner's arrival."""
         tl.debug_barrier()
         tl.atomic_add(sync_ptr, 1, sem="release")
-        if SPIN_LOAD:
-            while tl.load(sync_ptr, volatile=True) < target:
-                pass
-            tl.atomic_add(sync_ptr, 0, sem="acquire")
-        else:
-            while tl.atomic_add(sync_ptr, 0, sem="acquire") < target:
-                pass
+        while tl.atomic_add(sync_ptr, 0, sem="acquire") < target:
+            pass
         tl.debug_barrier()
 
     @triton.jit
@@ -127,7 +109,7 @@ if triton is not None:
                        width, num_seqs, parts, span, k, topk,
                        FIRST: tl.constexpr, LAST: tl.constexpr, BLOCK: tl.constexpr,
                        PARTS: tl.constexpr, FILL: tl.constexpr, SPARSE_FROM: tl.constexpr,
-                       SPARSE_MAX: tl.constexpr, SPIN_LOAD: tl.constexpr = False, PDL: tl.constexpr = 0):
+                       SPARSE_MAX: tl.constexpr, PDL: tl.constexpr = 0):
         """Phases FIRST..LAST of the selection (see the module docstring). ws [B, row] int32,
         zeroed: per row the four byte histograms, the per-part above and equal counts, the
         barrier counter; ws[0, -1] the ticket counter."""
@@ -171,7 +153,7 @@ if triton is not None:
 
         for phase in tl.static_range(FIRST, LAST + 1):
             if phase > FIRST:
-                _row_barrier(sync_ptr, live_parts * (phase - FIRST), SPIN_LOAD)
+                _row_barrier(sync_ptr, live_parts * (phase - FIRST))
                 if phase <= 4:
                     prefix, rank = _hist_digit(hist_ptr, prefix, rank, phase - 1)
             if phase < 4:
@@ -250,17 +232,16 @@ if triton is not None:
                         tl.store(row_out + i, tl.full([FILL], -1, tl.int32), mask=(i >= filled) & (i < topk))
 
 
-def split_row(num_seqs: int, width: int, span: int | None = None, block: int = BLOCK,
-              max_parts: int = MAX_PARTS) -> tuple[int, int]:
+def split_row(num_seqs: int, width: int, span: int | None = None, block: int = BLOCK) -> tuple[int, int]:
     """(parts, span): a row's programs and the positions each covers (a multiple of `block`)."""
     if span is None:
-        want_parts = max(1, min(max_parts, -(-TARGET_PROGRAMS // max(num_seqs, 1))))
+        want_parts = max(1, min(MAX_PARTS, -(-TARGET_PROGRAMS // max(num_seqs, 1))))
         span = block * max(1, -(-width // (want_parts * block)))
     if span <= 0 or span % block:
         raise ValueError(f"span {span} must be a positive multiple of {block}")
     parts = -(-width // span)
-    if parts > max_parts:
-        raise ValueError(f"span {span} splits a {width}-position row into {parts} parts; at most {max_parts}")
+    if parts > MAX_PARTS:
+        raise ValueError(f"span {span} splits a {width}-position row into {parts} parts; at most {MAX_PARTS}")
     return parts, span
 
 
@@ -272,8 +253,7 @@ def one_launch_ok(device: torch.device) -> bool:
 
 def select_rows(scores: torch.Tensor, g_lens: torch.Tensor, out: torch.Tensor, k: int,
                 phased: bool | None = None, span: int | None = None, block: int = BLOCK,
-                sparse_from: int | None = None, ws: torch.Tensor | None = None,
-                max_parts: int = MAX_PARTS, spin_load: bool = False) -> torch.Tensor:
+                sparse_from: int | None = None, ws: torch.Tensor | None = None) -> torch.Tensor:
     """Write into out [B, topk] int32 the positions of each row's k highest scores (equal
     scores: latest position first; positions >= g_len never), -1 after them. scores [B, width]
     fp32, never read at or past g_len (any content there); g_lens int32 on the scores' device;
@@ -282,20 +262,17 @@ def select_rows(scores: torch.Tensor, g_lens: torch.Tensor, out: torch.Tensor, k
     `block`, the positions a program loads a step) overrides the positions a program covers
     (bench.probe_select times the choices). `sparse_from`: the first byte pass that counts
     blocks with few matching keys by atomics instead of a histogram (4: none; default
-    SPARSE_FROM up to SPARSE_MAX_ROWS rows, none above). `ws`: int32 [B, workspace_cols(max_parts)],
-    zeroed (the scoring launch can clear it, which spares a launch); None allocates one.
-    `max_parts`: programs a row at most (MAX_PARTS, or WIDE_PARTS for wide rows; a build each).
-    `spin_load`: the barriers wait on loads rather than atomics (_row_barrier)."""
+    SPARSE_FROM up to SPARSE_MAX_ROWS rows, none above). `ws`: int32 [B, WORKSPACE_COLS], zeroed
+    (the scoring launch can clear it, which spares a launch); None allocates one."""
     num_seqs, width = scores.shape
     topk = out.shape[1]
-    parts, span = split_row(num_seqs, width, span, block, max_parts)
+    parts, span = split_row(num_seqs, width, span, block)
     if phased is None:
         phased = not one_launch_ok(scores.device)
-    cols = workspace_cols(max_parts)
     if ws is None:
-        ws = torch.zeros(num_seqs, cols, device=scores.device, dtype=torch.int32)
-    elif ws.shape != (num_seqs, cols) or ws.dtype != torch.int32 or not ws.is_contiguous():
-        raise ValueError(f"ws must be a contiguous int32 [{num_seqs}, {cols}]")
+        ws = torch.zeros(num_seqs, WORKSPACE_COLS, device=scores.device, dtype=torch.int32)
+    elif ws.shape != (num_seqs, WORKSPACE_COLS) or ws.dtype != torch.int32 or not ws.is_contiguous():
+        raise ValueError(f"ws must be a contiguous int32 [{num_seqs}, {WORKSPACE_COLS}]")
     fill = min(1024, max(16, triton.next_power_of_2(topk)))
     if sparse_from is None:
         sparse_from = SPARSE_FROM if num_seqs <= SPARSE_MAX_ROWS else 4
@@ -304,6 +281,6 @@ def select_rows(scores: torch.Tensor, g_lens: torch.Tensor, out: torch.Tensor, k
         _select_kernel[(num_seqs * parts,)](
             scores, g_lens, out, ws, scores.stride(0), out.stride(0), ws.stride(0),
             width, num_seqs, parts, span, k, topk,
-            FIRST=first, LAST=last, BLOCK=block, PARTS=max_parts, FILL=fill,
-            SPARSE_FROM=sparse_from, SPARSE_MAX=SPARSE_MAX, SPIN_LOAD=spin_load, num_warps=4, **pdl_launch(scores))
+            FIRST=first, LAST=last, BLOCK=block, PARTS=MAX_PARTS, FILL=fill,
+            SPARSE_FROM=sparse_from, SPARSE_MAX=SPARSE_MAX, num_warps=4, **pdl_launch(scores))
     return out

@@ -10,7 +10,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from kernels.indexer import select_topk_reference  # noqa: E402
-from kernels.row_select import BLOCK, MAX_PARTS, SPARSE_MAX_ROWS, WIDE_PARTS, select_rows, split_row, workspace_cols  # noqa: E402
+from kernels.row_select import BLOCK, MAX_PARTS, SPARSE_MAX_ROWS, select_rows, split_row  # noqa: E402
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICES = [
@@ -87,47 +87,6 @@ def test_default_counting_either_side_of_the_row_limit(device, rows):
     same_sets(out, select_topk_reference(scores, g_lens, 300))
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_wide_split_with_more_parts_than_the_narrow_build(device):
-    """The wide build (count arrays WIDE_PARTS wide): a row split over more parts than MAX_PARTS,
-    ties across them; its workspace is checked against that width."""
-    width = BLOCK * (MAX_PARTS + 3)
-    scores, g_lens = tied_rows(width, 11, device)
-    out = torch.empty(scores.shape[0], 700, dtype=torch.int32, device=device)
-    select_rows(scores, g_lens, out, 700, phased=True, span=BLOCK, max_parts=WIDE_PARTS)
-    same_sets(out, select_topk_reference(scores, g_lens, 700))
-    with pytest.raises(ValueError, match=str(workspace_cols(WIDE_PARTS))):
-        select_rows(scores, g_lens, out, 700, phased=True, span=BLOCK, max_parts=WIDE_PARTS,
-                    ws=torch.zeros(scores.shape[0], workspace_cols(), dtype=torch.int32, device=device))
-
-
-@CUDA
-@pytest.mark.parametrize("width,batch,span", [(1 << 19, 1, 512), (1 << 19, 1, 2048), (131072 + 64, 4, 1024)])
-@pytest.mark.parametrize("spin_load", [False, True])
-def test_one_launch_over_wide_rows(width, batch, span, spin_load):
-    """Up to WIDE_PARTS programs a row meeting at barriers (waiting on atomics, or on loads),
-    against the reference, eager and replayed from a CUDA graph with new scores."""
-    g = torch.Generator(device="cuda").manual_seed(width + span)
-    scores = torch.randn(batch, width, device="cuda", generator=g)
-    g_lens = torch.randint(width // 2, width + 1, (batch,), device="cuda", generator=g).to(torch.int32)
-    g_lens[0] = width
-    scores[torch.arange(width, device="cuda")[None, :] >= g_lens[:, None].long()] = float("-inf")
-    out = torch.empty(batch, 2048, dtype=torch.int32, device="cuda")
-
-    def run():
-        return select_rows(scores, g_lens, out, 2048, phased=False, span=span, max_parts=WIDE_PARTS,
-                           spin_load=spin_load)
-    same_sets(run(), select_topk_reference(scores, g_lens, 2048))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    for _ in range(2):
-        scores.copy_(torch.randn(batch, width, device="cuda", generator=g))
-        scores[torch.arange(width, device="cuda")[None, :] >= g_lens[:, None].long()] = float("-inf")
-        graph.replay()
-        same_sets(out, select_topk_reference(scores, g_lens, 2048))
-
-
 def test_split_row_fills_the_gpu_and_keeps_parts_bounded():
     parts, span = split_row(1, 32768)
     assert span % BLOCK == 0 and parts * span >= 32768 and parts > 1
@@ -139,8 +98,6 @@ def test_split_row_fills_the_gpu_and_keeps_parts_bounded():
         split_row(1, 4096, span=300)
     with pytest.raises(ValueError, match="at most"):
         split_row(1, BLOCK * (MAX_PARTS + 1), span=BLOCK)
-    parts, span = split_row(1, 1 << 19, max_parts=WIDE_PARTS)  # the wide build: past MAX_PARTS
-    assert MAX_PARTS < parts <= WIDE_PARTS and parts * span >= 1 << 19
 
 
 @CUDA
