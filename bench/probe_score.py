@@ -42,8 +42,6 @@ def main(argv=None) -> None:
     ap.add_argument("--stages", type=int, nargs="+", default=[1], help="num_stages of the tile loop")
     ap.add_argument("--maxima", action="store_true",
                     help=f"also time the launches that write the group maxima (top-{TOPK} group stride)")
-    ap.add_argument("--table-ahead", type=int, nargs="+", default=[0],
-                    help="0/1: programs of several tiles load the next tile's table entries first")
     ap.add_argument("--cold", action="store_true",
                     help="keys from HBM, as in a decode step whose layers each read their own: every call of "
                          "the graph scores its own copy of the key pool, copies filling 4x the L2")
@@ -64,8 +62,7 @@ def main(argv=None) -> None:
             l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
             copies = max(2, -(-4 * l2 // (fp8.numel() + 4 * scale.numel())))
         pools = [(keys, fp8, scale)] + [(keys.clone(), fp8.clone(), scale.clone()) for _ in range(copies - 1)]
-        for kind, choice, (loop, _), stages, ahead in itertools.product(args.kinds, args.choices, loops, args.stages,
-                                                                        args.table_ahead):
+        for kind, choice, (loop, _), stages in itertools.product(args.kinds, args.choices, loops, args.stages):
             tile, warps = map(int, choice.split(":"))
             m = None
             programs = None
@@ -73,8 +70,7 @@ def main(argv=None) -> None:
                 m = torch.empty(args.batch, -(-group_stride(context, TOPK) // tile) * tile, device="cuda")
             else:
                 programs = max(1, -(-width // tile) // loop)
-            opts = dict(tile=tile, num_warps=warps, num_stages=stages, maxima=m, programs=programs,
-                        table_ahead=bool(ahead))
+            opts = dict(tile=tile, num_warps=warps, num_stages=stages, maxima=m, programs=programs)
             if kind == "bf16":
                 fns = [lambda o=opts, k=k: _score_launch(q, w, k, tables, lens, BLOCK, **o) for k, _, _ in pools]
                 per_key = 2 * DIM
@@ -99,7 +95,7 @@ def main(argv=None) -> None:
                 us = graph_ms(fn, 3, args.iters, repeat=4) * 1e3
             gbs = args.batch * context * per_key / us / 1e3
             rows.append(dict(batch=args.batch, context=context, keys=kind, tile=tile, warps=warps, loop=loop,
-                             stages=stages, table_ahead=ahead, cold=copies > 1, us=round(us, 1), gb_s=round(gbs)))
+                             stages=stages, cold=copies > 1, us=round(us, 1), gb_s=round(gbs)))
             print(json.dumps(rows[-1]), flush=True)
     if args.json:
         with open(args.json, "a") as f:

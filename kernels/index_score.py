@@ -29,18 +29,13 @@ if triton is not None:
     # are listed (they only index scalars) and a longer context never stalls decode on a build.
     # Widths and row strides keep the specialisation: it lets the score loads and stores vectorise.
     @triton.jit
-    def _tile_blocks(row_table_ptr, stride_tm, block_size, g_len, pos):
-        # Past g_len the table may be garbage: the masked load never reads it.
-        return tl.load(row_table_ptr + (pos // block_size) * stride_tm, mask=pos < g_len, other=0)
-
-    @triton.jit
     def _tile_keys(keys_ptr, scale_ptr, row_table_ptr, stride_tm, stride_ks, stride_kd, block_size, g_len, pos, d,
-                   d_ok, SCALED: tl.constexpr, block=None):
+                   d_ok, SCALED: tl.constexpr):
         """The keys [TILE, DIM] of positions `pos` of a row (zero past g_len) and their scales
-        (SCALED); `block`: the positions' block-table entries, if already loaded."""
+        (SCALED)."""
         live = pos < g_len
-        if block is None:
-            block = _tile_blocks(row_table_ptr, stride_tm, block_size, g_len, pos)
+        # Past g_len the table may be garbage: the masked load never reads it.
+        block = tl.load(row_table_ptr + (pos // block_size) * stride_tm, mask=live, other=0)
         slot = block.to(tl.int64) * block_size + pos % block_size
         # One load of the tile's keys serves every head.
         keys = tl.load(keys_ptr + slot[:, None] * stride_ks + d[None, :] * stride_kd,
@@ -81,8 +76,7 @@ if triton is not None:
                            HEADS: tl.constexpr, DIM: tl.constexpr, TILE: tl.constexpr,
                            PRECISION: tl.constexpr, UPCAST: tl.constexpr, SCALED: tl.constexpr,
                            ZERO: tl.constexpr, SKIP_DEAD: tl.constexpr, F16: tl.constexpr = False,
-                           MAXIMA: tl.constexpr = False, LOOP: tl.constexpr = False, TABLE_AHEAD: tl.constexpr = False,
-                           PDL: tl.constexpr = 0):
+                           MAXIMA: tl.constexpr = False, LOOP: tl.constexpr = False, PDL: tl.constexpr = 0):
         """Program (seq, p) scores tiles p, p + P, p + 2 P, ... (`tiles` of them, P programs a row;
         LOOP set where `tiles` > 1).
         MAXIMA: it also writes m[seq, p * TILE + j], the largest score at positions
@@ -129,19 +123,10 @@ if triton is not None:
         best = _score_store(keys, scale, q, q_exp, wt, out_ptr + seq * stride_ob, pos, g_len, width,
                             tl.zeros([TILE], dtype=tl.uint32), UPCAST, F16, SCALED, MAXIMA, PRECISION)
         if LOOP:  # a build of its own: the loop's registers would cost one-tile programs occupancy
-            step = tl.num_programs(1) * TILE  # the program's later tiles, a row's P * TILE positions apart
-            row_table = table_ptr + seq * stride_tb
-            if TABLE_AHEAD:  # the next tile's table entries on their way while this tile's keys are
-                block = _tile_blocks(row_table, stride_tm, block_size, g_len, pos + step)
-            for _ in range(1, tiles):
-                pos += step
-                if TABLE_AHEAD:
-                    keys, scale = _tile_keys(keys_ptr, scale_ptr, row_table, stride_tm, stride_ks, stride_kd,
-                                             block_size, g_len, pos, d, d_ok, SCALED, block)
-                    block = _tile_blocks(row_table, stride_tm, block_size, g_len, pos + step)
-                else:
-                    keys, scale = _tile_keys(keys_ptr, scale_ptr, row_table, stride_tm, stride_ks, stride_kd,
-                                             block_size, g_len, pos, d, d_ok, SCALED)
+            for _ in range(1, tiles):  # the program's later tiles, a row's P * TILE positions apart
+                pos += tl.num_programs(1) * TILE
+                keys, scale = _tile_keys(keys_ptr, scale_ptr, table_ptr + seq * stride_tb, stride_tm, stride_ks,
+                                         stride_kd, block_size, g_len, pos, d, d_ok, SCALED)
                 best = _score_store(keys, scale, q, q_exp, wt, out_ptr + seq * stride_ob, pos, g_len, width, best,
                                     UPCAST, F16, SCALED, MAXIMA, PRECISION)
         if MAXIMA:
@@ -180,9 +165,6 @@ def score_tune_key(num_heads: int, head_dim: int, fp8: bool) -> str:
 # decode step 1.709 against 1.776 ms; batch 4 and 16 within 1% (RESULTS, sixteenth session).
 MAXIMA_WARPS = 2
 FP8_SCORE_PROGRAMS = 1024
-# Programs scoring several tiles load the next tile's block-table entries before this tile's keys
-# are scored, so a tile's key loads wait on no table load (WIDEEP_SCORE_TABLE_AHEAD=1).
-TABLE_AHEAD = os.environ.get("WIDEEP_SCORE_TABLE_AHEAD", "0") != "0"
 
 
 def _score_choice(q: torch.Tensor, scaled: bool) -> dict:
@@ -200,8 +182,7 @@ def _score_launch(q, w, index_keys, block_tables, g_lens, block_size,
                   key_scale: torch.Tensor | None = None, w_scale: float = 1.0,
                   zero: torch.Tensor | None = None, skip_dead: bool = False,
                   f16: bool | None = None, maxima: torch.Tensor | None = None,
-                  programs: int | None = None, num_stages: int | None = None,
-                  table_ahead: bool | None = None) -> torch.Tensor:
+                  programs: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """[B, width] fp32 scores, -inf past each row's g_len; `zero` (int32, B rows' worth: the
     selection's workspace) is zeroed too. `skip_dead`: tiles wholly past g_len are not written
     (for the one-launch select, which never reads there). `maxima` [B, T] fp32 (T a multiple of
@@ -257,7 +238,6 @@ def _score_launch(q, w, index_keys, block_tables, g_lens, block_size,
         zero.numel() // num_seqs if zero is not None else 0, tiles,
         HEADS=heads, DIM=dim, TILE=tile, PRECISION="ieee" if fp32 else "tf32", UPCAST=upcast, SCALED=scaled,
         ZERO=zero is not None, SKIP_DEAD=skip_dead, F16=f16, MAXIMA=maxima is not None, LOOP=tiles > 1,
-        TABLE_AHEAD=bool(TABLE_AHEAD if table_ahead is None else table_ahead) and tiles > 1,
         num_warps=num_warps, **({"num_stages": num_stages} if num_stages else {}), **pdl_launch(q))
     return out
 
