@@ -6,16 +6,11 @@ The selection that follows is kernels/indexer.py's.
 """
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
 
-from . import _unusable
-from .index_score_gluon import gluon_scoring_applies, score_gluon
 from .tuning import tuned_config
-
-log = logging.getLogger(__name__)
 
 try:
     import triton
@@ -170,11 +165,6 @@ def score_tune_key(num_heads: int, head_dim: int, fp8: bool) -> str:
 # decode step 1.709 against 1.776 ms; batch 4 and 16 within 1% (RESULTS, sixteenth session).
 MAXIMA_WARPS = 2
 FP8_SCORE_PROGRAMS = 1024
-# The Gluon kernel's launch (kernels/index_score_gluon.py): tile, warps, buffers, programs in all.
-GLUON_TILE = 128
-GLUON_WARPS = 4
-GLUON_NBUF = 4
-GLUON_PROGRAMS = 1024
 
 
 def _score_choice(q: torch.Tensor, scaled: bool) -> dict:
@@ -192,17 +182,13 @@ def _score_launch(q, w, index_keys, block_tables, g_lens, block_size,
                   key_scale: torch.Tensor | None = None, w_scale: float = 1.0,
                   zero: torch.Tensor | None = None, skip_dead: bool = False,
                   f16: bool | None = None, maxima: torch.Tensor | None = None,
-                  programs: int | None = None, num_stages: int | None = None,
-                  gluon: bool | None = None, nbuf: int | None = None) -> torch.Tensor:
+                  programs: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """[B, width] fp32 scores, -inf past each row's g_len; `zero` (int32, B rows' worth: the
     selection's workspace) is zeroed too. `skip_dead`: tiles wholly past g_len are not written
     (for the one-launch select, which never reads there). `maxima` [B, T] fp32 (T a multiple of
     the tile): also write each row's strided group maxima for group stride T
     (kernels/wide_select.py), T / tile programs a row. `programs`: programs a row otherwise
-    (each scores every programs-th tile). Launch choices left out come from _score_choice.
-    `gluon`: FP8 keys scored by kernels/index_score_gluon.py (True; `nbuf` its ring of buffers),
-    by the Triton kernel (False), or by the former where it applies (None; not for a probe's
-    tile or warps, which are the Triton kernel's)."""
+    (each scores every programs-th tile). Launch choices left out come from _score_choice."""
     num_seqs, num_heads, head_dim = q.shape
     width = block_tables.shape[1] * block_size
     out = torch.empty(num_seqs, width, device=q.device, dtype=torch.float32)
@@ -240,33 +226,9 @@ def _score_launch(q, w, index_keys, block_tables, g_lens, block_size,
     upcast = upcast and not f16  # fp16 operands are exact under the interpreter too (bf16 ones are not)
     # fp32 operands must not be rounded to tf32, or near-equal scores would swap places.
     fp32 = upcast or q.dtype == torch.float32
-    scale = key_scale.float().contiguous() if scaled else out  # any pointer when unused
-    if gluon is None:
-        gluon = not probe and f16 and gluon_scoring_applies(q, index_keys, key_scale)
-    if gluon:
-        if not (f16 and gluon_scoring_applies(q, index_keys, key_scale)):
-            raise ValueError("the Gluon scoring kernel takes a bf16 query and E4M3 keys with scales on sm_90")
-        g_tile = tile if probe else GLUON_TILE
-        g_row_tiles = triton.cdiv(width, g_tile)
-        if maxima is not None:
-            if maxima.shape[1] % g_tile:
-                raise ValueError(f"the maxima's group stride {maxima.shape[1]} must be a multiple of the tile {g_tile}")
-            g_programs = maxima.shape[1] // g_tile
-        else:
-            g_programs = min(programs if probe and programs else triton.cdiv(GLUON_PROGRAMS, num_seqs), g_row_tiles)
-        try:
-            score_gluon(q, w, index_keys, scale, block_tables, g_lens, out, maxima, zero, skip_dead, w_scale,
-                        block_size, g_programs, tile=g_tile, num_warps=num_warps if probe else GLUON_WARPS,
-                        nbuf=nbuf or GLUON_NBUF, pdl=pdl_launch(q))
-            return out
-        except Exception as e:  # a Triton whose Gluon differs: warn once, then the Triton kernel
-            if probe:
-                raise
-            _unusable.add("index_score_gluon")
-            log.warning("Gluon scoring kernel failed here (%s: %s); using the Triton kernel from now on",
-                        type(e).__name__, e)
     tiles = triton.cdiv(row_tiles, programs)
     grid = (num_seqs, programs)
+    scale = key_scale.float().contiguous() if scaled else out  # any pointer when unused
     _score_tile_kernel[grid](
         q, w, index_keys, scale, block_tables, g_lens, out, maxima if maxima is not None else out,
         q.stride(0), q.stride(1), q.stride(2), w.stride(0), w.stride(1),
