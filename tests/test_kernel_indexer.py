@@ -389,3 +389,46 @@ def test_head_weight_scale_in_kernel(device):
     ref = indexer_scores_reference(q, w, keys, tables, lens, 16, w_scale=scale)
     torch.testing.assert_close(got, ref, atol=1e-2, rtol=1e-2)
     assert not torch.allclose(got, indexer_scores_triton(q, w, keys, tables, lens, 16), atol=1e-3)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("capacity", [None, 8])
+@pytest.mark.parametrize("bin_emit", [True, False])
+def test_radix_emit_after_two_passes(device, capacity, bin_emit, monkeypatch):
+    """The radix select's positions from two passes and one launch that resolves the k-th key's
+    16-bit bin (radix_select.BIN_EMIT): rows whose top-k reaches into a bin of many keys that
+    differ only in their low 16 bits (collected and resolved by the row's last program, or, past
+    the bin's capacity, by program 0 from the whole row), with exact ties at the k-th score
+    among them (the latest kept), a bin wanted whole, and rows with fewer live positions than k."""
+    from kernels import radix_select
+    monkeypatch.setattr(radix_select, "BIN_EMIT", bin_emit)
+    if capacity:
+        monkeypatch.setattr(radix_select, "BIN_CAPACITY", capacity)
+    width, topk = 700, 50
+    g = torch.Generator().manual_seed(11)
+    scores = torch.randn(5, width, generator=g)
+    # row 0: 30 scores above, then 200 in one 16-bit bin ([1, 1 + 2^-7)): 10 distinct, 15 tied
+    # at the k-th score (10 of them wanted, the latest), 175 below
+    places = torch.randperm(width, generator=g)
+    scores[0] = -1.0
+    scores[0, places[:30]] = 8 + torch.rand(30, generator=g)
+    near = 1.0 + torch.cat([10000 + torch.randperm(100, generator=g)[:10], torch.full((15,), 9000),
+                            torch.randint(0, 8000, (175,), generator=g)]).double() * 2.0 ** -21
+    scores[0, places[30:230]] = near.float()
+    # row 1: the same bin, every key of it wanted (topk - 30 of them)
+    scores[1] = -1.0
+    scores[1, places[:30]] = 8 + torch.rand(30, generator=g)
+    scores[1, places[30:50]] = (1.0 + torch.arange(20).double() * 2.0 ** -20).float()
+    # row 2: random normal (a small bin); row 3: fewer live positions than k; row 4: all equal
+    scores[4] = 0.5
+    g_lens = torch.tensor([width, width - 1, width, 31, width], dtype=torch.int32)
+    scores[torch.arange(width)[None, :] >= g_lens[:, None].long()] = float("-inf")
+    scores, g_lens = scores.to(device), g_lens.to(device)
+    want = select_topk_reference(scores, g_lens, topk)
+    slots = torch.zeros(5, radix_select.SLOT_COLS, dtype=torch.int32, device=device)
+    got = select_topk_triton(scores, g_lens, topk, chunk=16, method="radix", slots=slots)
+    check_rows(got, want, g_lens.tolist(), topk)
+    if bin_emit:  # which way each row went: its counters (places in the bin, arrivals)
+        programs = -(-width // 16)
+        assert slots[0, 1:].tolist() == ([0, 0] if capacity else [200, programs])
+        assert slots[1, 1:].tolist() == [20, 0]  # the whole bin, straight to its places
