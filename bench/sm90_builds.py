@@ -122,7 +122,7 @@ def build_wide() -> list[dict]:
     and strides it keeps)."""
     from kernels import radix_select
     from kernels import wide_select as ws
-    fp32 = {"scores_ptr", "m_ptr", "cand_ptr", "kth_ptr", "near_ptr"}
+    fp32 = {"scores_ptr", "m_ptr", "cand_ptr", "kth_ptr"}
     builds = []
     for lens in (False, True):
         builds.append((ws._group_max_kernel, dict(HAS_LENS=lens, TILE=ws.GROUP_TILE, ROWS=ws.GROUP_ROWS), 4))
@@ -139,8 +139,6 @@ def build_wide() -> list[dict]:
     # the positions in one launch after the radix passes, and after the threshold passes
     builds += [(radix_select._emit_rows_kernel, dict(CHUNK=chunk, FILL=1024, FITTED=fitted), 4)
                for fitted in (False, True)]
-    # the positions after two radix passes, the k-th key's bin resolved in the same launch
-    builds.append((radix_select._emit_bin_kernel, dict(CHUNK=chunk, FILL=1024, RB=1024), 4))
     rows = []
     for fn, consts, warps in builds:
         consts = dict(consts, PDL=2)

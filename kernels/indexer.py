@@ -17,16 +17,15 @@ import torch
 
 from . import triton_ok
 from .index_score import _next_pow2, _score_choice, _score_launch, indexer_scores_triton  # noqa: F401 (the API)
-from .radix_select import _SELECT_BLOCK, SLOT_COLS, radix_passes
-from . import radix_select
+from .radix_select import _SELECT_BLOCK, radix_passes
 from .row_select import SPARSE_MAX_ROWS, WORKSPACE_COLS, select_rows
 from .score_warmup import build_wide_variants, remember as remember_scoring
 
 try:
     import triton
     from .pdl import pdl_launch
-    from .radix_select import (_chunk_offsets_kernel, _count_chunk_kernel, _emit_bin_kernel, _emit_chunk_kernel,
-                               _emit_rows_kernel, _radix_kth_kernel)
+    from .radix_select import (_chunk_offsets_kernel, _count_chunk_kernel, _emit_chunk_kernel, _emit_rows_kernel,
+                               _radix_kth_kernel)
 except Exception:  # a CPU-only install without triton still gets the reference
     triton = None
 
@@ -159,8 +158,8 @@ def select_topk_triton(scores: torch.Tensor, g_lens: torch.Tensor, topk: int,
     zeroed (radix_passes' histograms, the one launch's [B, WORKSPACE_COLS], or with `maxima` the
     threshold select's); 'threshold' zeroes its own otherwise. `maxima`: the rows' group maxima
     for 'threshold', written by the scoring launch (kernels/wide_select.py threshold_passes).
-    `slots`: [B, SLOT_COLS] int32 zeros for the one-launch emit's counters (ONE_EMIT; zeroed here
-    if not given).
+    `slots`: [B, 2] int32 zeros for the one-launch emit's counters (ONE_EMIT; zeroed here if
+    not given).
     """
     num_seqs, width = scores.shape
     out = torch.empty(num_seqs, topk, device=scores.device, dtype=torch.int32)
@@ -175,19 +174,6 @@ def select_topk_triton(scores: torch.Tensor, g_lens: torch.Tensor, topk: int,
     if method not in ("radix", "threshold", "topk"):
         raise ValueError(f"unknown selection method {method!r}; known: fused, radix, threshold, topk")
     found, capacity = g_lens, 0  # with the threshold select: the rows' candidate counts and places
-    if method == "radix" and ONE_EMIT and radix_select.BIN_EMIT:
-        # two passes, then one launch that also resolves the k-th key's 16-bit bin
-        hist, state = radix_passes(scores, k, hist=hist, passes=2)
-        if slots is None:
-            slots = torch.zeros(num_seqs, SLOT_COLS, device=scores.device, dtype=torch.int32)
-        capacity = radix_select.BIN_CAPACITY
-        near = torch.empty(num_seqs, capacity, device=scores.device, dtype=torch.float32)
-        near_pos = torch.empty(num_seqs, capacity, device=scores.device, dtype=torch.int32)
-        chunk = chunk or _SELECT_BLOCK
-        _emit_bin_kernel[(num_seqs, triton.cdiv(width, chunk))](
-            scores, g_lens, hist, state, slots, near, near_pos, out, scores.stride(0), out.stride(0), width,
-            num_seqs, k, topk, capacity, CHUNK=chunk, FILL=fill, RB=1024, num_warps=4, **pdl_launch(scores))
-        return out
     if method in ("radix", "threshold"):  # the count pass derives the k-th score from the last histogram
         if method == "radix":
             hist, state = radix_passes(scores, k, hist=hist)
@@ -202,7 +188,7 @@ def select_topk_triton(scores: torch.Tensor, g_lens: torch.Tensor, topk: int,
             emit_candidates(candidates, found, hist, state, out, k, width)
         if ONE_EMIT:
             if slots is None:
-                slots = torch.zeros(num_seqs, SLOT_COLS, device=scores.device, dtype=torch.int32)
+                slots = torch.zeros(num_seqs, 2, device=scores.device, dtype=torch.int32)
             chunk = chunk or _SELECT_BLOCK
             num_chunks = triton.cdiv(width, chunk)
             fitted = method == "threshold"
@@ -254,9 +240,8 @@ def indexer_topk_triton(q: torch.Tensor, w: torch.Tensor, index_keys: torch.Tens
     ws = maxima = slots = None
     if method == "radix":
         # the radix histograms and the one-launch emit's counters, zeroed together
-        zeroed = torch.empty(4 * num_seqs * 256 + SLOT_COLS * num_seqs, device=q.device, dtype=torch.int32)
-        ws = zeroed[:4 * num_seqs * 256].view(4, num_seqs, 256)
-        slots = zeroed[4 * num_seqs * 256:].view(num_seqs, SLOT_COLS)
+        zeroed = torch.empty(4 * num_seqs * 256 + 2 * num_seqs, device=q.device, dtype=torch.int32)
+        ws, slots = zeroed[:4 * num_seqs * 256].view(4, num_seqs, 256), zeroed[4 * num_seqs * 256:].view(num_seqs, 2)
     elif method == "fused":
         ws = torch.empty(num_seqs, WORKSPACE_COLS, device=q.device, dtype=torch.int32)
     elif method == "threshold" and SCORE_MAXIMA:

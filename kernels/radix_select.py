@@ -31,20 +31,10 @@ _RADIX_PROGRAMS = 1024
 # histograms.
 RADIX_SPARSE = os.environ.get("WIDEEP_RADIX_SPARSE", "1") != "0"
 _SELECT_BLOCK = 1024
-# After the radix passes the positions come from _emit_bin_kernel after the first two passes (the
-# last two run over the k-th key's 16-bit bin alone, in the emit launch) rather than from
-# _emit_rows_kernel after all four; WIDEEP_RADIX_BIN_EMIT=0 keeps the four.
-BIN_EMIT = os.environ.get("WIDEEP_RADIX_BIN_EMIT", "1") != "0"
-# Places a row for the k-th key's bin (its keys share the top 16 bits, a width of 1/128 of the
-# score: a few hundred at 512K); 32 KB a row.
-BIN_CAPACITY = 4096
-# The emit's counters a row (zeroed): places above the k-th key's bin, places in it, arrivals.
-SLOT_COLS = 3
 
 
 if triton is not None:
     from .row_select import _key_to_score, _order_key, _pick_digit
-    _SLOT_COLS = tl.constexpr(SLOT_COLS)
 
     # Integer arguments that are 1 or a multiple of 16 get their own build unless listed in
     # do_not_specialize; chunk counts change as contexts grow, so they are listed (they only
@@ -273,13 +263,13 @@ if triton is not None:
             is_above = (live & (s > kth)).to(tl.int32)
             n = tl.sum(is_above, axis=0)
             if n > 0:
-                place = tl.atomic_add(slots_ptr + seq * _SLOT_COLS, n, sem="relaxed") + tl.cumsum(is_above, axis=0) - 1
+                place = tl.atomic_add(slots_ptr + seq * 2, n, sem="relaxed") + tl.cumsum(is_above, axis=0) - 1
                 tl.store(row_out + place, pos, mask=is_above != 0)
             if every_tie:
                 is_tie = (live & (s == kth)).to(tl.int32)
                 n = tl.sum(is_tie, axis=0)
                 if n > 0:
-                    place = tl.atomic_add(slots_ptr + seq * _SLOT_COLS + 1, n, sem="relaxed") + tl.cumsum(is_tie, axis=0) - 1
+                    place = tl.atomic_add(slots_ptr + seq * 2 + 1, n, sem="relaxed") + tl.cumsum(is_tie, axis=0) - 1
                     tl.store(row_out + total_above + place, pos, mask=is_tie != 0)
         if tl.program_id(1) == 0:
             if (every_tie == 0) & (ties_wanted > 0):
@@ -299,147 +289,16 @@ if triton is not None:
                 tl.store(row_out + i, tl.full([FILL], -1, tl.int32), mask=(i >= filled) & (i < topk))
 
 
-    @triton.jit
-    def _bin_histogram(src_ptr, n, prefix, SHIFT: tl.constexpr, RB: tl.constexpr):
-        """Histogram [256] of bits SHIFT..SHIFT+7 of the keys of src[0:n] whose bits above them are
-        `prefix` (uint32). .cg loads: src may have been written by other programs of this launch,
-        and L1 is not coherent between SMs."""
-        counts = tl.zeros([256], dtype=tl.int32)
-        for b in range(0, n, RB):
-            i = b + tl.arange(0, RB)
-            key = _order_key(tl.load(src_ptr + i, mask=i < n, other=float("-inf"), cache_modifier=".cg"))
-            match = (i < n) & ((key >> (SHIFT + 8)) == prefix)
-            counts += _matching_histogram((key >> SHIFT) & 0xFF, match, RB)
-        return counts
-
-    @triton.jit
-    def _bin_entries(src_ptr, pos_ptr, i, n, ROW: tl.constexpr):
-        """Keys and positions of entries i of a bin's source: the row itself (ROW: positions are
-        the indices) or the collected entries with their positions."""
-        key = _order_key(tl.load(src_ptr + i, mask=i < n, other=float("-inf"), cache_modifier=".cg"))
-        if ROW:
-            pos = i
-        else:
-            pos = tl.load(pos_ptr + i, mask=i < n, other=-1, cache_modifier=".cg")
-        return key, pos
-
-    @triton.jit
-    def _resolve_bin(src_ptr, pos_ptr, n, prefix, wanted, base, width, row_out, ROW: tl.constexpr,
-                     RB: tl.constexpr):
-        """Write the `wanted` best positions of the keys of src[0:n] whose top 16 bits are
-        `prefix` at row_out[base:base + wanted]: the radix select's last two bytes over them
-        alone, then every key above the k-th one and the latest of those equal to it (the
-        reference's tie rule). One program."""
-        h = _bin_histogram(src_ptr, n, prefix, 8, RB)
-        digit, rank = _pick_digit(h, wanted)
-        prefix = (prefix << 8) | digit.to(tl.uint32)
-        h = _bin_histogram(src_ptr, n, prefix, 0, RB)
-        digit, rank = _pick_digit(h, rank)
-        kth = (prefix << 8) | digit.to(tl.uint32)
-        ties = tl.sum(tl.where(tl.arange(0, 256) == digit, h, 0), axis=0)
-        cut = tl.zeros([], dtype=tl.int32)
-        if rank < ties:  # more ties than places (scores equal to the k-th): the latest `rank` of them
-            lo = tl.zeros([], dtype=tl.int32)
-            hi = width
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                later = tl.zeros([], dtype=tl.int32)
-                for b in range(0, n, RB):
-                    key, pos = _bin_entries(src_ptr, pos_ptr, b + tl.arange(0, RB), n, ROW)
-                    later += tl.sum(((key == kth) & (pos >= mid) & (b + tl.arange(0, RB) < n)).to(tl.int32), axis=0)
-                if later >= rank:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            cut = lo
-        above = tl.zeros([], dtype=tl.int32)
-        taken = tl.zeros([], dtype=tl.int32)
-        first_tie = base + wanted - rank
-        for b in range(0, n, RB):
-            i = b + tl.arange(0, RB)
-            key, pos = _bin_entries(src_ptr, pos_ptr, i, n, ROW)
-            ok = i < n
-            is_above = (ok & ((key >> 16) == (kth >> 16)) & (key > kth)).to(tl.int32)
-            tl.store(row_out + base + above + tl.cumsum(is_above, axis=0) - 1, pos, mask=is_above != 0)
-            above += tl.sum(is_above, axis=0)
-            is_tie = (ok & (key == kth) & (pos >= cut)).to(tl.int32)
-            tl.store(row_out + first_tie + taken + tl.cumsum(is_tie, axis=0) - 1, pos, mask=is_tie != 0)
-            taken += tl.sum(is_tie, axis=0)
-
-    @triton.jit(do_not_specialize=["num_seqs", "k", "topk"])
-    def _emit_bin_kernel(scores_ptr, lens_ptr, hist_ptr, state_ptr, slots_ptr, near_ptr, near_pos_ptr, out_ptr,
-                         stride_sb, stride_ob, width, num_seqs, k, topk, capacity,
-                         CHUNK: tl.constexpr, FILL: tl.constexpr, RB: tl.constexpr, PDL: tl.constexpr = 0):
-        """The positions of each row's top k after two radix passes (the top 16 bits of the k-th
-        key: its bin, how many of the bin's keys are wanted, how many it has). Program (seq, p)
-        takes chunks p, p + P, ... and appends the positions of keys above the bin at places
-        counted by slots[seq, 0]. Where the whole bin is wanted its keys follow them (slots[seq,
-        1]); otherwise they are collected with their positions into near[seq] (a few hundred, at
-        most `capacity`) and the row's last program to finish (slots[seq, 2] counts arrivals)
-        resolves them, as the last two radix passes and the emit would. A bin past the capacity
-        (many equal scores) is resolved by program 0 from the whole row: one program reading it
-        a few times, slow and rare. slots [B, SLOT_COLS] zeroed."""
-        pdl_enter(PDL)
-        seq = tl.program_id(0)
-        g_len = tl.minimum(tl.load(lens_ptr + seq), width)
-        prefix, wanted = _radix_state(hist_ptr, state_ptr, seq, num_seqs, k, 1)
-        in_bin = tl.load(hist_ptr + (num_seqs + seq) * 256 + (prefix & 0xFF))
-        prefix = prefix.to(tl.uint32, bitcast=True)
-        total_above = k - wanted
-        # The bin of -inf (fewer than k live positions): the places left stay -1.
-        wanted = tl.where(prefix == 0x7F, 0, wanted)
-        every = in_bin == wanted
-        collect = (every == 0) & (wanted > 0) & (in_bin <= capacity)
-        row = scores_ptr + seq * stride_sb
-        row_out = out_ptr + seq * stride_ob
-        slot = slots_ptr + seq * _SLOT_COLS
-        for chunk in range(tl.program_id(1), tl.cdiv(g_len, CHUNK), tl.num_programs(1)):
-            pos = chunk * CHUNK + tl.arange(0, CHUNK)
-            live = pos < g_len
-            s = _live_scores(row, pos, live, width)
-            top = _order_key(s) >> 16
-            is_above = (live & (top > prefix)).to(tl.int32)
-            n = tl.sum(is_above, axis=0)
-            if n > 0:
-                place = tl.atomic_add(slot, n, sem="relaxed") + tl.cumsum(is_above, axis=0) - 1
-                tl.store(row_out + place, pos, mask=is_above != 0)
-            if every | collect:
-                mine = (live & (top == prefix)).to(tl.int32)
-                n = tl.sum(mine, axis=0)
-                if n > 0:
-                    place = tl.atomic_add(slot + 1, n, sem="relaxed") + tl.cumsum(mine, axis=0) - 1
-                    if every:
-                        tl.store(row_out + total_above + place, pos, mask=mine != 0)
-                    else:
-                        keep = (mine != 0) & (place < capacity)
-                        tl.store(near_ptr + seq * capacity + place, s, mask=keep)
-                        tl.store(near_pos_ptr + seq * capacity + place, pos, mask=keep)
-        if collect:
-            tl.debug_barrier()  # every thread's stores of the bin before the arrival (the release)
-            if tl.atomic_add(slot + 2, 1, sem="acq_rel") == tl.num_programs(1) - 1:
-                tl.debug_barrier()
-                _resolve_bin(near_ptr + seq * capacity, near_pos_ptr + seq * capacity, in_bin, prefix, wanted,
-                             total_above, width, row_out, False, RB)
-        elif (every == 0) & (wanted > 0):
-            if tl.program_id(1) == 0:
-                _resolve_bin(row, row, g_len, prefix, wanted, total_above, width, row_out, True, RB)
-        if tl.program_id(1) == 0:
-            filled = total_above + wanted
-            for start in range(0, topk, FILL):
-                i = start + tl.arange(0, FILL)
-                tl.store(row_out + i, tl.full([FILL], -1, tl.int32), mask=(i >= filled) & (i < topk))
-
-
 def radix_passes(scores: torch.Tensor, k: int, span: int | None = None, block: int | None = None,
                  num_warps: int = 8, hist: torch.Tensor | None = None,
-                 sparse: bool | None = None, passes: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+                 sparse: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The four histogram passes of the radix select: (hist [4, B, 256], state [3, 2, B]), from
     which _radix_state derives the k-th score (kth_scores; the count pass of select_topk_triton).
     `hist`: histograms already zeroed (the scoring launch can do it). (The scoring launch taking
     the first histogram too, with the workspace zeroed before it, was slower on the H200: batch
     1 at 512K 1.749 against 1.631 ms a step; RESULTS, seventeenth session.) `sparse`: the last two
     passes count blocks with few matching keys by atomics (default RADIX_SPARSE, up to
-    SPARSE_MAX_ROWS rows). `passes`: only the first ones (_emit_bin_kernel takes over after two)."""
+    SPARSE_MAX_ROWS rows)."""
     num_seqs, width = scores.shape
     if sparse is None:
         sparse = RADIX_SPARSE and num_seqs <= SPARSE_MAX_ROWS
@@ -454,7 +313,7 @@ def radix_passes(scores: torch.Tensor, k: int, span: int | None = None, block: i
             span //= 2
     if span % block:
         raise ValueError(f"span {span} must be a multiple of block {block}")
-    for p in range(passes):
+    for p in range(4):
         _radix_pass_kernel[(num_seqs, triton.cdiv(width, span))](
             scores, hist, state, scores.stride(0), width, num_seqs, span, k, PASS=p, BLOCK=block,
             SPARSE=sparse, SPARSE_MAX=SPARSE_MAX, num_warps=num_warps, **pdl_launch(scores))
