@@ -122,17 +122,13 @@ def build_wide() -> list[dict]:
     and strides it keeps)."""
     from kernels import radix_select
     from kernels import wide_select as ws
-    fp32 = {"scores_ptr", "m_ptr", "cand_ptr", "kth_ptr"}  # (the rest: int32)
+    fp32 = {"scores_ptr", "m_ptr", "cand_ptr", "kth_ptr"}
     builds = []
     for lens in (False, True):
         builds.append((ws._group_max_kernel, dict(HAS_LENS=lens, TILE=ws.GROUP_TILE, ROWS=ws.GROUP_ROWS), 4))
         builds.append((ws._candidate_kernel, dict(HAS_LENS=lens, BLOCK=ws.BLOCK, POSITIONS=lens), 4))
         builds += [(ws._pass_kernel, dict(PASS=p, HAS_LENS=lens, BLOCK=ws.BLOCK), 8) for p in range(4)]
     builds.append((ws._emit_candidates_kernel, dict(BLOCK=ws.BLOCK, FILL=1024), 4))
-    # the threshold select in three launches: the bound, and the candidates' passes and positions, a program a row
-    builds.append((ws._maxima_kth_kernel, dict(BLOCK=ws.PROGRAM_BLOCK), 8))
-    builds += [(ws._select_candidates_kernel, dict(HAS_LENS=lens, BLOCK=ws.PROGRAM_BLOCK, FILL=1024), 8)
-               for lens in (False, True)]
     # the radix passes over whole rows, with their last two bytes' atomics for sparse blocks
     chunk = radix_select._SELECT_BLOCK
     builds += [(radix_select._radix_pass_kernel, dict(PASS=p, BLOCK=chunk, SPARSE=True,

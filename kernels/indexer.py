@@ -110,10 +110,6 @@ ONE_EMIT = os.environ.get("WIDEEP_ONE_EMIT", "1") != "0"
 _EMIT_SUMS = 1024
 # Programs in all, about, of the count and emit passes after the threshold select (above).
 FITTED_PROGRAMS = 1024
-# The threshold select in three launches (kernels/wide_select.py threshold_select: the bound and
-# the candidates' passes and positions one program a row) rather than eleven;
-# WIDEEP_THRESHOLD_PROGRAM_SELECT=0 keeps the eleven.
-THRESHOLD_PROGRAM_SELECT = os.environ.get("WIDEEP_THRESHOLD_PROGRAM_SELECT", "1") != "0"
 
 
 def kth_scores(scores: torch.Tensor, k: int, method: str | None = None, span: int | None = None,
@@ -177,10 +173,6 @@ def select_topk_triton(scores: torch.Tensor, g_lens: torch.Tensor, topk: int,
         return select_rows(scores, g_lens, out, k, ws=hist)
     if method not in ("radix", "threshold", "topk"):
         raise ValueError(f"unknown selection method {method!r}; known: fused, radix, threshold, topk")
-    if method == "threshold" and THRESHOLD_PROGRAM_SELECT:
-        from .wide_select import threshold_select
-        return threshold_select(scores, k, topk, g_lens, out, maxima=maxima,
-                                ws=hist if maxima is not None else None)
     found, capacity = g_lens, 0  # with the threshold select: the rows' candidate counts and places
     if method in ("radix", "threshold"):  # the count pass derives the k-th score from the last histogram
         if method == "radix":

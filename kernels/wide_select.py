@@ -39,7 +39,7 @@ try:
     import triton
     import triton.language as tl
     from .pdl import pdl_enter, pdl_launch
-    from .row_select import _key_to_score, _order_key, _pick_digit
+    from .row_select import _key_to_score, _order_key
 except Exception:  # a CPU-only install without triton: the indexer never asks for this method
     triton = None
     tl = None
@@ -61,9 +61,6 @@ BLOCK = 1024
 # only leave, so it gets fewer.
 CANDIDATE_PROGRAMS = 4096
 PASS_PROGRAMS = 1024
-# Positions a step of the one-program-a-row passes (threshold_select): the maxima and the
-# candidates of a row mostly in one or two.
-PROGRAM_BLOCK = 4096
 
 if triton is not None:
 
@@ -202,11 +199,24 @@ if triton is not None:
             n += tl.sum(((s == kth) & (p >= cut)).to(tl.int32), axis=0)
         return n
 
-    @triton.jit
-    def _emit_from_candidates(row, row_pos, found, kth, k, topk, width, row_out, BLOCK: tl.constexpr,
-                              FILL: tl.constexpr):
-        """A row's top-k positions from its `found` candidates and its k-th score: every position
-        above it, then the latest positions scoring exactly it, -1 past the places filled."""
+    @triton.jit(do_not_specialize=["num_seqs", "k", "topk", "width"])
+    def _emit_candidates_kernel(cand_ptr, cand_pos_ptr, count_ptr, hist_ptr, state_ptr, out_ptr, stride_ob,
+                                num_seqs, k, topk, width, capacity,
+                                BLOCK: tl.constexpr, FILL: tl.constexpr, PDL: tl.constexpr = 0):
+        """A row whose candidates fit: its top-k positions from them alone, the tie rule of
+        select_topk_triton's emit pass (every position above the k-th score, then the latest
+        positions scoring exactly it), -1 past the places filled. Rows that overflowed are left
+        to the passes over the whole row."""
+        pdl_enter(PDL)
+        seq = tl.program_id(0)
+        found = tl.load(count_ptr + seq)
+        if found > capacity:
+            return
+        prefix, _ = _radix_state(hist_ptr, state_ptr, seq, num_seqs, k, 3)
+        kth = _key_to_score(prefix.to(tl.uint32, bitcast=True))
+        row = cand_ptr + seq * capacity
+        row_pos = cand_pos_ptr + seq * capacity
+        row_out = out_ptr + seq * stride_ob
         total_above = tl.zeros([], dtype=tl.int32)
         total_equal = tl.zeros([], dtype=tl.int32)
         for b in range(0, found, BLOCK):
@@ -245,120 +255,6 @@ if triton is not None:
         for start in range(0, topk, FILL):
             i = start + tl.arange(0, FILL)
             tl.store(row_out + i, tl.full([FILL], -1, tl.int32), mask=(i >= filled) & (i < topk))
-
-    @triton.jit(do_not_specialize=["num_seqs", "k", "topk", "width"])
-    def _emit_candidates_kernel(cand_ptr, cand_pos_ptr, count_ptr, hist_ptr, state_ptr, out_ptr, stride_ob,
-                                num_seqs, k, topk, width, capacity,
-                                BLOCK: tl.constexpr, FILL: tl.constexpr, PDL: tl.constexpr = 0):
-        """A row whose candidates fit: its top-k positions from them alone, the tie rule of
-        select_topk_triton's emit pass (every position above the k-th score, then the latest
-        positions scoring exactly it), -1 past the places filled. Rows that overflowed are left
-        to the passes over the whole row."""
-        pdl_enter(PDL)
-        seq = tl.program_id(0)
-        found = tl.load(count_ptr + seq)
-        if found > capacity:
-            return
-        prefix, _ = _radix_state(hist_ptr, state_ptr, seq, num_seqs, k, 3)
-        kth = _key_to_score(prefix.to(tl.uint32, bitcast=True))
-        _emit_from_candidates(cand_ptr + seq * capacity, cand_pos_ptr + seq * capacity, found, kth, k, topk, width,
-                              out_ptr + seq * stride_ob, BLOCK, FILL)
-
-    @triton.jit
-    def _program_radix(src, end, load_end, counted, k, hist_ptr, state_ptr, seq, num_seqs, BLOCK: tl.constexpr):
-        """The four byte passes of the radix select by one program over src[0:counted] (entries
-        from `end` on count as -inf; loads stop at load_end), leaving hist[p, seq] and state[p, :,
-        seq] as radix_passes does. Returns the k-th key, how many keys equal to it are wanted
-        and how many there are."""
-        prefix = tl.zeros([], dtype=tl.int32)
-        rank = k
-        counts = tl.zeros([256], dtype=tl.int32)
-        digit = tl.zeros([], dtype=tl.int32)
-        for p in tl.static_range(4):
-            counts = tl.zeros([256], dtype=tl.int32)
-            for b in range(0, counted, BLOCK):
-                pos = b + tl.arange(0, BLOCK)
-                key = _order_key(_load_live(src, pos, end, load_end))
-                match = pos < counted
-                if p > 0:
-                    match = match & ((key >> (32 - 8 * p)) == prefix.to(tl.uint32, bitcast=True))
-                counts += _matching_histogram((key >> (24 - 8 * p)) & 0xFF, match, BLOCK)
-            tl.store(hist_ptr + (p * num_seqs + seq) * 256 + tl.arange(0, 256), counts)
-            digit, rank = _pick_digit(counts, rank)
-            prefix = (prefix << 8) | digit
-            if p < 3:
-                _keep_radix_state(state_ptr, seq, num_seqs, prefix, rank, p)
-        ties = tl.sum(tl.where(tl.arange(0, 256) == digit, counts, 0), axis=0)
-        return prefix.to(tl.uint32, bitcast=True), rank, ties
-
-    @triton.jit(do_not_specialize=["num_seqs", "k"])
-    def _maxima_kth_kernel(m_ptr, hist_ptr, state_ptr, stride_mb, groups, num_seqs, k, BLOCK: tl.constexpr,
-                           PDL: tl.constexpr = 0):
-        """Each row's k-th largest group maximum (tau) by one program a row: the histograms and
-        state the candidate launch reads, as radix_passes over the maxima leaves them."""
-        pdl_enter(PDL)
-        seq = tl.program_id(0)
-        _program_radix(m_ptr + seq * stride_mb, groups, groups, groups, k, hist_ptr, state_ptr, seq, num_seqs, BLOCK)
-
-    @triton.jit
-    def _emit_from_row(row, end, load_end, kth, wanted, ties, k, topk, row_out, BLOCK: tl.constexpr,
-                       FILL: tl.constexpr):
-        """A row's top-k positions from the whole row by one program, its k-th key known: every
-        position above it, then the latest `wanted` of the `ties` keys equal to it."""
-        total_above = k - wanted
-        wanted = tl.where(_key_to_score(kth) > float("-inf"), wanted, 0)
-        above = tl.zeros([], dtype=tl.int32)
-        taken = tl.zeros([], dtype=tl.int32)
-        for b in range(0, end, BLOCK):
-            pos = b + tl.arange(0, BLOCK)
-            key = _order_key(_load_live(row, pos, end, load_end))
-            is_above = (key > kth).to(tl.int32)
-            tl.store(row_out + above + tl.cumsum(is_above, axis=0) - 1, pos, mask=is_above != 0)
-            above += tl.sum(is_above, axis=0)
-            if ties == wanted:
-                is_tie = ((key == kth) & (pos < end)).to(tl.int32)
-                tl.store(row_out + total_above + taken + tl.cumsum(is_tie, axis=0) - 1, pos, mask=is_tie != 0)
-                taken += tl.sum(is_tie, axis=0)
-        if ties != wanted:  # the latest `wanted` ties, scanning back from the row's end
-            b = tl.cdiv(end, BLOCK) * BLOCK - BLOCK
-            while (taken < wanted) & (b >= 0):
-                pos = b + tl.arange(0, BLOCK)
-                is_tie = ((_order_key(_load_live(row, pos, end, load_end)) == kth) & (pos < end)).to(tl.int32)
-                later = taken + tl.sum(is_tie, axis=0) - tl.cumsum(is_tie, axis=0)
-                tl.store(row_out + total_above + later, pos, mask=(is_tie != 0) & (later < wanted))
-                taken += tl.sum(is_tie, axis=0)
-                b -= BLOCK
-        filled = total_above + wanted
-        for start in range(0, topk, FILL):
-            i = start + tl.arange(0, FILL)
-            tl.store(row_out + i, tl.full([FILL], -1, tl.int32), mask=(i >= filled) & (i < topk))
-
-    @triton.jit(do_not_specialize=["num_seqs", "k", "topk", "width"])
-    def _select_candidates_kernel(scores_ptr, lens_ptr, cand_ptr, cand_pos_ptr, count_ptr, hist_ptr, state_ptr,
-                                  out_ptr, stride_sb, stride_ob, width, num_seqs, k, topk, capacity,
-                                  HAS_LENS: tl.constexpr, BLOCK: tl.constexpr, FILL: tl.constexpr,
-                                  PDL: tl.constexpr = 0):
-        """One program a row: the radix passes over the row's candidates and its positions from
-        them, or, where they overflowed, the same over the whole row (slow: one program reads it
-        five times or more; rows with many scores equal to the bound)."""
-        pdl_enter(PDL)
-        seq = tl.program_id(0)
-        found = tl.load(count_ptr + seq)
-        row_out = out_ptr + seq * stride_ob
-        if found <= capacity:
-            row = cand_ptr + seq * capacity
-            # Fewer than k candidates only when the row has fewer than k finite scores: the places
-            # up to k are its -inf scores (never loaded).
-            kth, _, _ = _program_radix(row, found, tl.minimum(tl.cdiv(found, 16) * 16, capacity),
-                                       tl.maximum(found, k), k, hist_ptr, state_ptr, seq, num_seqs, BLOCK)
-            _emit_from_candidates(row, cand_pos_ptr + seq * capacity, found, _key_to_score(kth), k, topk, width,
-                                  row_out, BLOCK, FILL)
-        else:
-            end, load_end = _live_end(lens_ptr, seq, width, HAS_LENS)
-            row = scores_ptr + seq * stride_sb
-            kth, wanted, ties = _program_radix(row, end, load_end, width, k, hist_ptr, state_ptr, seq, num_seqs,
-                                               BLOCK)
-            _emit_from_row(row, end, load_end, kth, wanted, ties, k, topk, row_out, BLOCK, FILL)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -399,10 +295,23 @@ def threshold_workspace(num_seqs: int, device) -> torch.Tensor:
     return torch.empty(num_seqs, 8 * 256 + 1, device=device, dtype=torch.int32)
 
 
-def _candidates(scores, k, g_lens, capacity, maxima, ws, candidates, one_program: bool):
-    """threshold_passes' first part (its arguments): the bound from the group maxima (their radix
-    passes, or one program a row: `one_program`) and the candidates above it. Returns (hist,
-    state, count, cand, cand_pos, lens, has_lens, capacity) for the passes after it."""
+def threshold_passes(scores: torch.Tensor, k: int, g_lens: torch.Tensor | None = None,
+                     capacity: int | None = None, maxima: torch.Tensor | None = None,
+                     ws: torch.Tensor | None = None,
+                     candidates: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(hist [4, B, 256], state [3, 2, B], count [B]): the histograms and state of the k-th
+    largest score of each row of scores [B, width] fp32 (1 <= k <= width), laid out as
+    radix_passes' (kernels/radix_select.py), and each row's candidate count (> capacity: the row
+    took the passes over all of it). g_lens int32 [B]: positions at or past it count as -inf
+    whatever they hold (at most 15 of them are loaded, to keep the loads vectorised); without
+    it the whole row is read. `capacity`: candidate places a row
+    (default CAPACITY, rounded up to a multiple of 16; tests make rows overflow with a small
+    one). `maxima` [B, T] with `ws` (threshold_workspace, zeroed): the rows' group maxima for a
+    group stride T >= k, already taken (the scoring launch does: kernels/indexer.py), so the
+    maxima's launch is left out. `candidates`: (scores, positions) buffers of
+    candidate_buffers(B, capacity) that keep the candidates with their positions (for
+    emit_candidates)."""
     num_seqs, width = scores.shape
     capacity = _cdiv(capacity or CAPACITY, 16) * 16  # row starts 64-byte aligned: vector loads
     device = scores.device
@@ -422,7 +331,7 @@ def _candidates(scores, k, g_lens, capacity, maxima, ws, candidates, one_program
     count = ws[8 * num_seqs * 256:]
     state = torch.empty(3, 2, num_seqs, device=device, dtype=torch.int32)
     if num_seqs == 0:
-        return hist, state, count, None, None, None, False, capacity
+        return hist, state, count
     has_lens = g_lens is not None
     lens = g_lens.to(device=device, dtype=torch.int32).contiguous() if has_lens else count  # not read without
     m = maxima
@@ -432,12 +341,7 @@ def _candidates(scores, k, g_lens, capacity, maxima, ws, candidates, one_program
         _group_max_kernel[(num_seqs, stride // GROUP_TILE)](
             scores, lens, m, ws, scores.stride(0), width, stride, _cdiv(width, stride), ws.numel(),
             HAS_LENS=has_lens, TILE=GROUP_TILE, ROWS=GROUP_ROWS, num_warps=4, **pdl_launch(scores))
-    if one_program:
-        state_m = torch.empty(3, 2, num_seqs, device=device, dtype=torch.int32)
-        _maxima_kth_kernel[(num_seqs,)](m, hist_m, state_m, m.stride(0), m.shape[1], num_seqs, k, BLOCK=PROGRAM_BLOCK,
-                                        num_warps=8, **pdl_launch(m))
-    else:
-        _, state_m = radix_passes(m, k, hist=hist_m)
+    _, state_m = radix_passes(m, k, hist=hist_m)
 
     if candidates is None:
         cand, cand_pos = torch.empty(num_seqs, capacity, device=device, dtype=torch.float32), count  # not written
@@ -450,31 +354,7 @@ def _candidates(scores, k, g_lens, capacity, maxima, ws, candidates, one_program
     _candidate_kernel[(num_seqs, _cdiv(width, blocks * BLOCK))](
         scores, lens, hist_m, state_m, count, cand, cand_pos, scores.stride(0), width, num_seqs, blocks, k, capacity,
         HAS_LENS=has_lens, BLOCK=BLOCK, POSITIONS=candidates is not None, num_warps=4, **pdl_launch(scores))
-    return hist, state, count, cand, cand_pos, lens, has_lens, capacity
 
-
-def threshold_passes(scores: torch.Tensor, k: int, g_lens: torch.Tensor | None = None,
-                     capacity: int | None = None, maxima: torch.Tensor | None = None,
-                     ws: torch.Tensor | None = None,
-                     candidates: tuple[torch.Tensor, torch.Tensor] | None = None,
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(hist [4, B, 256], state [3, 2, B], count [B]): the histograms and state of the k-th
-    largest score of each row of scores [B, width] fp32 (1 <= k <= width), laid out as
-    radix_passes' (kernels/radix_select.py), and each row's candidate count (> capacity: the row
-    took the passes over all of it). g_lens int32 [B]: positions at or past it count as -inf
-    whatever they hold (at most 15 of them are loaded, to keep the loads vectorised); without
-    it the whole row is read. `capacity`: candidate places a row
-    (default CAPACITY, rounded up to a multiple of 16; tests make rows overflow with a small
-    one). `maxima` [B, T] with `ws` (threshold_workspace, zeroed): the rows' group maxima for a
-    group stride T >= k, already taken (the scoring launch does: kernels/indexer.py), so the
-    maxima's launch is left out. `candidates`: (scores, positions) buffers of
-    candidate_buffers(B, capacity) that keep the candidates with their positions (for
-    emit_candidates)."""
-    hist, state, count, cand, cand_pos, lens, has_lens, capacity = _candidates(
-        scores, k, g_lens, capacity, maxima, ws, candidates, one_program=False)
-    num_seqs, width = scores.shape
-    if num_seqs == 0:
-        return hist, state, count
     # The programs of a row cover both all of it and the most candidates a pass can read (never
     # more than the row's positions; at least k, the -inf places).
     parts = max(1, min(_cdiv(width, BLOCK), PASS_PROGRAMS // num_seqs))
@@ -485,24 +365,3 @@ def threshold_passes(scores: torch.Tensor, k: int, g_lens: torch.Tensor | None =
             scores, lens, cand, count, hist, state, scores.stride(0), width, num_seqs, row_blocks, cand_blocks, k,
             capacity, PASS=p, HAS_LENS=has_lens, BLOCK=BLOCK, num_warps=8, **pdl_launch(scores))
     return hist, state, count
-
-
-def threshold_select(scores: torch.Tensor, k: int, topk: int, g_lens: torch.Tensor, out: torch.Tensor,
-                     maxima: torch.Tensor | None = None, ws: torch.Tensor | None = None,
-                     capacity: int | None = None) -> torch.Tensor:
-    """out [B, topk] (int32): each row's top-k positions by the threshold select in three
-    launches after the scoring: the bound (the k-th largest group maximum, one program a row),
-    the candidates above it, and one program a row that runs the radix passes over its
-    candidates and writes its positions (or, where they overflowed, does both over the whole
-    row). Arguments as threshold_passes'; the tie rule and -1 padding of select_topk_triton."""
-    hist, state, count, cand, cand_pos, lens, has_lens, capacity = _candidates(
-        scores, k, g_lens, capacity, maxima, ws, candidate_buffers(scores.shape[0], scores.device, capacity),
-        one_program=True)
-    num_seqs, width = scores.shape
-    if num_seqs == 0:
-        return out
-    _select_candidates_kernel[(num_seqs,)](
-        scores, lens, cand, cand_pos, count, hist, state, out, scores.stride(0), out.stride(0), width, num_seqs, k,
-        topk, capacity, HAS_LENS=has_lens, BLOCK=PROGRAM_BLOCK,
-        FILL=min(1024, max(16, 1 << (topk - 1).bit_length())), num_warps=8, **pdl_launch(scores))
-    return out

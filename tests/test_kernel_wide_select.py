@@ -148,14 +148,10 @@ def test_several_blocks_and_programs_a_row(device, programs, block, monkeypatch)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("program_select", [True, False])
 @pytest.mark.parametrize("width,topk", [(3000, 40), (2048, 64), (1000, 1000), (640, 700)])
-def test_select_matches_reference(device, width, topk, program_select, monkeypatch):
+def test_select_matches_reference(device, width, topk, monkeypatch):
     """Positions: everything above the k-th score, the latest of those equal to it; rows shorter
-    than topk and empty rows fill with -1; nothing at or past g_len is read. In three launches
-    (kernels/indexer.py THRESHOLD_PROGRAM_SELECT) or eleven."""
-    import kernels.indexer
-    monkeypatch.setattr(kernels.indexer, "THRESHOLD_PROGRAM_SELECT", program_select)
+    than topk and empty rows fill with -1; nothing at or past g_len is read."""
     poison_empty(monkeypatch)
     scores = random_rows(width, seed=width)
     g_lens = torch.tensor([width, width - 3, width // 2, min(topk, width) - 1, 0, width - 1], dtype=torch.int32)
@@ -163,17 +159,14 @@ def test_select_matches_reference(device, width, topk, program_select, monkeypat
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("fitted_programs,program_select", [(1024, False), (6, False), (None, True)])
-def test_select_from_candidates_and_from_overflowing_rows(device, fitted_programs, program_select, monkeypatch):
+@pytest.mark.parametrize("fitted_programs", [1024, 6])
+def test_select_from_candidates_and_from_overflowing_rows(device, fitted_programs, monkeypatch):
     """Rows whose candidates fit take their positions from the candidates (emit_candidates),
     including rows with more ties at the k-th score than places; rows that overflow a small
     capacity take the passes over the whole row; both in one batch. With 6 programs for the
-    whole-row passes (kernels/indexer.py FITTED_PROGRAMS) each takes all three chunks of its row.
-    In three launches (THRESHOLD_PROGRAM_SELECT) a row's one program does either."""
+    whole-row passes (kernels/indexer.py FITTED_PROGRAMS) each takes all three chunks of its row."""
     import kernels.indexer
-    monkeypatch.setattr(kernels.indexer, "THRESHOLD_PROGRAM_SELECT", program_select)
-    if fitted_programs:
-        monkeypatch.setattr(kernels.indexer, "FITTED_PROGRAMS", fitted_programs)
+    monkeypatch.setattr(kernels.indexer, "FITTED_PROGRAMS", fitted_programs)
     monkeypatch.setattr(ws, "CAPACITY", 64)
     poison_empty(monkeypatch)
     width, topk = 2500, 24
@@ -231,7 +224,7 @@ def test_bad_arguments_are_refused():
 def test_warm_up_builds_the_threshold_select(device, monkeypatch):
     monkeypatch.setenv("WIDEEP_CPU_KERNELS", "1")
     calls = []
-    real = ws._candidates  # the first launches of either form of the threshold select
-    monkeypatch.setattr(ws, "_candidates", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    real = ws.threshold_passes
+    monkeypatch.setattr(ws, "threshold_passes", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
     warm_up(16, device, max_rows=2)
     assert calls and all(shape[1] >= 16 for shape in calls)
