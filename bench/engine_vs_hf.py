@@ -81,12 +81,13 @@ def peak_gib(device):
 
 
 def time_ours(model, batch, prompt_len, gen, device, dtype_name, repeats=2, async_scheduling=None,
-              profile_path=None):
+              profile_path=None, max_chunk=None):
     bs = 16
     blocks = batch * (-(-(prompt_len + gen + 1) // bs)) + 8
     cfg = EngineConfig(device=str(device), dtype=dtype_name, block_size=bs, num_blocks=blocks, max_num_seqs=batch,
                        max_num_batched_tokens=max(batch * prompt_len, 512), enable_prefix_caching=False,
-                       async_scheduling=async_scheduling)
+                       async_scheduling=async_scheduling,
+                       **({} if max_chunk is None else {"cuda_graph_max_chunk": max_chunk}))
     engine = LLMEngine(model, None, cfg)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(4, model.cfg.vocab_size, (prompt_len,), generator=g).tolist() for _ in range(batch)]
@@ -187,6 +188,8 @@ def main(argv=None):
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--sync-too", action="store_true",
                     help="also time our engine stepping one forward at a time (async_scheduling off)")
+    ap.add_argument("--max-chunk", type=int, default=None,
+                    help="our EngineConfig.cuda_graph_max_chunk (default: the config's)")
     ap.add_argument("--out", default=None, help="append JSON lines here")
     ap.add_argument("--profile-prefill", default=None, metavar="PATH",
                     help="after timing, profile our engine's first step (the prefill) at each batch, host and "
@@ -202,7 +205,7 @@ def main(argv=None):
         rows = []
         for b in args.batches:
             tps, peak, kv_gib, step_ms = time_ours(ours, b, args.prompt_len, args.gen, args.device, args.dtype,
-                                                   profile_path=args.profile_prefill)
+                                                   profile_path=args.profile_prefill, max_chunk=args.max_chunk)
             rows.append(dict(preset=args.preset, mode=label, batch=b, device=args.device, dtype=args.dtype,
                              prompt_len=args.prompt_len, gen=args.gen, ours_tok_s=round(tps, 1),
                              ours_peak_gib=peak and round(peak, 2), ours_kv_pool_gib=round(kv_gib, 3),

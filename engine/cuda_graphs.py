@@ -29,6 +29,19 @@ def _batch_sizes(max_batch: int) -> list[int]:
     return sorted({s for s in sizes if s <= max_batch} | {max_batch})
 
 
+def _chunk_sizes(max_chunk: int) -> list[int]:
+    """Padded row counts of the chunk graphs: the decode sizes up to 128 rows, then powers of two
+    up to max_chunk. Each graph keeps its own logits, [rows, vocab] (64 MB at 512 rows of a 32K
+    vocabulary), so past 128 rows there are few sizes, padded further: padding rows cost a step
+    little, as its weights are read once whatever the rows."""
+    sizes = set(_batch_sizes(min(max_chunk, 128)))
+    n = 256
+    while n < max_chunk:
+        sizes.add(n)
+        n *= 2
+    return sorted(sizes | {max_chunk})
+
+
 def blocks_bucket(num_blocks: int) -> int:
     """Padded block-table width of a graph: at least 16 blocks, then four steps per octave
     (n in (2^k, 2^(k+1)] rounds up to a multiple of 2^(k-2)). The indexer scores and selects
@@ -46,7 +59,7 @@ class DecodeGraphs:
         self.sizes = _batch_sizes(min(max_batch, runner.cfg.max_num_seqs))
         # Chunk steps have a row per token, whatever the number of sequences.
         max_chunk = min(runner.cfg.cuda_graph_max_chunk, runner.cfg.max_num_batched_tokens)
-        self.chunk_sizes = _batch_sizes(max_chunk) if max_chunk else [0]
+        self.chunk_sizes = _chunk_sizes(max_chunk) if max_chunk else [0]
         # (form, padded rows, padded block-table width, sparse) -> (graph, static inputs, logits);
         # form "decode" (a token per sequence) or "chunk" (prompt chunks: a row per token).
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}

@@ -130,3 +130,12 @@ def test_chunk_graphs_on_cuda_match_the_eager_padded_path(which, kv, tiny_ckpt, 
     e = _engine(ckpt, False, device="cuda", max_num_seqs=1, max_num_batched_tokens=512, warmup=False)
     e.generate(_prompts([30 if which == "tiny" else 7]), params)
     assert any(key[:2] == ("chunk", 32 if which == "tiny" else 8) for key in e.runner.graphs.graphs)
+
+
+def test_chunk_graph_sizes():
+    """The decode sizes up to 128 rows, then powers of two up to the most tokens a chunk step
+    takes (each graph keeps [rows, vocab] logits): few graphs for the large steps."""
+    from engine.cuda_graphs import _chunk_sizes
+    assert _chunk_sizes(512) == [1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 112, 128, 256, 512]
+    assert _chunk_sizes(300)[-2:] == [256, 300]
+    assert _chunk_sizes(24) == [1, 2, 4, 8, 16, 24]
