@@ -210,10 +210,11 @@ class EngineConfig(BaseModel):
                           "CUDA graph capture do not delay the first users")
     cuda_graph_max_batch: int = Field(64, gt=0, description="largest decode batch replayed from a CUDA graph")
     cuda_graph_max_chunk: int = Field(
-        512, ge=0, description="most tokens of a step with prompt chunks (short prompts, the new turn of a "
+        2048, ge=0, description="most tokens of a step with prompt chunks (short prompts, the new turn of a "
                                "cached conversation, beside decoding sequences) replayed from a CUDA graph, each "
-                               "token a row of the decode kernels; larger steps run eagerly. Past 128 rows the "
-                               "graphs are padded to powers of two. 0: none")
+                               "token a row of the decode kernels; larger steps run eagerly. At most "
+                               "max_num_batched_tokens; past 128 rows the graphs are padded to powers of two. "
+                               "0: none")
     remote_kv_grace_s: float = Field(
         30.0, ge=0, description="after an abandoned KV transfer (failed, late, aborted), its reserved blocks "
                                 "stay out of use this long, so a write still in flight cannot land in another "

@@ -31,9 +31,9 @@ def _batch_sizes(max_batch: int) -> list[int]:
 
 def _chunk_sizes(max_chunk: int) -> list[int]:
     """Padded row counts of the chunk graphs: the decode sizes up to 128 rows, then powers of two
-    up to max_chunk. Each graph keeps its own logits, [rows, vocab] (64 MB at 512 rows of a 32K
-    vocabulary), so past 128 rows there are few sizes, padded further: padding rows cost a step
-    little, as its weights are read once whatever the rows."""
+    up to max_chunk. Each size is captured once for every block-table width it meets, so past
+    128 rows there are few sizes, padded further: padding rows cost a step little, as its
+    weights are read once whatever the rows."""
     sizes = set(_batch_sizes(min(max_chunk, 128)))
     n = 256
     while n < max_chunk:
@@ -109,10 +109,10 @@ class DecodeGraphs:
         return self._replay(("decode", pad_b, pad_m, sparse), nbytes, fill_ids,
                             lambda static: r.decode_forward(*r.decode_input_views(static, pad_b, pad_m), sparse))
 
-    def run_chunk(self, batch, rows: int) -> tuple[torch.Tensor, list[int]]:
+    def run_chunk(self, batch, rows: int) -> torch.Tensor:
         """Replay (capturing first if new) the graph of a step of `rows` tokens, each a kernel row
         (ModelRunner.chunk_forward): prompt chunks, alone or beside decoding sequences. Returns
-        the logits of every padded row and the rows whose next token is due."""
+        the logits of the sequences whose next token is due, in batch order."""
         r = self.runner
         pad_r = next(s for s in self.chunk_sizes if s >= rows)
         longest = max(seq.num_computed_tokens + n for seq, n in zip(batch.seqs, batch.num_tokens))
@@ -122,7 +122,7 @@ class DecodeGraphs:
         logits = self._replay(("chunk", pad_r, pad_m, sparse), nbytes, None,
                               lambda static: r.chunk_forward(*r.chunk_input_views(static, pad_r, pad_m), sparse),
                               keep=lambda: r.window_snapshot(batch))
-        return logits, logit_rows
+        return logits[:len(logit_rows)]
 
     def _replay(self, key: tuple, nbytes: int, fill, forward, keep=None) -> torch.Tensor:
         """Upload the staged inputs into the graph of `key` (forward(static buffer) -> logits,

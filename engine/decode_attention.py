@@ -99,11 +99,18 @@ def decode_attention(attn, q: tuple[torch.Tensor, torch.Tensor], topk_pos: torch
     cfg, dec = attn.cfg, ctx.decode
     kv, kv_scale = ctx.global_slab(attn.source)
     win_kv = ring = None
+    write_after = False
     if cfg.sliding_window is not None:
-        if dec.fresh_index is None and ctx.window_kv.dtype == latent.dtype:
+        if ctx.window_kv.dtype == latent.dtype and dec.fresh_index is None:
             # Decode: the kernel reads each sequence's ring in place and writes the new latent
             # into it (the entry it replaces, position p - W, is outside this step's windows).
             ring = (ctx.window_kv[:, attn.layer], ctx.window_slots, latent, ctx.win_write_idx)
+        elif ctx.window_kv.dtype == latent.dtype:
+            # Prompt chunks: each row reads its sequence's ring and the chunk's latents in place (a
+            # gathered [rows, 2W, D] copy was most of a 2048-row step's time); the ring takes this
+            # step's latents after the kernel has read it as it was.
+            ring = (ctx.window_kv[:, attn.layer], ctx.window_slots[dec.ring_rows], latent, None)
+            write_after = True
         else:
             ring_rows = ctx.window_kv[ctx.window_slots, attn.layer]  # a copy, read before this step's write
             if dec.fresh_index is None:
@@ -111,6 +118,9 @@ def decode_attention(attn, q: tuple[torch.Tensor, torch.Tensor], topk_pos: torch
             else:
                 win_kv = torch.cat([ring_rows[dec.ring_rows].to(latent.dtype), latent[dec.fresh_index]], dim=1)
             ctx.write_window(attn.layer, latent)
-    return mla_decode(q, kv, kv_scale, dec.block_tables, dec.g_lens, dec.block_size, attn.scale,
-                      cfg.kv_lora_rank, topk_pos=topk_pos, win_kv=win_kv,
-                      win_valid=dec.win_valid, ring=ring)
+    out = mla_decode(q, kv, kv_scale, dec.block_tables, dec.g_lens, dec.block_size, attn.scale,
+                     cfg.kv_lora_rank, topk_pos=topk_pos, win_kv=win_kv,
+                     win_valid=dec.win_valid, ring=ring)
+    if write_after:
+        ctx.write_window(attn.layer, latent)
+    return out

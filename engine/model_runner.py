@@ -12,7 +12,7 @@ from .decode_attention import build_decode_batch, build_token_batch
 from .config import EngineConfig
 from .model import DeepseekForCausalLM
 from .moe import MoE
-from .sampling import Sampler, host_to_device
+from .sampling import Sampler
 from .scheduler import ScheduledBatch
 
 
@@ -205,20 +205,29 @@ class ModelRunner:
             return 0
         return total
 
-    @staticmethod
-    def chunk_input_bytes(rows: int, width: int) -> tuple[int, int]:
+    def chunk_logit_rows(self, rows: int) -> int:
+        """Rows of a chunk step's logits: one per sequence whose next token is due, at most
+        max_num_seqs of them, however many tokens the step has."""
+        return min(rows, self.cfg.max_num_seqs)
+
+    def chunk_input_bytes(self, rows: int, width: int) -> tuple[int, int]:
         """Layout of a chunk step's index tensors: six int64 rows (ids, positions, write slots,
-        window slots by sequence, chunk starts, each row's sequence), then the int32 block tables
-        [rows, width] by sequence (at most one sequence per row)."""
-        head = 6 * (rows + rows % 2) * 8
+        window slots by sequence, chunk starts, each row's sequence), the int64 rows whose logits
+        are due (chunk_logit_rows of them), then the int32 block tables [rows, width] by sequence
+        (at most one sequence per row)."""
+        n = self.chunk_logit_rows(rows)
+        head = (6 * (rows + rows % 2) + n + n % 2) * 8
         return head, head + rows * width * 4
 
-    @classmethod
-    def chunk_input_views(cls, buf: torch.Tensor, rows: int, width: int) -> tuple[torch.Tensor, ...]:
-        """(ids, positions, write slots, block tables, window slots, starts, sequence of each row)."""
-        head, total = cls.chunk_input_bytes(rows, width)
-        ids, pos, slots, wslots, starts, seq_of = buf[:head].view(torch.int64).view(6, -1)[:, :rows]
-        return ids, pos, slots, buf[head:total].view(torch.int32).view(rows, width), wslots, starts, seq_of
+    def chunk_input_views(self, buf: torch.Tensor, rows: int, width: int) -> tuple[torch.Tensor, ...]:
+        """(ids, positions, write slots, block tables, window slots, starts, sequence of each row,
+        rows whose logits are due)."""
+        head, total = self.chunk_input_bytes(rows, width)
+        longs = buf[:head].view(torch.int64)
+        r6 = 6 * (rows + rows % 2)
+        ids, pos, slots, wslots, starts, seq_of = longs[:r6].view(6, -1)[:, :rows]
+        due = longs[r6:r6 + self.chunk_logit_rows(rows)]
+        return ids, pos, slots, buf[head:total].view(torch.int32).view(rows, width), wslots, starts, seq_of, due
 
     def fill_chunk_inputs(self, batch: ScheduledBatch, host: np.ndarray, rows: int, width: int
                           ) -> tuple[bool, list[int]]:
@@ -229,7 +238,8 @@ class ModelRunner:
         bs, mc = self.cfg.block_size, self.model.cfg
         head, total = self.chunk_input_bytes(rows, width)
         host[:total] = 0
-        ids, pos, slots, wslots, starts, seq_of = host[:head].view(np.int64).reshape(6, -1)[:, :rows]
+        longs, r6 = host[:head].view(np.int64), 6 * (rows + rows % 2)
+        ids, pos, slots, wslots, starts, seq_of = longs[:r6].reshape(6, -1)[:, :rows]
         tables = host[head:total].view(np.int32).reshape(rows, width)
         slots[:] = self.kv.scratch_slot
         wslots[:] = self.kv.scratch_window
@@ -251,14 +261,20 @@ class ModelRunner:
             p_max = max(p_max, start + n - 1)
             if start + n == seq.num_tokens:
                 logit_rows.append(r - 1)
+        if len(logit_rows) > self.chunk_logit_rows(rows):
+            raise ValueError(f"{len(logit_rows)} sequences due in a step; the engine runs {self.cfg.max_num_seqs} "
+                             f"at most (max_num_seqs)")
+        longs[r6:r6 + len(logit_rows)] = logit_rows
         g_max = p_max + 1 - (mc.sliding_window - 1 if mc.sliding_window else 0)
         return bool(mc.index_topk) and g_max > mc.index_topk, logit_rows
 
     def chunk_forward(self, input_ids, positions, write_slots, block_tables, window_slots, starts, seq_of,
-                      sparse) -> torch.Tensor:
+                      due, sparse) -> torch.Tensor:
         """A step with a kernel row per token (capturable): prompt chunks, their rows of a
         sequence consecutive and in position order, as build_token_batch reads them -> logits of
-        every row."""
+        the rows `due` names (its padding names row 0). The LM head runs on those rows alone: on
+        every row, each graph would keep [rows, vocab] logits (265 MB at 512 rows of a 129K
+        vocabulary, for each block-table width captured), most of them never read."""
         ctx = AttentionContext(
             positions=positions, rope=self.model.model.rotary.tables(positions), write_rows=None,
             write_slots=write_slots, q_index=None, q_flat=None, q_pos=None, key_slots=None, g_mask=None,
@@ -275,7 +291,7 @@ class ModelRunner:
         hidden = self.model(input_ids, ctx)
         if self.kv.window:
             self.kv.window_pos[ctx.win_write_slot, ctx.win_write_idx] = positions
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden.index_select(0, due))
 
     def window_snapshot(self, batch: ScheduledBatch):
         """The window rings and positions of the batch's sequences as they are now; returns a
@@ -423,11 +439,10 @@ class ModelRunner:
                 self.kv.window_pos[s] = -1
             self.model.model.rotary.ensure(max(seq.num_computed_tokens + n
                                                for seq, n in zip(batch.seqs, batch.num_tokens)))
-            logits, logit_rows = self.graphs.run_chunk(batch, rows)
+            logits = self.graphs.run_chunk(batch, rows)
             done = [i for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens))
                     if seq.num_computed_tokens + n == seq.num_tokens]
-            # A list index would be a blocking copy, which waits for a step launched ahead.
-            return done, (logits.index_select(0, host_to_device(self.device, logit_rows)) if done else None)
+            return done, (logits[:len(done)] if done else None)
         input_ids, ctx, logit_rows = self.prepare(batch)
         hidden = self.model(input_ids, ctx)
         if self.kv.window:

@@ -9,7 +9,11 @@ Keys of sequence b are the union of
 - window keys: win_kv[b, i] where win_valid[b, i]; or, given `ring`, the sequence's window ring
   rows ring_kv[ring_slots[b], i] (i < W) followed by its fresh latent fresh[b], which the kernel
   then writes into ring_kv[ring_slots[b], write_idx[b]] (the decode step's ring update, so the
-  gather, concatenation and write around the kernel are not separate launches).
+  gather, concatenation and write around the kernel are not separate launches). Rows of a prompt
+  chunk (write_idx None) read F fresh latents, fresh[b], fresh[b-1], ..., fresh[b-F+1] (the
+  chunk's rows before it, win_valid [B, W+F] saying which are in its window), and write nothing:
+  so a chunk step reads each sequence's ring and latents in place instead of gathering a
+  [rows, W+F, D] copy of them, 0.6 GB a layer at 2048 rows of a 128-entry window.
 
 The Triton path is flash-decoding: the keys of a sequence are cut into splits, each program
 loads a KV tile once for all heads (tl.dot of [H, D] x [D, BLOCK_N]) and keeps an online
@@ -44,10 +48,14 @@ def mla_decode_reference(q, kv, kv_scale, block_tables, g_lens, block_size: int,
         q = torch.cat(q, dim=-1)
     if ring is not None:
         ring_kv, ring_slots, fresh, write_idx = ring
-        win_kv = torch.cat([ring_kv[ring_slots].to(fresh.dtype), fresh[:, None]], dim=1)
+        num_fresh = 1 if win_valid is None else win_valid.shape[1] - ring_kv.shape[1]
+        back = (torch.arange(fresh.shape[0], device=fresh.device)[:, None]
+                - torch.arange(num_fresh, device=fresh.device)).clamp(min=0)
+        win_kv = torch.cat([ring_kv[ring_slots].to(fresh.dtype), fresh[back]], dim=1)
         out = mla_decode_reference(q, kv, kv_scale, block_tables, g_lens, block_size, sm_scale, kv_lora,
                                    topk_pos, win_kv, win_valid)
-        ring_kv[ring_slots, write_idx] = fresh.to(ring_kv.dtype)
+        if write_idx is not None:
+            ring_kv[ring_slots, write_idx] = fresh.to(ring_kv.dtype)
         return out
     b, h, d = q.shape
     dev = q.device
@@ -132,13 +140,13 @@ if triton is not None:
             table_ptr, stride_tb, table_keys, glen_ptr,
             topk_ptr, stride_topk, num_topk,
             win_ptr, stride_wb, stride_wi, wvalid_ptr, stride_vb, num_win,
-            ring_slot_ptr, fresh_ptr, stride_fb, write_idx_ptr,
+            ring_slot_ptr, fresh_ptr, stride_fb, ring_len, write_idx_ptr,
             part_acc_ptr, part_m_ptr, part_l_ptr,
             num_heads, kv_lora, rope, block_size, keys_per_split, num_global_splits, qk_scale,
             BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
             IS_FP8: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_WINDOW: tl.constexpr, RING: tl.constexpr,
             PREC: tl.constexpr, SLOTS: tl.constexpr, Q_RELOAD: tl.constexpr,
-            UPCAST: tl.constexpr, PDL: tl.constexpr = 0):
+            UPCAST: tl.constexpr, RING_WRITE: tl.constexpr = 1, PDL: tl.constexpr = 0):
         pdl_enter(PDL)
         split = tl.program_id(0)
         head_group = tl.program_id(1)
@@ -189,11 +197,11 @@ if triton is not None:
                 flag = tl.load(wvalid_ptr + b * stride_vb + idx, mask=valid, other=0)
                 valid = valid & (flag != 0)
                 if RING:
-                    # ring rows, then the fresh latent as the last entry: two masked loads
-                    in_ring = valid & (idx < num_win - 1)
-                    fresh = valid & (idx == num_win - 1)
+                    # ring rows, then the fresh latents fresh[b], fresh[b-1], ...: two masked loads
+                    in_ring = valid & (idx < ring_len)
+                    fresh = valid & (idx >= ring_len)
                     row = ring_row0 + idx[:, None].to(tl.int64) * stride_wi
-                    frow = fresh_ptr + b * stride_fb + idx[:, None] * 0
+                    frow = fresh_ptr + (b - (idx[:, None] - ring_len)).to(tl.int64) * stride_fb
                     k_c = tl.load(row + cols[None, :], mask=in_ring[:, None] & c_ok[None, :], other=0.0) + \
                         tl.load(frow + cols[None, :], mask=fresh[:, None] & c_ok[None, :], other=0.0)
                     k_r = tl.load(row + kv_lora + rcols[None, :], mask=in_ring[:, None] & r_ok[None, :], other=0.0) + \
@@ -207,7 +215,7 @@ if triton is not None:
                     q_c, q_r = _load_q(q_ptr, qr_ptr, b, stride_qb, stride_qh, stride_rb, stride_rh, heads, h_ok, cols,
                                        c_ok, rcols, r_ok, UPCAST)
                 m, l, acc = _tile_update(q_c, q_r, k_c, k_r, valid, no_scale, m, l, acc, qk_scale, False, PREC)
-            if RING:
+            if RING_WRITE:
                 if (split == num_global_splits) & (head_group == 0):
                     # The step's ring update. It overwrites the entry of position p - W, which no
                     # query of this step reads (outside every window), so the programs of other
@@ -351,10 +359,15 @@ def mla_decode_triton(q, kv, kv_scale, block_tables, g_lens, block_size: int, sm
         win_kv, ring_slots, fresh, write_idx = ring
         if win_kv.dtype != fresh.dtype or win_kv.stride(-1) != 1 or fresh.stride(-1) != 1:
             raise ValueError("ring rows and fresh latents must share a dtype, with unit last stride")
-        ring_slots, write_idx = ring_slots.contiguous(), write_idx.contiguous()
+        ring_slots = ring_slots.contiguous()
+        write_idx = None if write_idx is None else write_idx.contiguous()
+        n_win = win_kv.shape[1] + 1 if win_valid is None else win_valid.shape[1]
+        if n_win <= win_kv.shape[1] or (write_idx is not None and n_win != win_kv.shape[1] + 1):
+            raise ValueError(f"win_valid has {n_win} entries for a ring of {win_kv.shape[1]}: one fresh latent "
+                             f"a row when the kernel writes the ring, at least one otherwise")
     has_window = win_kv is not None and win_kv.shape[1] + (ring is not None) > 0
     if has_window and ring is not None:
-        num_win = win_kv.shape[1] + 1
+        num_win = win_kv.shape[1] + 1 if win_valid is None else win_valid.shape[1]
         if win_valid is None:
             win_valid = torch.ones(b, num_win, dtype=torch.bool, device=q.device)
         win_flags = _flags(win_valid)
@@ -441,12 +454,14 @@ def mla_decode_triton(q, kv, kv_scale, block_tables, g_lens, block_size: int, sm
         topk_pos, topk_pos.stride(0), n_cap,
         win_kv, win_kv.stride(0) if has_window else 0, win_kv.stride(1) if has_window else 0,
         win_flags, win_flags.stride(0) if has_window else 0, num_win,
-        *((ring_slots, fresh, fresh.stride(0), write_idx) if ring is not None else (q, q, 0, q)),
+        *((ring_slots, fresh, fresh.stride(0), win_kv.shape[1], q if write_idx is None else write_idx)
+          if ring is not None else (q, q, 0, 0, q)),
         part_acc, part_m, part_l,
         h, kv_lora, rope, block_size, keys_per_split, num_global, sm_scale * _LOG2E)
     consts = dict(BLOCK_H=block_h, BLOCK_C=block_c, BLOCK_R=block_r, BLOCK_N=block_n, IS_FP8=is_fp8,
                   HAS_TOPK=has_topk, HAS_WINDOW=has_window, RING=ring is not None, PREC=prec, SLOTS=slots,
-                  Q_RELOAD=q_reload, UPCAST=upcast, num_warps=num_warps, **pdl_launch(q))
+                  Q_RELOAD=q_reload, UPCAST=upcast, RING_WRITE=ring is not None and write_idx is not None,
+                  num_warps=num_warps, **pdl_launch(q))
     grid = (total_splits, head_groups, b)
     if split_kernel is _gluon_split_kernel:
         try:
@@ -483,6 +498,8 @@ def mla_decode(q, kv, kv_scale, block_tables, g_lens, block_size: int, sm_scale:
     ring = (ring_kv [R,W,D], ring_slots [B] int64, fresh [B,D], write_idx [B] int64) instead of
     win_kv: the window is ring_kv[ring_slots[b]] then fresh[b] (win_valid [B,W+1]), and fresh[b]
     is written to ring_kv[ring_slots[b], write_idx[b]] (its entry must be masked in win_valid).
+    With write_idx None (prompt-chunk rows), nothing is written and win_valid [B,W+F] may name F
+    fresh latents: fresh[b], fresh[b-1], ..., fresh[b-F+1] (those past row 0 masked).
     Softmax in fp32 of (q . key) * sm_scale over the union of global and window keys;
     returns sum p * key[:kv_lora] as [B,H,kv_lora] in q's dtype, zeros for a row with no key.
     The Triton path multiplies in q's precision (keys and probabilities rounded to q's dtype,

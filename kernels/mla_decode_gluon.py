@@ -119,12 +119,15 @@ if gluon is not None:
         return gl.where(start < span, slot >= 0, flag != 0)
 
     @gluon.jit
-    def _window_rows(start, span, num_win, win_row0, stride_wi, fresh_row, BLOCK_N: gl.constexpr,
+    def _window_rows(start, span, ring, win_row0, stride_wi, fresh_row, BLOCK_N: gl.constexpr,
                      RING: gl.constexpr, layout: gl.constexpr):
-        """Row pointers of the window keys at range positions start..start+BLOCK_N."""
+        """Row pointers of the window keys at range positions start..start+BLOCK_N; ring = (ring_len,
+        stride_fb)."""
         widx = start + gl.arange(0, BLOCK_N, layout=layout) - span
-        if RING:  # ring rows, then the fresh latent as the window's last entry
-            return gl.where(widx < num_win - 1, win_row0 + widx.to(gl.int64) * stride_wi, fresh_row)
+        if RING:  # ring rows, then the fresh latents fresh[b], fresh[b-1], ...
+            ring_len, stride_fb = ring
+            return gl.where(widx < ring_len, win_row0 + widx.to(gl.int64) * stride_wi,
+                            fresh_row - (widx - ring_len).to(gl.int64) * stride_fb)
         return win_row0 + widx.to(gl.int64) * stride_wi
 
     @gluon.jit
@@ -141,12 +144,12 @@ if gluon is not None:
         _async_load(r_buf, row[:, None] + kv_lora + rcols[None, :], mask=valid[:, None])
 
     @gluon.jit
-    def _issue_tile(start, span, num_win, slot, flag, kv_ptr, stride_kv, win_row0, stride_wi, fresh_row,
+    def _issue_tile(start, span, ring, slot, flag, kv_ptr, stride_kv, win_row0, stride_wi, fresh_row,
                     c_buf, r_buf, kv_lora,
                     BLOCK_N: gl.constexpr, BLOCK_C: gl.constexpr, BLOCK_R: gl.constexpr,
                     RING: gl.constexpr, c_layout: gl.constexpr):
         """The copies of one tile of the [global, window] range, keys in the query's type."""
-        w_row = _window_rows(start, span, num_win, win_row0, stride_wi, fresh_row, BLOCK_N, RING,
+        w_row = _window_rows(start, span, ring, win_row0, stride_wi, fresh_row, BLOCK_N, RING,
                              gl.SliceLayout(1, c_layout))
         row = gl.where(start < span, kv_ptr + slot.to(gl.int64) * stride_kv, w_row)
         _copy_rows(row, _tile_keys(start, span, slot, flag), kv_ptr, c_buf, r_buf, kv_lora, BLOCK_C, BLOCK_R,
@@ -192,13 +195,13 @@ if gluon is not None:
             table_ptr, stride_tb, table_keys, glen_ptr,
             topk_ptr, stride_topk, num_topk,
             win_ptr, stride_wb, stride_wi, wvalid_ptr, stride_vb, num_win,
-            ring_slot_ptr, fresh_ptr, stride_fb, write_idx_ptr,
+            ring_slot_ptr, fresh_ptr, stride_fb, ring_len, write_idx_ptr,
             part_acc_ptr, part_m_ptr, part_l_ptr,
             num_heads, kv_lora, rope, block_size, keys_per_split, global_span, qk_scale,
             BLOCK_H: gl.constexpr, BLOCK_C: gl.constexpr, BLOCK_R: gl.constexpr, BLOCK_N: gl.constexpr,
             IS_FP8: gl.constexpr, HAS_TOPK: gl.constexpr, HAS_WINDOW: gl.constexpr, RING: gl.constexpr,
             PREC: gl.constexpr, SLOTS: gl.constexpr, Q_RELOAD: gl.constexpr, UPCAST: gl.constexpr,
-            num_warps: gl.constexpr, PDL: gl.constexpr = 0):
+            num_warps: gl.constexpr, RING_WRITE: gl.constexpr = 1, PDL: gl.constexpr = 0):
         if PDL >= 1:  # kernels/pdl.py
             gdc_wait()
         if PDL >= 2:
@@ -253,6 +256,7 @@ if gluon is not None:
         g_len = gl.minimum(gl.load(glen_ptr + b), table_keys)
         flags_row = wvalid_ptr + b * stride_vb
         seq = (slots_row, table_row, flags_row, g_len, num_topk, num_win, global_span, block_size)
+        ring = (ring_len, stride_fb)
         if RING:
             win_row0 = win_ptr + gl.load(ring_slot_ptr + b).to(gl.int64) * stride_wb
             fresh_row = fresh_ptr + b * stride_fb
@@ -303,7 +307,7 @@ if gluon is not None:
                 for t in range(gl.cdiv(gl.maximum(v_end - w_lo, 0), BLOCK_N)):
                     start = w_lo + t * BLOCK_N
                     w_slot, w_flag = _tile_entries(start, seq, BLOCK_N, HAS_TOPK, SLOTS, HAS_WINDOW, slot_layout)
-                    w_row = _window_rows(start, global_span, num_win, win_row0, stride_wi, fresh_row, BLOCK_N, RING,
+                    w_row = _window_rows(start, global_span, ring, win_row0, stride_wi, fresh_row, BLOCK_N, RING,
                                          slot_layout)
                     _copy_rows(w_row, w_flag != 0, win_row0, kb_c, kb_r, kv_lora, BLOCK_C, BLOCK_R, c_layout)
                     cp.commit_group()
@@ -319,7 +323,7 @@ if gluon is not None:
                                                gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_R], dtype))
             # Prologue: tile 0's copies in flight, tile 1's slots in registers.
             slot, flag = _tile_entries(v_start, seq, BLOCK_N, HAS_TOPK, SLOTS, HAS_WINDOW, slot_layout)
-            _issue_tile(v_start, global_span, num_win, slot, flag, kv_ptr, stride_kv, win_row0, stride_wi,
+            _issue_tile(v_start, global_span, ring, slot, flag, kv_ptr, stride_kv, win_row0, stride_wi,
                         fresh_row, c_smem.index(0), r_smem.index(0), kv_lora, BLOCK_N, BLOCK_C, BLOCK_R, RING,
                         c_layout)
             cp.commit_group()
@@ -329,7 +333,7 @@ if gluon is not None:
                 # Tile t+1's copies go out before tile t's products (past the end: every row masked off).
                 nxt = start + BLOCK_N
                 live = nxt < v_end
-                _issue_tile(nxt, global_span, num_win, gl.where(live, slot, -1), gl.where(live, flag, 0),
+                _issue_tile(nxt, global_span, ring, gl.where(live, slot, -1), gl.where(live, flag, 0),
                             kv_ptr, stride_kv, win_row0, stride_wi, fresh_row, c_smem.index((t + 1) % 2),
                             r_smem.index((t + 1) % 2), kv_lora, BLOCK_N, BLOCK_C, BLOCK_R, RING, c_layout)
                 cp.commit_group()
@@ -344,7 +348,7 @@ if gluon is not None:
                                          key_ok, m, l, acc, qk_scale, s_zero, head_o)
             cp.wait_group(0)
 
-        if RING:
+        if RING_WRITE:
             if (split == num_splits - 1) & (head_group == 0):
                 # the step's ring update (see mla_decode_rows; other splits read the entry masked)
                 w_layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])

@@ -87,13 +87,13 @@ if triton is not None:
             table_ptr, stride_tb, table_keys, glen_ptr,
             topk_ptr, stride_topk, num_topk,
             win_ptr, stride_wb, stride_wi, wvalid_ptr, stride_vb, num_win,
-            ring_slot_ptr, fresh_ptr, stride_fb, write_idx_ptr,
+            ring_slot_ptr, fresh_ptr, stride_fb, ring_len, write_idx_ptr,
             part_acc_ptr, part_m_ptr, part_l_ptr,
             num_heads, kv_lora, rope, block_size, keys_per_split, global_span, qk_scale,
             BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
             IS_FP8: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_WINDOW: tl.constexpr, RING: tl.constexpr,
             PREC: tl.constexpr, SLOTS: tl.constexpr, Q_RELOAD: tl.constexpr,
-            UPCAST: tl.constexpr, PDL: tl.constexpr = 0):
+            UPCAST: tl.constexpr, RING_WRITE: tl.constexpr = 1, PDL: tl.constexpr = 0):
         pdl_enter(PDL)
         split = tl.program_id(0)
         head_group = tl.program_id(1)
@@ -146,10 +146,11 @@ if triton is not None:
                 flag = tl.load(wvalid_ptr + b * stride_vb + idx, mask=valid, other=0)
                 valid = valid & (flag != 0)
                 if RING:
-                    # ring rows, then the fresh latent as the last entry: one gather of row pointers
-                    in_ring = idx < num_win - 1
+                    # ring rows, then the fresh latents fresh[b], fresh[b-1], ...: one gather of row
+                    # pointers
+                    in_ring = idx < ring_len
                     row = tl.where(in_ring[:, None], ring_row0 + idx[:, None].to(tl.int64) * stride_wi,
-                                   fresh_row + idx[:, None] * 0)
+                                   fresh_row - (idx[:, None] - ring_len).to(tl.int64) * stride_fb)
                 else:
                     row = win_ptr + b * stride_wb + idx[:, None].to(tl.int64) * stride_wi
                 k_c = tl.load(row + cols[None, :], mask=valid[:, None] & c_ok[None, :], other=0.0)
@@ -157,7 +158,7 @@ if triton is not None:
                 no_scale = tl.zeros([BLOCK_N], dtype=tl.float32)
                 m, l, acc = _rows_tile_update(qt_c, qt_r, k_c, k_r, valid, no_scale, m, l, acc, qk_scale, False,
                                               PREC)
-            if RING:
+            if RING_WRITE:
                 if (split == num_splits - 1) & (head_group == 0):
                     # the step's ring update (see `_split_kernel`; other splits may read the
                     # overwritten entry before or after, it is masked either way)

@@ -18,7 +18,7 @@ class EagerGraphs:
     a multiple of 8 entries, as the captured shapes would be."""
 
     def __init__(self, runner, max_rows=64):
-        self.runner, self.max_rows, self.chunks = runner, max_rows, []
+        self.runner, self.max_rows, self.chunks, self.logit_rows = runner, max_rows, [], []
 
     def covers(self, n):
         return n <= self.max_rows
@@ -41,7 +41,9 @@ class EagerGraphs:
         host = np.random.default_rng(0).integers(0, 255, r.chunk_input_bytes(pad_r, pad_m)[1], dtype=np.uint8)
         sparse, logit_rows = r.fill_chunk_inputs(batch, host, pad_r, pad_m)
         views = r.chunk_input_views(torch.from_numpy(host), pad_r, pad_m)
-        return r.chunk_forward(*views, sparse), logit_rows
+        logits = r.chunk_forward(*views, sparse)
+        self.logit_rows.append((pad_r, logits.shape[0]))
+        return logits[:len(logit_rows)]
 
 
 def _engine(ckpt, chunks: bool, **cfg):
@@ -84,6 +86,9 @@ def test_chunk_rows_compute_what_the_padded_path_computes(which, tiny_ckpt, tiny
         assert e.scheduler.blocks.num_used_blocks == 0
         if chunks:
             assert len(e.runner.graphs.chunks) >= 4 and any(len(c) > 1 for c in e.runner.graphs.chunks)
+            # The LM head runs on a row per sequence that can be due (max_num_seqs 8), not on every token.
+            assert all(n == min(pad, 8) for pad, n in e.runner.graphs.logit_rows)
+            assert which == "tiny-v4" or any(pad > 8 for pad, _ in e.runner.graphs.logit_rows)
             assert e.scheduler.prefix_hit_tokens > 0
             if which == "tiny-v4":
                 assert e.scheduler.replayed_tokens > 0
@@ -134,8 +139,9 @@ def test_chunk_graphs_on_cuda_match_the_eager_padded_path(which, kv, tiny_ckpt, 
 
 def test_chunk_graph_sizes():
     """The decode sizes up to 128 rows, then powers of two up to the most tokens a chunk step
-    takes (each graph keeps [rows, vocab] logits): few graphs for the large steps."""
+    takes: few graphs (each captured once a block-table width) for the large steps."""
     from engine.cuda_graphs import _chunk_sizes
     assert _chunk_sizes(512) == [1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 112, 128, 256, 512]
     assert _chunk_sizes(300)[-2:] == [256, 300]
     assert _chunk_sizes(24) == [1, 2, 4, 8, 16, 24]
+    assert _chunk_sizes(2048)[-4:] == [256, 512, 1024, 2048]

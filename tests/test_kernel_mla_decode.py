@@ -291,6 +291,38 @@ def test_ring_window_read_and_written_in_the_kernel(device, heads, config):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("config", [None, dict(block_n=16, num_warps=4, num_stages=2, waves=1, min_tiles=1,
+                                               keys_rows=True)])
+def test_ring_window_of_prompt_chunk_rows(device, config):
+    """Prompt-chunk rows (write_idx None): each row reads its sequence's ring in place and F fresh
+    latents, fresh[b], fresh[b-1], ... (the chunk's rows before it); nothing is written. The
+    same as the gathered window passed as win_kv; a ring write asks for one fresh latent a row."""
+    torch.manual_seed(13)
+    g_lens, w, f = [9, 30, 3, 17, 1], 4, 3
+    b = len(g_lens)
+    q, kv, table, lens = make_case(g_lens, 4, torch.bfloat16, device, seed=8)
+    ring_kv = torch.randn(3, w, D).to(torch.bfloat16).to(device)
+    slots = torch.tensor([2, 2, 0, 0, 1]).to(device)  # rows 0-1 one sequence's, 2-3 another's
+    fresh = torch.randn(b, D).to(torch.bfloat16).to(device)
+    back = torch.arange(b)[:, None] - torch.arange(f)
+    valid = torch.rand(b, w + f, generator=torch.Generator().manual_seed(2)) > 0.3
+    valid[:, w:] &= back >= 0
+    valid = valid.to(device)
+    before = ring_kv.clone()
+    out = mla_decode_triton(q, kv, None, table, lens, BS, SCALE, KV_LORA, win_valid=valid,
+                            ring=(ring_kv, slots, fresh, None), num_splits=2, config=config)
+    win = torch.cat([ring_kv[slots], fresh[back.clamp(min=0).to(device)]], dim=1)
+    ref = mla_decode_reference(q, kv, None, table, lens, BS, SCALE, KV_LORA, win_kv=win, win_valid=valid)
+    check(out, ref, torch.bfloat16)
+    check(mla_decode_reference(q, kv, None, table, lens, BS, SCALE, KV_LORA, win_valid=valid,
+                               ring=(ring_kv, slots, fresh, None)), ref, torch.bfloat16)
+    assert torch.equal(ring_kv, before)
+    with pytest.raises(ValueError, match="one fresh latent"):
+        mla_decode_triton(q, kv, None, table, lens, BS, SCALE, KV_LORA, win_valid=valid,
+                          ring=(ring_kv, slots, fresh, torch.zeros(b, dtype=torch.long, device=device)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("num_splits", [1, 3, 7, None])
 def test_keys_rows_splits_cover_global_then_window_keys(device, num_splits):
     """The keys-as-rows kernel cuts [global keys, window keys] into even splits, so a split may
@@ -418,6 +450,18 @@ def test_gluon_split_kernel(device, heads, num_warps, num_splits, fp8):
     assert torch.equal(ring_out, ring_ref)
     check(mla_decode_triton(q, kv, kv_scale, table, lens, BS, scale, 512, num_splits=num_splits, config=config),
           mla_decode_reference(q, kv, kv_scale, table, lens, BS, scale, 512), torch.bfloat16)
+    if device == "cuda":  # (on CPU test_ring_window_of_prompt_chunk_rows covers the Triton kernels)
+        # prompt-chunk rows: the ring read in place with three fresh latents a row, nothing written
+        back = torch.arange(len(g_lens))[:, None] - torch.arange(3)
+        fresh_ok = (torch.rand(len(g_lens), 3, generator=torch.Generator().manual_seed(3)) > 0.3) & (back >= 0)
+        valid_c = torch.cat([valid[:, :w].cpu(), fresh_ok], dim=1).to(device)
+        ring_out = ring[0].clone()
+        out_c = mla_decode_triton(q, kv, kv_scale, table, lens, BS, scale, 512, topk_pos=topk, win_valid=valid_c,
+                                  ring=(ring_out, ring[1], ring[2], None), num_splits=num_splits, config=config)
+        win_c = torch.cat([ring[0][ring[1]], ring[2][back.clamp(min=0).to(device)]], dim=1)
+        check(out_c, mla_decode_reference(q, kv, kv_scale, table, lens, BS, scale, 512, topk_pos=topk, win_kv=win_c,
+                                          win_valid=valid_c), torch.bfloat16)
+        assert torch.equal(ring_out, ring[0])
     assert "mla_decode_gluon" not in _unusable
 
 
