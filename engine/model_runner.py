@@ -196,14 +196,11 @@ class ModelRunner:
 
     def chunk_rows(self, batch: ScheduledBatch) -> int:
         """Tokens of a step that is not a decode step, when the chunk graphs take it (a kernel row
-        per token, CUDA graphs): at most cuda_graph_max_chunk of them, and no sequence
-        computing more tokens than the window holds (its ring entries would collide). 0 otherwise."""
+        per token, CUDA graphs): at most cuda_graph_max_chunk of them. 0 otherwise."""
         if self.graphs is None or not self.cfg.decode_kernels:
             return 0
         total = sum(batch.num_tokens)
-        if not self.graphs.covers_chunk(total) or (self.kv.window and max(batch.num_tokens) > self.kv.window):
-            return 0
-        return total
+        return total if self.graphs.covers_chunk(total) else 0
 
     def chunk_logit_rows(self, rows: int) -> int:
         """Rows of a chunk step's logits: one per sequence whose next token is due, at most
@@ -211,38 +208,41 @@ class ModelRunner:
         return min(rows, self.cfg.max_num_seqs)
 
     def chunk_input_bytes(self, rows: int, width: int) -> tuple[int, int]:
-        """Layout of a chunk step's index tensors: six int64 rows (ids, positions, write slots,
-        window slots by sequence, chunk starts, each row's sequence), the int64 rows whose logits
-        are due (chunk_logit_rows of them), then the int32 block tables [rows, width] by sequence
-        (at most one sequence per row)."""
+        """Layout of a chunk step's index tensors: seven int64 rows (ids, positions, write slots,
+        window slots by sequence, chunk starts, each row's sequence, each row's window-ring write
+        slot), the int64 rows whose logits are due (chunk_logit_rows of them), then the int32
+        block tables [rows, width] by sequence (at most one sequence per row)."""
         n = self.chunk_logit_rows(rows)
-        head = (6 * (rows + rows % 2) + n + n % 2) * 8
+        head = (7 * (rows + rows % 2) + n + n % 2) * 8
         return head, head + rows * width * 4
 
     def chunk_input_views(self, buf: torch.Tensor, rows: int, width: int) -> tuple[torch.Tensor, ...]:
         """(ids, positions, write slots, block tables, window slots, starts, sequence of each row,
-        rows whose logits are due)."""
+        ring write slot of each row, rows whose logits are due)."""
         head, total = self.chunk_input_bytes(rows, width)
         longs = buf[:head].view(torch.int64)
-        r6 = 6 * (rows + rows % 2)
-        ids, pos, slots, wslots, starts, seq_of = longs[:r6].view(6, -1)[:, :rows]
-        due = longs[r6:r6 + self.chunk_logit_rows(rows)]
-        return ids, pos, slots, buf[head:total].view(torch.int32).view(rows, width), wslots, starts, seq_of, due
+        r7 = 7 * (rows + rows % 2)
+        ids, pos, slots, wslots, starts, seq_of, ring_write = longs[:r7].view(7, -1)[:, :rows]
+        due = longs[r7:r7 + self.chunk_logit_rows(rows)]
+        table = buf[head:total].view(torch.int32).view(rows, width)
+        return ids, pos, slots, table, wslots, starts, seq_of, ring_write, due
 
     def fill_chunk_inputs(self, batch: ScheduledBatch, host: np.ndarray, rows: int, width: int
                           ) -> tuple[bool, list[int]]:
         """Write a chunk step's index tensors into `host` (laid out as chunk_input_bytes says);
         returns whether any row needs the sparse (indexer) path and the rows whose next token is
         due. Positions whose KV the prefix cache holds (a replayed window) write to the scratch
-        slot; padded rows too, and they belong to a last, empty sequence."""
-        bs, mc = self.cfg.block_size, self.model.cfg
+        slot; padded rows too, and they belong to a last, empty sequence. Only a sequence's last W
+        positions of the step go into its window ring (rows of a chunk longer than the ring would
+        collide there); earlier rows, and padded ones, write to the scratch ring."""
+        bs, mc, w = self.cfg.block_size, self.model.cfg, self.kv.window
         head, total = self.chunk_input_bytes(rows, width)
         host[:total] = 0
-        longs, r6 = host[:head].view(np.int64), 6 * (rows + rows % 2)
-        ids, pos, slots, wslots, starts, seq_of = longs[:r6].reshape(6, -1)[:, :rows]
+        longs, r7 = host[:head].view(np.int64), 7 * (rows + rows % 2)
+        ids, pos, slots, wslots, starts, seq_of, ring_write = longs[:r7].reshape(7, -1)[:, :rows]
         tables = host[head:total].view(np.int32).reshape(rows, width)
         slots[:] = self.kv.scratch_slot
-        wslots[:] = self.kv.scratch_window
+        wslots[:] = ring_write[:] = self.kv.scratch_window
         seq_of[:] = rows - 1
         r, logit_rows, p_max = 0, [], 0
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
@@ -255,6 +255,7 @@ class ModelRunner:
             seq_of[r:r + n] = i
             if seq.window_slot is not None:
                 wslots[i] = seq.window_slot
+                ring_write[r + max(0, n - w):r + n] = seq.window_slot
             t = _table_array(seq)[:width]
             tables[i, :len(t)] = t
             r += n
@@ -264,12 +265,12 @@ class ModelRunner:
         if len(logit_rows) > self.chunk_logit_rows(rows):
             raise ValueError(f"{len(logit_rows)} sequences due in a step; the engine runs {self.cfg.max_num_seqs} "
                              f"at most (max_num_seqs)")
-        longs[r6:r6 + len(logit_rows)] = logit_rows
+        longs[r7:r7 + len(logit_rows)] = logit_rows
         g_max = p_max + 1 - (mc.sliding_window - 1 if mc.sliding_window else 0)
         return bool(mc.index_topk) and g_max > mc.index_topk, logit_rows
 
     def chunk_forward(self, input_ids, positions, write_slots, block_tables, window_slots, starts, seq_of,
-                      due, sparse) -> torch.Tensor:
+                      ring_write, due, sparse) -> torch.Tensor:
         """A step with a kernel row per token (capturable): prompt chunks, their rows of a
         sequence consecutive and in position order, as build_token_batch reads them -> logits of
         the rows `due` names (its padding names row 0). The LM head runs on those rows alone: on
@@ -285,7 +286,7 @@ class ModelRunner:
             ctx.window_kv, ctx.window_slots = self.kv.window_kv, window_slots
             ring_pos = self.kv.window_pos[window_slots]
             ctx.win_write_rows = torch.arange(positions.shape[0], device=positions.device)
-            ctx.win_write_slot, ctx.win_write_idx = window_slots[seq_of], positions % self.kv.window
+            ctx.win_write_slot, ctx.win_write_idx = ring_write, positions % self.kv.window
         ctx.decode = build_token_batch(positions, starts, seq_of, block_tables, self.cfg.block_size, self.kv.window,
                                        ring_pos, sparse)
         hidden = self.model(input_ids, ctx)

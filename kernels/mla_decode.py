@@ -516,7 +516,7 @@ def mla_decode(q, kv, kv_scale, block_tables, g_lens, block_size: int, sm_scale:
 def warm_up(heads: int, kv_lora: int, rope: int, dtype: torch.dtype, kv_dtype: torch.dtype, device,
             max_batch: int, topk: int | None, window: int | None, block_size: int = 64) -> None:
     """Run the kernel once per batch bucket, in the variants the engine uses (top-k and dense
-    rows; the window read in place from the ring, as decode does, or passed as rows, as prefill
+    rows; the window read in place from the ring, written as decode does or not as prefill
     chunks do; this KV type), on dummy inputs: each bucket may have its own tuned launch
     configuration (kernels/tuning.py), and a Triton build met mid-serving would stall every
     running request for a second or so."""
@@ -537,9 +537,10 @@ def warm_up(heads: int, kv_lora: int, rope: int, dtype: torch.dtype, kv_dtype: t
         for topk_pos in modes:
             mla_decode(q, kv, scale, tables, lens, block_size, 1.0, kv_lora, topk_pos=topk_pos,
                        win_valid=valid, ring=ring)
-            if window:
+            if window:  # prompt-chunk rows: the ring unwritten, a window's worth of fresh latents
                 mla_decode(q, kv, scale, tables, lens, block_size, 1.0, kv_lora, topk_pos=topk_pos,
-                           win_kv=torch.zeros(b, window + 1, d, dtype=dtype, device=device), win_valid=valid)
+                           win_valid=torch.ones(b, 2 * window, dtype=torch.bool, device=device),
+                           ring=ring[:3] + (None,))
 
 
 __all__ = ["mla_decode", "mla_decode_reference", "mla_decode_triton", "warm_up"]

@@ -69,14 +69,14 @@ def _two_turns(e, prompts, params):
     return [o.output_token_ids for o in first + second], seen
 
 
-@pytest.mark.parametrize("which", ["tiny", "tiny-v4"])
-def test_chunk_rows_compute_what_the_padded_path_computes(which, tiny_ckpt, tiny_v4_ckpt):
+@pytest.mark.parametrize("which,budget", [("tiny", 24), ("tiny-v4", 8), ("tiny-v4", 24)])
+def test_chunk_rows_compute_what_the_padded_path_computes(which, budget, tiny_ckpt, tiny_v4_ckpt):
     """Prompts alone, several in a step, in chunks of a small token budget (a later chunk reads
     the ring and KV the earlier wrote), beside decoding sequences, and a second turn that hits the
-    prefix cache (tiny-v4: its window replayed, rows that write no global KV)."""
+    prefix cache (tiny-v4: its window replayed, rows that write no global KV). tiny-v4's window
+    is 8 tokens: at a budget of 24 a sequence's chunk is up to three windows long, and only its
+    last 8 rows may stay in the ring."""
     ckpt = tiny_ckpt if which == "tiny" else tiny_v4_ckpt
-    # tiny-v4's window is 8 tokens: a step's chunk of a sequence must fit it
-    budget = 8 if which == "tiny-v4" else 24
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     prompts = _prompts([5, 21, 2, 13, 30])
     outs, logits = {}, {}
@@ -92,19 +92,26 @@ def test_chunk_rows_compute_what_the_padded_path_computes(which, tiny_ckpt, tiny
             assert e.scheduler.prefix_hit_tokens > 0
             if which == "tiny-v4":
                 assert e.scheduler.replayed_tokens > 0
+                assert budget == 8 or any(n > 8 for c in e.runner.graphs.chunks for n in c)
     assert outs[True] == outs[False]
     assert len(logits[True]) == len(logits[False])
     for a, b in zip(logits[True], logits[False]):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
-def test_steps_the_chunk_rows_do_not_take(tiny_v4_ckpt):
+def test_which_steps_the_chunk_rows_take(tiny_v4_ckpt):
     e = _engine(tiny_v4_ckpt, True, max_num_batched_tokens=64)
     r = e.runner
     e.add_request("long", _prompts([9])[0], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
     batch = e.scheduler.schedule()
-    assert batch.num_tokens == [9] and r.chunk_rows(batch) == 0  # more than the window of 8
-    r.graphs.max_rows = 4
+    assert batch.num_tokens == [9] and r.chunk_rows(batch) == 9  # longer than the window of 8: taken
+    # Only its last 8 rows write the sequence's ring; the first row and the padding write the
+    # scratch ring (on a GPU, rows writing one ring entry would land in any order).
+    host = np.zeros(r.chunk_input_bytes(12, 4)[1], dtype=np.uint8)
+    r.fill_chunk_inputs(batch, host, 12, 4)
+    ring_write = r.chunk_input_views(torch.from_numpy(host), 12, 4)[7]
+    slot, scratch = batch.seqs[0].window_slot, r.kv.scratch_window
+    assert ring_write.tolist() == [scratch] + [slot] * 8 + [scratch] * 3
     e2 = _engine(tiny_v4_ckpt, True, max_num_batched_tokens=64)
     e2.runner.graphs.max_rows = 4
     e2.add_request("a", _prompts([3])[0], SamplingParams(max_tokens=2))
@@ -118,7 +125,7 @@ def test_chunk_graphs_on_cuda_match_the_eager_padded_path(which, kv, tiny_ckpt, 
     """On the GPU the chunk steps replay captured graphs (a capture's warm-up run must leave the
     window rings as they were); the outputs are the eager padded path's, FP8 KV included."""
     ckpt = tiny_ckpt if which == "tiny" else tiny_v4_ckpt
-    budget = 8 if which == "tiny-v4" else 24
+    budget = 24  # tiny-v4: chunks of up to three windows, and ones within a window
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     prompts = _prompts([5, 21, 2, 13, 30])
     outs, logits = {}, {}

@@ -368,18 +368,19 @@ def test_query_given_as_two_parts(device):
 @pytest.mark.parametrize("kv_fp8", [False, True])
 def test_warm_up_runs_every_bucket_and_variant(device, kv_fp8, monkeypatch):
     """warm_up launches the kernel (interpreted here) once per batch bucket up to max_batch, in
-    the top-k and dense variants, with the window as the ring (decode) and as rows (prefill)."""
+    the top-k and dense variants, with the window's ring written (decode) and not (prefill rows,
+    a window of fresh latents each)."""
     from kernels import mla_decode as mod
     monkeypatch.setenv("WIDEEP_CPU_KERNELS", "1")
     seen = []
     real = mod.mla_decode_triton
     monkeypatch.setattr(mod, "mla_decode_triton", lambda q, *a, **k: seen.append(
-        (q.shape[0], a[7] is not None, k["ring"] is not None, a[0].dtype)) or real(q, *a, **k))
+        (q.shape[0], a[7] is not None, k["ring"][3] is not None, a[9].shape[1], a[0].dtype)) or real(q, *a, **k))
     kv_dtype = mod.FP8_DTYPE if kv_fp8 else torch.bfloat16
     mod.warm_up(4, KV_LORA, ROPE, torch.bfloat16, kv_dtype, device, max_batch=20, topk=16, window=8, block_size=BS)
-    assert [(b, topk, ring) for b, topk, ring, _ in seen] == [
-        (b, t, r) for b in (1, 4, 16, 64) for t in (False, True) for r in (True, False)]
-    assert all(dt == kv_dtype for _, _, _, dt in seen)
+    assert [(b, topk, writes, n_win) for b, topk, writes, n_win, _ in seen] == [
+        (b, t, w, 9 if w else 16) for b in (1, 4, 16, 64) for t in (False, True) for w in (True, False)]
+    assert all(dt == kv_dtype for *_, dt in seen)
 
 
 def _gluon_case(device, heads, g_lens, topk_n, w, seed):
