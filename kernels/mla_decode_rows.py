@@ -11,7 +11,7 @@ tile, the transposed query and the probabilities from shared memory (ptxas for s
 Two 64-key stages of 576-wide bf16 rows take 165 KB of shared memory: one program an SM. So the
 splits differ: global keys (padded to whole tiles) and then the window keys form one range, cut
 into at most `waves` programs an SM, and a split may hold both kinds of tile. The window keys
-(ring rows, then the fresh latent) are read through one select of row pointers, so every tile
+(ring rows, then the fresh latents) are read through one select of row pointers, so every tile
 is a single gather that is staged in shared memory.
 """
 from __future__ import annotations
