@@ -1,7 +1,7 @@
 """Fused MoE expert GEMM (Triton) vs the per-slot loop and torch._grouped_mm, on the same pairs.
 
 Shapes: the bench model (H=2048, I=768, 64 slots, top-6) at decode batches of 16..256 tokens
-and prefill chunks of 2048 and 8192 tokens; DeepSeek-V3-like layers (H=7168, I=2048, 32 local
+and prefill chunks of 512 to 8192 tokens; DeepSeek-V3-like layers (H=7168, I=2048, 32 local
 slots, top-8) at 64 and 256 tokens. Routing: each token picks top_k distinct slots at random
 (close to a balanced load). bf16 on CUDA.
 
@@ -30,7 +30,7 @@ TINY = dict(name="tiny", hidden=64, inter=32, slots=8, top_k=2)
 def cases(quick: bool) -> list[dict]:
     if quick:
         return [dict(TINY, tokens=t) for t in (5, 33)]
-    return ([dict(BENCH_MODEL, tokens=t) for t in (16, 32, 64, 128, 256, 2048, 8192)]
+    return ([dict(BENCH_MODEL, tokens=t) for t in (16, 32, 64, 128, 256, 512, 1024, 2048, 8192)]
             + [dict(DEEPSEEK_V3, tokens=t) for t in (64, 256)])
 
 

@@ -4,6 +4,9 @@ from a CUDA graph and checked against the reference. The gate-up kernel's shapes
 the down kernel's built-in one, then the down kernel's with the best gate-up shape.
 
     python -m bench.probe_moe --json moe.jsonl
+    python -m bench.probe_moe --prefill --json moe.jsonl   # chunk shapes: 512 and 2048 tokens, each swept
+
+`--prefill` sweeps wider tiles and the row tile itself (`--block-m`), at prompt-chunk sizes.
 
 `--gate` also times the router's partial-logits kernel (kernels/routing.py) by how many parts
 it splits the hidden size into and its tokens, experts and warps a program, 16 calls a CUDA
@@ -22,17 +25,27 @@ from bench.kernel_timing import graph_ms
 from kernels.moe_gemm import fused_experts_reference, fused_experts_triton, pick_config
 
 SHAPES = [(n, w, s) for n in (32, 64, 128) for w in (64, 128, 256) for s in (4, 8) if n * w <= 128 * 128 or s == 8]
+# (BLOCK_N, BLOCK_K, num_warps) for compute-bound chunks: wider column tiles, shallower k steps
+PREFILL_SHAPES = [(n, k, w) for n in (64, 128, 256) for k in (32, 64, 128) for w in (4, 8) if n * k <= 256 * 64]
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, nargs="+", default=[64, 16, 1])
-    ap.add_argument("--stages", type=int, nargs="+", default=[3, 4, 5])
+    ap.add_argument("--tokens", type=int, nargs="+", default=None, help="default 64 16 1; 512 2048 with --prefill (each swept)")
+    ap.add_argument("--stages", type=int, nargs="+", default=None, help="default 3 4 5; 3 4 with --prefill")
+    ap.add_argument("--prefill", action="store_true", help="chunk shapes: wide tiles, and the row tile swept")
+    ap.add_argument("--block-m", type=int, nargs="+", default=None,
+                    help="row tiles to sweep (default: the built-in one; 64 128 with --prefill)")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--json", default=None)
     ap.add_argument("--gate", action="store_true")
     ap.add_argument("--gate-only", action="store_true", help="time the router's kernel alone")
     args = ap.parse_args(argv)
+    args.tokens = args.tokens or ([512, 2048] if args.prefill else [64, 16, 1])
+    args.stages = args.stages or ([3, 4] if args.prefill else [3, 4, 5])
+    if args.prefill and args.block_m is None:
+        args.block_m = [64, 128]
+    shapes = PREFILL_SHAPES if args.prefill else SHAPES
     rows, best = [], None
     if args.gate or args.gate_only:
         rows += gate_parts_times(args.tokens, args.iters)
@@ -65,18 +78,22 @@ def main(argv=None) -> None:
             return us
 
         base = timed(built_in, "built-in")
-        if best is None:  # sweep at the first token count, check the winner at the others
-            candidates = []
-            for (n, k, warps), stages in itertools.product(SHAPES, args.stages):
-                cfg = built_in._replace(gate_up=(n, k, warps, stages))
-                candidates.append((timed(cfg, "gate_up"), cfg))
-            gate_up = min(candidates, key=lambda c: c[0])[1].gate_up
-            candidates = []
-            for (n, k, warps), stages in itertools.product(SHAPES, args.stages):
-                cfg = built_in._replace(gate_up=gate_up, down=(n, k, warps, stages))
-                candidates.append((timed(cfg, "down"), cfg))
-            best = min(candidates, key=lambda c: c[0])[1]
-        us = timed(best._replace(block_m=built_in.block_m), "best")
+        if best is None or args.prefill:  # decode: sweep at the first token count, check the winner at the others
+            winners = []
+            for block_m in args.block_m or [built_in.block_m]:
+                start = built_in._replace(block_m=block_m)
+                candidates = []
+                for (n, k, warps), stages in itertools.product(shapes, args.stages):
+                    cfg = start._replace(gate_up=(n, k, warps, stages))
+                    candidates.append((timed(cfg, "gate_up"), cfg))
+                gate_up = min(candidates, key=lambda c: c[0])[1].gate_up
+                candidates = []
+                for (n, k, warps), stages in itertools.product(shapes, args.stages):
+                    cfg = start._replace(gate_up=gate_up, down=(n, k, warps, stages))
+                    candidates.append((timed(cfg, "down"), cfg))
+                winners.append(min(candidates, key=lambda c: c[0]))
+            best = min(winners, key=lambda c: c[0])[1]
+        us = timed(best if args.block_m else best._replace(block_m=built_in.block_m), "best")
         print(json.dumps(dict(tokens=tokens, built_in_us=round(base, 2), best_us=round(us, 2),
                               best=best._asdict())), flush=True)
     if args.json:

@@ -417,18 +417,20 @@ class MoEGemmConfig(NamedTuple):
 
 def pick_config(num_pairs: int, num_slots: int, dtype: torch.dtype) -> MoEGemmConfig:
     """Fixed tile shapes by the mean rows per slot: thin tiles for decode (weight-bandwidth
-    bound, little padding), wide ones for prefill (compute bound)."""
+    bound, little padding), wider ones for prompt chunks (compute bound). The chunk shapes are
+    `python -m bench.probe_moe --prefill`'s winners on an H200 (bench model, 512 and 2048 tokens):
+    rows of 64 beat 128 even at 192 rows a slot, and 8 warps beat 4."""
     rows_per_slot = num_pairs / max(num_slots, 1)
     if rows_per_slot <= 16:
         cfg = MoEGemmConfig(16, (64, 128, 4, 4), (64, 128, 4, 4))
-    elif rows_per_slot <= 48:
+    elif rows_per_slot <= 32:
         cfg = MoEGemmConfig(32, (64, 128, 4, 4), (64, 128, 4, 4))
     elif rows_per_slot <= 128:
-        cfg = MoEGemmConfig(64, (64, 64, 4, 4), (128, 64, 4, 4))
+        cfg = MoEGemmConfig(64, (64, 64, 8, 4), (64, 64, 8, 3))
     else:
-        cfg = MoEGemmConfig(128, (64, 64, 8, 3), (128, 64, 8, 3))
-    if dtype == torch.float32:  # twice the bytes per stage: fewer stages to fit shared memory
-        cfg = cfg._replace(gate_up=cfg.gate_up[:3] + (2,), down=cfg.down[:3] + (2,))
+        cfg = MoEGemmConfig(64, (256, 64, 8, 3), (128, 32, 8, 4))
+    if dtype == torch.float32:  # twice the bytes per stage: fewer stages (and gate-up columns) to fit shared memory
+        cfg = cfg._replace(gate_up=(min(cfg.gate_up[0], 128),) + cfg.gate_up[1:3] + (2,), down=cfg.down[:3] + (2,))
     return cfg
 
 

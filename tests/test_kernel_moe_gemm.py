@@ -170,6 +170,20 @@ def test_every_row_tile_size(device, block_m):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens, block_m", [(16, 16), (48, 32), (160, 64), (300, 64)])
+def test_built_in_configs(device, dtype, num_tokens, block_m):
+    # Each band of pick_config (8, 24, 80 and 150 rows a slot) computes the reference's result;
+    # on a GPU this also checks that its tiles fit the shared memory in fp32.
+    hidden, inter, num_slots, topk = 64, 32, 4, 2
+    config = moe_gemm.pick_config(num_tokens * topk, num_slots, dtype)
+    assert config.block_m == block_m
+    w13, w2 = make_weights(num_slots, hidden, inter, dtype, device, seed=11)
+    x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(12)).to(device, dtype)
+    check(x, w13, w2, *make_routing(num_tokens, topk, list(range(num_slots)), device, seed=13))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_arbitrary_pairs(device):
     """Pairs in any order (as expert parallelism delivers them), tokens with no pair, a token
     sent twice to the same slot: the sum is over pairs, whatever their layout."""
