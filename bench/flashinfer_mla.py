@@ -1,6 +1,6 @@
 """FlashInfer's MLA decode against ours on the same top-k global keys (GPU).
 
-    python -m bench.flashinfer_mla --batches 1 16 64 --backends fa2 fa3 --json out.jsonl
+    python -m bench.flashinfer_mla --batches 1 16 64 --backends fa2 fa3 --window 128 --json out.jsonl
 
 Each sequence attends to `topk` of its `context` global latents (kv_lora 512 + rope 64, bf16,
 paged in 64-slot blocks), as the sparse decode does after the indexer. Ours reads the top-k
@@ -11,8 +11,13 @@ a CUDA graph and timed by replay (CUDA events, median; a call that cannot be cap
 back to back and its row says "eager"); FlashInfer's `plan` runs on the host once per batch
 composition and is timed apart. Errors are against the fp32 reference.
 
-The window keys are left out: our kernel reads them in the same launch, FlashInfer would need
-a second call and a merge of the two partial softmaxes.
+With `--window W` each row is timed a second time as the engine's decode step reads attention:
+the top-k keys plus the sequence's ring of the last W window latents, whose oldest entry this
+step's fresh latent replaces. Ours does it in one launch (its slot resolve before it). FlashInfer
+needs the slot resolve (our launch), the ring write, a second call over the ring as one-slot pages
+and a merge of the two partial softmaxes (`flashinfer.merge_state`); that is what replacing our
+kernel would cost, and it is timed as one graph too. Without `--window` the keys are the top-k
+alone and FlashInfer is given the slots, resolved outside the timing.
 
 FlashInfer is not a dependency: the run needs it importable (bench/device/flashinfer.sh
 installs the carried wheel); without it, only our kernel is timed.
@@ -25,7 +30,7 @@ import statistics
 
 import torch
 
-from kernels.mla_decode import mla_decode_reference, mla_decode_triton
+from kernels.mla_decode import _resolve_slots_kernel, mla_decode_reference, mla_decode_triton
 
 KV_LORA, ROPE, BLOCK = 512, 64, 64
 
@@ -126,6 +131,89 @@ def run_flashinfer(backend: str, case, sm_scale: float, iters: int) -> dict:
     return dict(ms=ms, timing=timing, plan_ms=plan_ms, layout=layout, out=out)
 
 
+def make_ring(batch: int, window: int, device, seed: int = 1):
+    """A window ring a sequence, this step's fresh latents, the ring entry each replaces
+    (masked in win_valid, as decode passes it) and win_valid [B, W+1]."""
+    g = torch.Generator().manual_seed(seed)
+    ring_kv = (torch.randn(batch, window, KV_LORA + ROPE, generator=g) * 0.5).bfloat16()
+    fresh = (torch.randn(batch, KV_LORA + ROPE, generator=g) * 0.5).bfloat16()
+    write_idx = torch.randint(window, (batch,), generator=g)
+    win_valid = torch.ones(batch, window + 1, dtype=torch.bool)
+    win_valid[torch.arange(batch), write_idx] = False
+    slots = torch.arange(batch)
+    return tuple(t.to(device) for t in (ring_kv, slots, fresh, write_idx, win_valid))
+
+
+def _plan(wrapper, indptr, indices, kv_len, heads, sm_scale, dtype):
+    qo_indptr = torch.arange(indptr.numel(), dtype=torch.int32, device=indptr.device)
+    wrapper.plan(qo_indptr, indptr, indices, kv_len, heads, KV_LORA, ROPE, 1, False, sm_scale, dtype, dtype)
+
+
+def run_flashinfer_window(backend: str, case, ring, sm_scale: float, iters: int) -> dict:
+    """FlashInfer in the engine's place: resolve, ring write, top-k call, window call, merge."""
+    import flashinfer
+    q_lat, q_rope, kv, tables, lens, topk_pos = case
+    ring_kv, ring_slots, fresh, write_idx, _ = ring
+    b, h = q_lat.shape[:2]
+    k, w = topk_pos.shape[1], ring_kv.shape[1]
+    dev = kv.device
+    resolved = torch.empty(b * k, dtype=torch.int32, device=dev)
+    main_w = flashinfer.mla.BatchMLAPagedAttentionWrapper(torch.empty(128 << 20, dtype=torch.int8, device=dev),
+                                                          backend=backend)
+    win_w = flashinfer.mla.BatchMLAPagedAttentionWrapper(torch.empty(128 << 20, dtype=torch.int8, device=dev),
+                                                         backend=backend)
+    # the plan keeps `resolved` by reference: the resolve launch rewrites it before each run
+    _plan(main_w, torch.arange(b + 1, dtype=torch.int32, device=dev) * k, resolved,
+          torch.full((b,), k, dtype=torch.int32, device=dev), h, sm_scale, q_lat.dtype)
+    win_idx = (ring_slots.view(-1, 1) * w + torch.arange(w, device=dev)).flatten().int()
+    _plan(win_w, torch.arange(b + 1, dtype=torch.int32, device=dev) * w, win_idx,
+          torch.full((b,), w, dtype=torch.int32, device=dev), h, sm_scale, q_lat.dtype)
+    ckv, kpe = kv[:, :KV_LORA].unsqueeze(1), kv[:, KV_LORA:].unsqueeze(1)
+    ring_rows = ring_kv.view(-1, KV_LORA + ROPE)
+    ckv_w, kpe_w = ring_rows[:, :KV_LORA].unsqueeze(1), ring_rows[:, KV_LORA:].unsqueeze(1)
+    write_rows = ring_slots * w + write_idx
+    o1, o2 = torch.empty_like(q_lat), torch.empty_like(q_lat)
+    s1 = torch.empty(b, h, dtype=torch.float32, device=dev)
+    s2 = torch.empty_like(s1)
+
+    def step():
+        _resolve_slots_kernel[(-(-k // 1024), b)](
+            topk_pos, topk_pos.stride(0), tables, tables.stride(0), tables.shape[1] * BLOCK, lens, resolved,
+            k, BLOCK, BLOCK=1024, num_warps=4)
+        ring_rows.index_copy_(0, write_rows, fresh)
+        main_w.run(q_lat, q_rope, ckv, kpe, out=o1, lse=s1, return_lse=True)
+        win_w.run(q_lat, q_rope, ckv_w, kpe_w, out=o2, lse=s2, return_lse=True)
+        return flashinfer.merge_state(o1, s1, o2, s2)[0]
+    out = step()
+    ms, timing = graph_time_ms(step, iters)
+    return dict(ms=ms, timing=timing, out=out)
+
+
+def window_row(args, case, backends, sm_scale: float) -> dict:
+    q_lat, q_rope, kv, tables, lens, topk_pos = case
+    ring = make_ring(q_lat.shape[0], args.window, kv.device)
+    ring_kv, ring_slots, fresh, write_idx, win_valid = ring
+    ref = mla_decode_reference(torch.cat([q_lat, q_rope], -1).float(), kv.float(), None, tables, lens, BLOCK,
+                               sm_scale, KV_LORA, topk_pos=topk_pos, win_valid=win_valid,
+                               ring=(ring_kv.clone().float(), ring_slots, fresh.float(), write_idx))
+
+    def ours():
+        return mla_decode_triton((q_lat, q_rope), kv, None, tables, lens, BLOCK, sm_scale, KV_LORA,
+                                 topk_pos=topk_pos, win_valid=win_valid, ring=(ring_kv, ring_slots, fresh, write_idx))
+    ours_ms, _ = graph_time_ms(ours, args.iters)
+    row = dict(batch=q_lat.shape[0], window=args.window, ours_win_us=round(ours_ms * 1e3, 1),
+               ours_win_max_err=float((ours().float() - ref).abs().max()))
+    for backend in backends:
+        try:
+            fi = run_flashinfer_window(backend, case, ring, sm_scale, args.iters)
+            row[f"{backend}_win_us"] = round(fi["ms"] * 1e3, 1)
+            row[f"{backend}_win_timing"] = fi["timing"]
+            row[f"{backend}_win_max_err"] = float((fi["out"].float() - ref).abs().max())
+        except Exception as e:
+            row[f"{backend}_win_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    return row
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
@@ -134,6 +222,7 @@ def main(argv=None):
     ap.add_argument("--topk", type=int, default=2048)
     ap.add_argument("--backends", nargs="+", default=["fa2", "fa3"])
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--window", type=int, default=0, help="also time the step's read with a ring of W window keys")
     ap.add_argument("--json", default=None, help="append JSON lines here")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -168,6 +257,8 @@ def main(argv=None):
                 row[f"{backend}_max_err"] = float((fi["out"].float() - ref).abs().max())
             except Exception as e:  # a backend this GPU or build lacks: say why, go on
                 row[f"{backend}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        if args.window:
+            row.update(window_row(args, case, args.backends if version else [], sm_scale))
         print(json.dumps(row), flush=True)
         rows.append(row)
         del case, ref
