@@ -144,6 +144,12 @@ def make_ring(batch: int, window: int, device, seed: int = 1):
     return tuple(t.to(device) for t in (ring_kv, slots, fresh, write_idx, win_valid))
 
 
+def window_indices(ring_slots: torch.Tensor, window: int) -> torch.Tensor:
+    """[B*W] int32: each sequence's ring entries as rows of ring_kv.view(-1, D), after this step's
+    ring write (the fresh latent then sits at its write index, the entry it replaced gone)."""
+    return (ring_slots.view(-1, 1) * window + torch.arange(window, device=ring_slots.device)).flatten().int()
+
+
 def _plan(wrapper, indptr, indices, kv_len, heads, sm_scale, dtype):
     qo_indptr = torch.arange(indptr.numel(), dtype=torch.int32, device=indptr.device)
     wrapper.plan(qo_indptr, indptr, indices, kv_len, heads, KV_LORA, ROPE, 1, False, sm_scale, dtype, dtype)
@@ -165,7 +171,7 @@ def run_flashinfer_window(backend: str, case, ring, sm_scale: float, iters: int)
     # the plan keeps `resolved` by reference: the resolve launch rewrites it before each run
     _plan(main_w, torch.arange(b + 1, dtype=torch.int32, device=dev) * k, resolved,
           torch.full((b,), k, dtype=torch.int32, device=dev), h, sm_scale, q_lat.dtype)
-    win_idx = (ring_slots.view(-1, 1) * w + torch.arange(w, device=dev)).flatten().int()
+    win_idx = window_indices(ring_slots, w)
     _plan(win_w, torch.arange(b + 1, dtype=torch.int32, device=dev) * w, win_idx,
           torch.full((b,), w, dtype=torch.int32, device=dev), h, sm_scale, q_lat.dtype)
     ckv, kpe = kv[:, :KV_LORA].unsqueeze(1), kv[:, KV_LORA:].unsqueeze(1)
