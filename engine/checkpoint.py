@@ -1,7 +1,8 @@
 """Safetensors checkpoints with HF DeepSeek names: loading, and writing random-weight ones.
 
 Routed experts are stored per expert on disk (`mlp.experts.{j}.gate_proj.weight`, as
-DeepSeek releases them) and stacked into physical slots in memory.
+DeepSeek releases them) and stacked into physical slots in memory. DeepSeek's block FP8
+weights are dequantized as they are read (engine/fp8_weights.py).
 """
 from __future__ import annotations
 
@@ -18,12 +19,14 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from .config import ConfigError, ModelConfig, preset
+from .fp8_weights import FP8_LINEAR, SCALE_SUFFIX, dequantize_fp8_blocks, quantize_fp8_blocks, scale_shape
 from .model import DeepseekForCausalLM
 from .moe import MoE
 
 _EXPERT = re.compile(r"^(model\.layers\.(\d+)\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _FUSED = re.compile(r"^(model\.layers\.(\d+)\.mlp)\.experts\.(gate_up_proj|down_proj)$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_FP8_DTYPES = {"F8_E4M3", "F8_E5M2"}  # as safetensors names them
 
 
 class CheckpointError(ValueError):
@@ -100,19 +103,72 @@ def _safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def iter_checkpoint(path: str | Path) -> tuple[Iterator[tuple[str, torch.Tensor]], int]:
+def iter_checkpoint(path: str | Path, weight_block_size: list[int] | tuple[int, int] | None = None,
+                    ) -> tuple[Iterator[tuple[str, torch.Tensor]], int]:
+    """(HF name, tensor) pairs of a checkpoint directory, and how many it yields. An FP8 weight
+    comes out dequantized (float32) under its own name, one tensor at a time; its scale
+    (`<name>_scale_inv`, anywhere in the directory) is consumed, never yielded.
+    weight_block_size: the config's quantization_config block, None for an unquantized model."""
     files = _safetensors_files(Path(path))
-    total = 0
+    where: dict[str, Path] = {}
+    fp8: dict[str, tuple[str, list[int]]] = {}  # name -> (safetensors dtype, shape)
+    scales: dict[str, list[int]] = {}
     for f in files:
         with safe_open(f, framework="pt") as sf:
-            total += len(list(sf.keys()))
+            for name in sf.keys():
+                where[name] = f
+                meta = sf.get_slice(name)
+                if name.endswith(SCALE_SUFFIX):
+                    scales[name] = meta.get_shape()
+                elif meta.get_dtype() in _FP8_DTYPES:
+                    fp8[name] = (meta.get_dtype(), meta.get_shape())
+    # every pairing problem is found before the first tensor is read
+    _check_fp8(fp8, scales, where, weight_block_size)
 
     def gen():
         for f in files:
             with safe_open(f, framework="pt") as sf:
                 for name in sf.keys():
-                    yield name, sf.get_tensor(name)
-    return gen(), total
+                    if name in scales:
+                        continue
+                    tensor = sf.get_tensor(name)
+                    if name in fp8:
+                        tensor = dequantize_fp8_blocks(tensor, _read(sf, f, where, name + SCALE_SUFFIX),
+                                                       weight_block_size)
+                    yield name, tensor
+    return gen(), len(where) - len(scales)
+
+
+def _read(sf, f: Path, where: dict[str, Path], name: str) -> torch.Tensor:
+    """A tensor from the open shard when it is there, else from the shard that holds it."""
+    if where[name] == f:
+        return sf.get_tensor(name)
+    with safe_open(where[name], framework="pt") as other:
+        return other.get_tensor(name)
+
+
+def _check_fp8(fp8: dict[str, tuple[str, list[int]]], scales: dict[str, list[int]], where: dict[str, Path],
+               block: list[int] | tuple[int, int] | None) -> None:
+    for name, (dtype, shape) in fp8.items():
+        if block is None:
+            raise CheckpointError(f"{name!r} is FP8 but config.json has no quantization_config (DeepSeek's FP8 "
+                                  "checkpoints declare quant_method 'fp8' and weight_block_size there)")
+        if dtype != "F8_E4M3":
+            raise CheckpointError(f"{name!r} is {dtype}; only float8 e4m3 weights (fmt 'e4m3') are supported")
+        if len(shape) != 2:
+            raise CheckpointError(f"FP8 tensor {name!r} has shape {tuple(shape)}: only 2-D Linear weights are")
+        scale = name + SCALE_SUFFIX
+        if scale not in scales:
+            raise CheckpointError(f"FP8 weight {name!r} has no scale {scale!r} in the checkpoint")
+        if tuple(scales[scale]) != scale_shape(shape, block):
+            raise CheckpointError(f"scale {scale!r} has shape {tuple(scales[scale])}, expected "
+                                  f"{scale_shape(shape, block)} for {name!r} {tuple(shape)} in blocks of {list(block)}")
+    for scale in scales:
+        weight = scale[:-len(SCALE_SUFFIX)]
+        if weight not in where:
+            raise CheckpointError(f"scale {scale!r} has no weight {weight!r} in the checkpoint")
+        if weight not in fp8:
+            raise CheckpointError(f"scale {scale!r} belongs to {weight!r}, which is not FP8")
 
 
 def load_model(path: str | Path, device="cpu", dtype=torch.float32, progress: bool = True,
@@ -125,7 +181,8 @@ def load_model(path: str | Path, device="cpu", dtype=torch.float32, progress: bo
     with torch.device(device):
         model = DeepseekForCausalLM(cfg, device=device, local_phys2log=local_phys2log).to(dtype)
     _restore_fp32_router(model)
-    tensors, total = iter_checkpoint(path)
+    quant = cfg.quantization_config
+    tensors, total = iter_checkpoint(path, quant.weight_block_size if quant else None)
     load_weights(model, tensors, total, progress)
     return model.eval()
 
@@ -184,13 +241,23 @@ def mask_output_rows(weight: torch.Tensor, keep: list[int]) -> torch.Tensor:
 
 
 def write_random_checkpoint(cfg: ModelConfig, out: str | Path, seed: int = 0, dtype=torch.float32,
-                            shard_bytes: int = 2 << 30, progress: bool = True, device="cpu") -> Path:
+                            shard_bytes: int = 2 << 30, progress: bool = True, device="cpu",
+                            fp8_block: tuple[int, int] | None = None) -> Path:
     """config.json + sharded safetensors + an offline-built tokenizer. device="cuda" draws the
     weights on the GPU (a few billion parameters in seconds rather than minutes). The output
     projection only has non-zero rows for ids the tokenizer decodes to text (see
-    mask_output_rows), so generated tokens stream as text."""
+    mask_output_rows), so generated tokens stream as text.
+
+    fp8_block [rows, cols] (or a quantization_config in cfg) writes DeepSeek's FP8 layout: the
+    Linear weights DeepSeek quantizes become float8 e4m3 with per-block scales
+    (`<name>_scale_inv`), and config.json declares it."""
     from .tokenizer import build_tokenizer, text_token_ids
 
+    if fp8_block is not None:
+        cfg = ModelConfig.from_dict(dict(cfg.model_dump(), quantization_config={
+            "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+            "weight_block_size": list(fp8_block)}))
+    block = cfg.quantization_config.weight_block_size if cfg.quantization_config else None
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(cfg.vocab_size)
@@ -213,8 +280,12 @@ def write_random_checkpoint(cfg: ModelConfig, out: str | Path, seed: int = 0, dt
                         unit="tensor", disable=not progress, file=sys.stderr):
         if name == head:
             t = mask_output_rows(t, keep)
-        shard[name] = t.contiguous().to("cpu", copy=True)
-        size += t.numel() * t.element_size()
+        written = {name: t}
+        if block is not None and FP8_LINEAR.search(name):
+            written = dict(zip((name, name + SCALE_SUFFIX), quantize_fp8_blocks(t, block)))
+        for n, w in written.items():
+            shard[n] = w.contiguous().to("cpu", copy=True)
+            size += w.numel() * w.element_size()
         if size >= shard_bytes:
             flush()
     flush()
@@ -252,10 +323,13 @@ def main(argv=None) -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=JSON", help="override config fields")
     ap.add_argument("--device", default="cpu", help="where the random weights are drawn (cuda: much faster)")
+    ap.add_argument("--fp8-block", type=int, nargs=2, metavar=("ROWS", "COLS"),
+                    help="store the Linear weights in DeepSeek's block FP8 layout, ROWS x COLS blocks (e.g. 128 128)")
     args = ap.parse_args(argv)
     overrides = {k: json.loads(v) for k, v in (s.split("=", 1) for s in args.set)}
     cfg = preset(args.preset, **overrides)
-    path = write_random_checkpoint(cfg, args.out, seed=args.seed, dtype=getattr(torch, args.dtype), device=args.device)
+    path = write_random_checkpoint(cfg, args.out, seed=args.seed, dtype=getattr(torch, args.dtype), device=args.device,
+                                   fp8_block=tuple(args.fp8_block) if args.fp8_block else None)
     print(f"wrote {path}")
 
 

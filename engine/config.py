@@ -18,8 +18,34 @@ _IGNORED_HF_KEYS = {
     "use_cache", "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range",
     "attention_dropout", "pretraining_tp", "num_nextn_predict_layers", "ep_size",
     "moe_layer_freq", "scoring_func", "topk_method", "aux_loss_alpha", "seq_aux",
-    "quantization_config", "output_router_logits", "router_aux_loss_coef",
+    "output_router_logits", "router_aux_loss_coef",
 }
+
+
+class FP8Quantization(BaseModel):
+    """`quantization_config` of DeepSeek's FP8 checkpoints: the Linear weights are float8 e4m3
+    with one float32 scale per [rows, cols] block (`<name>.weight_scale_inv`, a multiplier
+    despite its name). They are dequantized to the serving dtype at load; nothing computes in FP8."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    quant_method: Literal["fp8"]
+    fmt: Literal["e4m3"] = "e4m3"
+    weight_block_size: list[int] = Field(min_length=2, max_length=2,
+                                         description="[rows, cols] of the weight block that shares one scale")
+    activation_scheme: Literal["dynamic"] = Field(
+        "dynamic", description="activations quantized on the fly by FP8 kernels; dequantized weights ignore it")
+    scale_fmt: Literal["ue8m0"] | None = Field(
+        None, description="DeepSeek-V3.1 and later: every scale is a power of two; dequantizing is unchanged")
+    modules_to_not_convert: list[str] | None = Field(
+        None, description="HF's list of modules left unquantized; which tensors are FP8 is read from the tensors")
+
+    @field_validator("weight_block_size")
+    @classmethod
+    def _positive(cls, v: list[int]) -> list[int]:
+        if min(v) <= 0:
+            raise ValueError(f"block sizes must be positive, got {v}")
+        return v
 
 
 class ModelConfig(BaseModel):
@@ -56,6 +82,8 @@ class ModelConfig(BaseModel):
     rope_interleave: bool = True
     attention_bias: bool = False
     tie_word_embeddings: bool = False
+    quantization_config: FP8Quantization | None = Field(
+        None, description="DeepSeek's block FP8 checkpoints (weights dequantized at load); None: unquantized")
 
     # V4.1-style options (all off = exactly DeepSeek-V3).
     kv_source_layer_ids: list[int] | None = Field(
@@ -208,7 +236,10 @@ class EngineConfig(BaseModel):
     warmup: bool = Field(
         True, description="on GPU, run a few short requests at start so kernel compilation and the first "
                           "CUDA graph capture do not delay the first users")
-    cuda_graph_max_batch: int = Field(64, gt=0, description="largest decode batch replayed from a CUDA graph")
+    cuda_graph_max_batch: int = Field(
+        256, gt=0, description="largest decode batch replayed from a CUDA graph (at most max_num_seqs); a larger "
+                               "one runs eagerly, several times slower. Graphs are captured on first use, one "
+                               "per padded batch size (1, 2, 4, 8, then multiples of 16) and block-table width")
     cuda_graph_max_chunk: int = Field(
         2048, ge=0, description="most tokens of a step with prompt chunks (short prompts, the new turn of a "
                                "cached conversation, beside decoding sequences) replayed from a CUDA graph, each "
@@ -250,13 +281,26 @@ class ConfigError(ValueError):
     """A model or engine configuration problem, with the offending field named."""
 
 
+_FP8_ONLY = ("only DeepSeek's block FP8 is supported: quant_method 'fp8', fmt 'e4m3', weight_block_size "
+             "[rows, cols], weights dequantized at load")
+
+
 def _describe(e: ValidationError) -> str:
+    errors = e.errors()
+    # Another method's own keys (bits, group_size, ...) would each be an "unknown key": noise
+    # beside the one that matters, the method itself.
+    method = ("quantization_config", "quant_method")
+    if any(err["loc"][:2] == method for err in errors):
+        errors = [err for err in errors if err["loc"][:1] != method[:1] or err["loc"][:2] == method]
     parts = []
-    for err in e.errors():
+    for err in errors:
         loc = ".".join(str(x) for x in err["loc"]) or "config"
         msg = err["msg"]
         if err["type"] == "extra_forbidden":
             msg = "unknown key"
+        if err["loc"][:1] == ("quantization_config",):
+            got = f", got {err['input']!r}" if err["type"] == "literal_error" else ""
+            msg = f"{msg}{got} ({_FP8_ONLY})"
         parts.append(f"{loc}: {msg}")
     return "; ".join(parts)
 
