@@ -162,6 +162,29 @@ def test_cuda_graphs_and_triton_kernels_on_gpu(tiny_v4_ckpt, kv_dtype, index_dty
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_decode_batches_past_64_replay_from_graphs_by_default(tiny_v4_ckpt):
+    """A server with max_num_seqs past 64 decodes from graphs at its full batch (padded to a
+    multiple of 16), with the eager padded path's tokens."""
+    prompts = _prompts([3 + (7 * i) % 40 for i in range(100)], seed=1)
+    kw = dict(device="cuda", max_num_seqs=128, num_blocks=4096, warmup=False)
+    fast, _, _ = _run(tiny_v4_ckpt, prompts, **kw)
+    slow, _, _ = _run(tiny_v4_ckpt, prompts, decode_kernels=False, cuda_graphs=False, **kw)
+    assert fast == slow
+    engine = LLMEngine.from_pretrained(tiny_v4_ckpt, EngineConfig(block_size=4, **kw), progress=False)
+    assert engine.runner.graphs.covers(128)
+    engine.generate(prompts, GREEDY)
+    assert any(key[:2] == ("decode", 112) for key in engine.runner.graphs.graphs), list(engine.runner.graphs.graphs)
+
+
+def test_decode_graph_sizes():
+    """Decode graphs up to the default's 256 sequences, in steps of 16 past 16, and never past
+    max_num_seqs."""
+    from engine.cuda_graphs import _batch_sizes
+    assert _batch_sizes(EngineConfig().cuda_graph_max_batch)[-3:] == [224, 240, 256]
+    assert _batch_sizes(100) == [1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 100]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_side_stream_branches_and_fused_shared_expert_in_decode_graphs(tiny_v4_ckpt, monkeypatch):
     """Graphs captured with the indexer (and, unfused, the shared experts) on a second stream, and
     with the shared expert fused into the MoE kernels, compute what one stream and a separate
