@@ -7,8 +7,9 @@ silently ignored.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -46,6 +47,84 @@ class FP8Quantization(BaseModel):
         if min(v) <= 0:
             raise ValueError(f"block sizes must be positive, got {v}")
         return v
+
+
+class YarnRope(NamedTuple):
+    """YaRN's parameters (`rope_scaling` type "yarn", as every released DeepSeek-V2/V3 config
+    has), with transformers' defaults. engine/layers.py yarn_frequencies blends interpolated and
+    original frequencies; the two scale factors below are the rest of it."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+
+    @property
+    def table_scale(self) -> float:
+        """What cos/sin are multiplied by. DeepSeek's mscale/mscale_all_dim pair cancels it out
+        when equal (V3: 1.0/1.0, V2-Lite: 0.707/0.707) and moves the whole length correction
+        into the softmax scale instead."""
+        if self.attention_factor is not None:
+            return self.attention_factor
+        if self.mscale and self.mscale_all_dim:
+            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(self.factor, self.mscale_all_dim)
+        return yarn_mscale(self.factor)
+
+    @property
+    def softmax_mscale(self) -> float:
+        """DeepSeek's attention multiplies its softmax scale by this squared (once for q, once for
+        k): mscale(factor, mscale_all_dim), 1 without mscale_all_dim."""
+        return yarn_mscale(self.factor, self.mscale_all_dim) if self.mscale_all_dim else 1.0
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature for a context stretched `factor` times."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+# Keys of a rope dict besides the type: rope_theta (transformers 5 moves it there) and YaRN's.
+_YARN_KEYS = set(YarnRope._fields) | {"rope_theta"}
+
+
+def _number(field: str, value, positive: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{field} must be a number, got {value!r}")
+    if positive and not value > 0:
+        raise ValueError(f"{field} must be > 0, got {value!r}")
+    return float(value)
+
+
+def _parse_yarn(field: str, rope: dict, max_position_embeddings: int) -> YarnRope:
+    """YarnRope from a rope dict, each bad or missing value a ValueError naming `field.key`."""
+    unknown = sorted(set(rope) - _YARN_KEYS - {"type", "rope_type"})
+    if unknown:
+        raise ValueError(f"{field}: unknown yarn keys {unknown} (known: {sorted(_YARN_KEYS)})")
+    if rope.get("factor") is None:
+        raise ValueError(f"{field}.factor: yarn needs a factor (the context stretch, e.g. 40 for DeepSeek-V3)")
+    factor = _number(f"{field}.factor", rope["factor"], positive=True)
+    # transformers' default where a config leaves it out: no stretch past the configured length
+    original = rope.get("original_max_position_embeddings", max_position_embeddings)
+    if isinstance(original, bool) or not isinstance(original, int) or original <= 0:
+        raise ValueError(f"{field}.original_max_position_embeddings must be a positive integer, got {original!r}")
+    # transformers reads a 0 or null beta as its default (`or`), so this does too
+    beta_fast = _number(f"{field}.beta_fast", rope.get("beta_fast") or 32, positive=True)
+    beta_slow = _number(f"{field}.beta_slow", rope.get("beta_slow") or 1, positive=True)
+    if beta_fast < beta_slow:
+        raise ValueError(f"{field}.beta_fast ({beta_fast}) must be >= beta_slow ({beta_slow})")
+    optional = {}
+    for key in ("mscale", "mscale_all_dim", "attention_factor"):
+        if rope.get(key) is not None:
+            optional[key] = _number(f"{field}.{key}", rope[key], positive=key == "attention_factor")
+    truncate = rope.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise ValueError(f"{field}.truncate must be true or false, got {truncate!r}")
+    if rope.get("rope_theta") is not None:
+        _number(f"{field}.rope_theta", rope["rope_theta"], positive=True)
+    return YarnRope(factor, original, beta_fast, beta_slow, truncate=truncate, **optional)
 
 
 class ModelConfig(BaseModel):
@@ -107,10 +186,12 @@ class ModelConfig(BaseModel):
             raise ValueError("group-limited routing needs at least 2 experts per group")
         if self.qk_rope_head_dim % 2:
             raise ValueError("qk_rope_head_dim must be even")
-        rope = self.rope_scaling or self.rope_parameters or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise ValueError(f"rope_scaling type {rope_type!r} is not supported (only 'default')")
+        field, rope = self._rope_dict
+        rope_type = self.rope_type
+        if rope_type == "yarn":
+            _parse_yarn(field, rope, self.max_position_embeddings)
+        elif rope_type != "default":
+            raise ValueError(f"{field} type {rope_type!r} is not supported (only 'default' and 'yarn')")
         if self.kv_source_layer_ids is not None:
             ids = self.kv_source_layer_ids
             if not ids or ids[0] != 0 or sorted(set(ids)) != ids or ids[-1] >= self.num_hidden_layers:
@@ -120,9 +201,37 @@ class ModelConfig(BaseModel):
         return self
 
     @property
+    def _rope_dict(self) -> tuple[str, dict]:
+        """(field name, dict) of the rope settings. As transformers reads them: `rope_scaling`
+        (the name in released DeepSeek configs) wins whole over `rope_parameters` (the
+        transformers 5 name), and "rope_type" over "type"."""
+        if self.rope_scaling:
+            return "rope_scaling", self.rope_scaling
+        return "rope_parameters", self.rope_parameters or {}
+
+    @property
+    def rope_type(self) -> str:
+        rope = self._rope_dict[1]
+        return rope.get("rope_type", rope.get("type", "default"))
+
+    @property
     def rope_base(self) -> float:
-        rope = self.rope_parameters or {}
-        return float(rope.get("rope_theta", self.rope_theta))
+        rope = self._rope_dict[1]
+        theta = rope.get("rope_theta")
+        return float(self.rope_theta if theta is None else theta)
+
+    @property
+    def rope_yarn(self) -> YarnRope | None:
+        if self.rope_type != "yarn":
+            return None
+        return _parse_yarn(*self._rope_dict, self.max_position_embeddings)
+
+    @property
+    def softmax_scale(self) -> float:
+        """The attention's q.k scale, read by every attention path: 1/sqrt(qk_head_dim), and
+        under YaRN DeepSeek's mscale_all_dim correction on top."""
+        m = self.rope_yarn.softmax_mscale if self.rope_yarn else 1.0
+        return self.qk_head_dim ** -0.5 * m * m  # this order of products is transformers', to the bit
 
     @property
     def qk_head_dim(self) -> int:
@@ -171,7 +280,12 @@ class ModelConfig(BaseModel):
         d.update(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
                  num_key_value_heads=self.num_key_value_heads or self.num_attention_heads,
                  bos_token_id=0, eos_token_id=1)
+        # One rope dict, under the name every transformers version reads; transformers 5 moves it
+        # to rope_parameters itself.
+        rope = self._rope_dict[1]
         d.pop("rope_parameters", None)
+        if rope:
+            d["rope_scaling"] = dict(rope)
         return d
 
 
@@ -327,6 +441,11 @@ PRESETS: dict[str, dict] = {
         index_n_heads=8, index_head_dim=64,
     ),
 }
+# `tiny` under YaRN, stretched 4x from 64 positions so short test prompts already reach past the
+# original length; mscale/mscale_all_dim as DeepSeek-V2-Lite's, so the softmax scale changes.
+PRESETS["tiny-yarn"] = dict(PRESETS["tiny"], max_position_embeddings=256, rope_scaling=dict(
+    type="yarn", factor=4, original_max_position_embeddings=64, beta_fast=32, beta_slow=1,
+    mscale=0.707, mscale_all_dim=0.707))
 # The V4.1-style tiny variant used by the replay / sharing / indexer tests.
 PRESETS["tiny-v4"] = dict(PRESETS["tiny"], kv_source_layer_ids=[0, 2], sliding_window=8,
                           index_topk=16, index_n_heads=2, index_head_dim=16)

@@ -1,6 +1,7 @@
 """Small building blocks of the DeepSeek model."""
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -10,6 +11,8 @@ from kernels.gemv import linear
 from kernels.rmsnorm import add_rms_norm, rms_norm
 from kernels.rope import apply_rope
 from kernels.swiglu import silu_mul
+
+from .config import YarnRope
 
 
 class RMSNorm(nn.Module):
@@ -137,10 +140,19 @@ class Rotary:
     DeepSeek checkpoints lay the rotary dims out as interleaved pairs (x0, x1), (x2, x3)...
     (`rope_interleave`); otherwise as two halves. Only q.k products matter, so the output
     layout need not match any other implementation's.
+
+    With `yarn` (YaRN, every released DeepSeek config) the frequencies are stretched and the
+    tables scaled (`YarnRope.table_scale`); every consumer (the q rope, the latent's rope key in
+    kernels/latent.py) reads these tables, so none computes YaRN itself. The softmax half of
+    YaRN is ModelConfig.softmax_scale.
     """
 
-    def __init__(self, dim: int, base: float, interleave: bool, max_pos: int, device):
-        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    def __init__(self, dim: int, base: float, interleave: bool, max_pos: int, device,
+                 yarn: YarnRope | None = None):
+        if yarn is None:
+            inv_freq, self.table_scale = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)), 1.0
+        else:
+            inv_freq, self.table_scale = yarn_frequencies(dim, base, yarn), yarn.table_scale
         self.inv_freq = inv_freq.to(device)
         self.interleave = interleave
         self._cache_len = 0
@@ -150,6 +162,8 @@ class Rotary:
         t = torch.arange(n, dtype=torch.float32, device=self.inv_freq.device)
         freqs = torch.outer(t, self.inv_freq)
         self.cos, self.sin = freqs.cos(), freqs.sin()
+        if self.table_scale != 1.0:
+            self.cos, self.sin = self.cos * self.table_scale, self.sin * self.table_scale
         self._cache_len = n
 
     def ensure(self, max_position: int) -> None:
@@ -166,3 +180,28 @@ class Rotary:
         """x: [T, ..., dim] rotated by the [T, dim/2] tables (one fused kernel on GPU,
         kernels/rope.py, whose reference defines the maths)."""
         return apply_rope(x, cos, sin, self.interleave)
+
+
+def yarn_frequencies(dim: int, base: float, yarn: YarnRope) -> torch.Tensor:
+    """YaRN's inverse frequencies [dim/2], fp32 and in the same operation order as transformers'
+    (so the tables match it bit for bit). Pairs that turn beta_fast times or more within the
+    original context saw every angle in training and keep their frequency; pairs that turn fewer
+    than beta_slow times are slowed by `factor`, as position interpolation does, so that long
+    positions land on angles seen in training; a linear ramp over the pairs between."""
+    wavelengths = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    original = 1.0 / wavelengths
+    interpolated = 1.0 / (yarn.factor * wavelengths)
+
+    def pair_turning(turns: float) -> float:
+        # the (fractional) pair index whose frequency turns `turns` times over the original context
+        return dim * math.log(yarn.original_max_position_embeddings / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    lo, hi = pair_turning(yarn.beta_fast), pair_turning(yarn.beta_slow)
+    if yarn.truncate:
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, dim - 1)
+    if lo == hi:
+        hi += 0.001  # a zero-width ramp: a step at lo
+    slowed = ((torch.arange(dim // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)
+    kept = 1 - slowed
+    return interpolated * (1 - kept) + original * kept

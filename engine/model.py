@@ -59,7 +59,7 @@ class MLAttention(nn.Module):
                                    bias=False)
         self.o_proj = nn.Linear(self.n_heads * cfg.v_head_dim, h, bias=cfg.attention_bias)
         self.indexer = Indexer(cfg, self.is_source) if cfg.index_topk else None
-        self.scale = cfg.qk_head_dim ** -0.5
+        self.scale = cfg.softmax_scale  # what the padded path and the decode kernels both read
         self._fused = DerivedWeight(track_writes=False)  # the x projections' concatenated weight, see project()
         self.overlap = False  # EngineConfig.decode_overlap, set by the model runner
         # EngineConfig.index_topk_freq/pattern, set by the model runner: attend to the latest
@@ -207,7 +207,7 @@ class DeepseekModel(nn.Module):
     def __init__(self, cfg: ModelConfig, device="cpu", local_phys2log: list[list[int]] | None = None):
         super().__init__()
         self.rotary = rotary = Rotary(cfg.qk_rope_head_dim, cfg.rope_base, cfg.rope_interleave,
-                                      cfg.max_position_embeddings, device)
+                                      cfg.max_position_embeddings, device, cfg.rope_yarn)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         moe_ids = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
         per_layer = {layer: local_phys2log[k] for k, layer in enumerate(moe_ids)} if local_phys2log else {}

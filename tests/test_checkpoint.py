@@ -27,7 +27,7 @@ def test_unknown_config_key_is_named(tmp_path):
     ({"kv_source_layer_ids": [1, 2]}, "kv_source_layer_ids"),
     ({"kv_source_layer_ids": [0, 9]}, "kv_source_layer_ids"),
     ({"hidden_size": -1}, "hidden_size"),
-    ({"rope_scaling": {"type": "yarn", "factor": 4}}, "rope_scaling"),
+    ({"rope_scaling": {"type": "linear", "factor": 4}}, "rope_scaling"),
 ])
 def test_invalid_model_config(override, match):
     with pytest.raises(ConfigError, match=match):
