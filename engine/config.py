@@ -18,7 +18,7 @@ _IGNORED_HF_KEYS = {
     "architectures", "model_type", "auto_map", "torch_dtype", "dtype", "transformers_version",
     "use_cache", "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range",
     "attention_dropout", "pretraining_tp", "num_nextn_predict_layers", "ep_size",
-    "moe_layer_freq", "scoring_func", "topk_method", "aux_loss_alpha", "seq_aux",
+    "aux_loss_alpha", "seq_aux",
     "output_router_logits", "router_aux_loss_coef",
 }
 
@@ -146,6 +146,12 @@ class ModelConfig(BaseModel):
     topk_group: int = Field(1, gt=0)
     routed_scaling_factor: float = 1.0
     norm_topk_prob: bool = True
+    # DeepSeek-V2 configs name other routing here (softmax scores, greedy top-k): refused rather
+    # than served with V3's routing, which would load and generate without complaint.
+    scoring_func: Literal["sigmoid"] = Field("sigmoid", description="router scores: DeepSeek-V3's sigmoid")
+    topk_method: Literal["noaux_tc"] = Field(
+        "noaux_tc", description="DeepSeek-V3's group-limited top-k over the bias-corrected scores")
+    moe_layer_freq: Literal[1] = Field(1, description="every layer from first_k_dense_replace on is an MoE layer")
     first_k_dense_replace: int = Field(0, ge=0)
     q_lora_rank: int | None = Field(None, description="None: q_proj directly, else q_a/q_b low-rank")
     kv_lora_rank: int = Field(gt=0)
@@ -399,6 +405,11 @@ _FP8_ONLY = ("only DeepSeek's block FP8 is supported: quant_method 'fp8', fmt 'e
              "[rows, cols], weights dequantized at load")
 
 
+_V3_ROUTING = "DeepSeek-V3/R1 routing only; DeepSeek-V2's softmax / greedy routing is not implemented"
+_ROUTING_ONLY = {"scoring_func": _V3_ROUTING, "topk_method": _V3_ROUTING,
+                 "moe_layer_freq": "every layer past first_k_dense_replace must be an MoE layer"}
+
+
 def _describe(e: ValidationError) -> str:
     errors = e.errors()
     # Another method's own keys (bits, group_size, ...) would each be an "unknown key": noise
@@ -412,6 +423,8 @@ def _describe(e: ValidationError) -> str:
         msg = err["msg"]
         if err["type"] == "extra_forbidden":
             msg = "unknown key"
+        if err["loc"] and err["loc"][0] in _ROUTING_ONLY and err["type"] == "literal_error":
+            msg = f"{msg}, got {err['input']!r} ({_ROUTING_ONLY[err['loc'][0]]})"
         if err["loc"][:1] == ("quantization_config",):
             got = f", got {err['input']!r}" if err["type"] == "literal_error" else ""
             msg = f"{msg}{got} ({_FP8_ONLY})"

@@ -28,10 +28,23 @@ def test_unknown_config_key_is_named(tmp_path):
     ({"kv_source_layer_ids": [0, 9]}, "kv_source_layer_ids"),
     ({"hidden_size": -1}, "hidden_size"),
     ({"rope_scaling": {"type": "linear", "factor": 4}}, "rope_scaling"),
+    # DeepSeek-V2's routing: refused, not served as V3's
+    ({"scoring_func": "softmax"}, "scoring_func: .*'softmax'.*DeepSeek-V2"),
+    ({"topk_method": "group_limited_greedy"}, "topk_method: .*DeepSeek-V2"),
+    ({"moe_layer_freq": 2}, "moe_layer_freq"),
 ])
 def test_invalid_model_config(override, match):
     with pytest.raises(ConfigError, match=match):
         preset("tiny", **override)
+
+
+def test_v3_routing_keys_are_accepted_and_written(tmp_path):
+    """DeepSeek-V3's own values load, and a written config.json names them (transformers reads
+    the same file)."""
+    cfg = preset("tiny", scoring_func="sigmoid", topk_method="noaux_tc", moe_layer_freq=1)
+    hf = cfg.to_hf_dict()
+    assert (hf["scoring_func"], hf["topk_method"], hf["moe_layer_freq"]) == ("sigmoid", "noaux_tc", 1)
+    assert ModelConfig.from_dict(hf) == cfg
 
 
 def test_unknown_preset_and_engine_field():
