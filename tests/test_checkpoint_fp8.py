@@ -331,3 +331,18 @@ def test_other_quantizations_are_refused_naming_the_field(tmp_path, quant, field
     (tmp_path / "config.json").write_text(json.dumps(dict(preset("tiny").to_hf_dict(), quantization_config=quant)))
     with pytest.raises(ConfigError, match=rf"quantization_config\.{field}"):
         load_model(tmp_path, progress=False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_fp8_checkpoint_serves_on_the_gpu(tmp_path):
+    """Dequantized on the host, copied to the GPU: the greedy tokens of the CPU engine."""
+    ckpt = _fp8_ckpt(tmp_path, "tiny-v4", block=(128, 128))
+    prompts = [list(range(4, 40)), list(range(100, 107))]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    outs = {}
+    for device in ("cpu", "cuda"):
+        engine = LLMEngine.from_pretrained(ckpt, EngineConfig(device=device, block_size=4, warmup=False),
+                                           progress=False)
+        outs[device] = [o.output_token_ids for o in engine.generate(prompts, params)]
+    assert engine.runner.model.model.embed_tokens.weight.is_cuda
+    assert outs["cuda"] == outs["cpu"]

@@ -272,3 +272,20 @@ def test_v4_options_under_yarn_chunk_rows_equal_the_padded_path(tmp_path):
         assert a.keys() == b.keys()
         for n in a:
             torch.testing.assert_close(a[n], b[n], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_the_gpu_graphs_and_kernels_match_transformers(yarn_ckpt, hf_yarn):
+    """On the GPU (tables built on the device, prompt chunks and decode steps from CUDA graphs,
+    the Triton rope, latent and attention kernels) against transformers on the CPU."""
+    prompt = _prompt(150, seed=1)
+    with torch.no_grad():
+        out = hf_yarn.generate(torch.tensor([prompt]), max_new_tokens=GREEDY.max_tokens, do_sample=False,
+                               output_logits=True, return_dict_in_generate=True)
+    hf_tokens, hf_logits = out.sequences[0, len(prompt):].tolist(), [l[0] for l in out.logits]
+    engine = _engine(yarn_ckpt, device="cuda", max_num_batched_tokens=24, warmup=False)
+    ours = engine.generate([prompt], GREEDY)[0]
+    assert engine.runner.graphs is not None and engine.runner.graphs.graphs
+    for step, (a, b) in enumerate(zip(engine.recorded, hf_logits)):
+        torch.testing.assert_close(a[len(prompt)].cpu(), b.float(), atol=1e-4, rtol=1e-4, msg=f"step {step}")
+    assert ours.output_token_ids == hf_tokens
