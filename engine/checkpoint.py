@@ -104,11 +104,13 @@ def _safetensors_files(path: Path) -> list[Path]:
 
 
 def iter_checkpoint(path: str | Path, weight_block_size: list[int] | tuple[int, int] | None = None,
-                    ) -> tuple[Iterator[tuple[str, torch.Tensor]], int]:
+                    num_layers: int | None = None) -> tuple[Iterator[tuple[str, torch.Tensor]], int]:
     """(HF name, tensor) pairs of a checkpoint directory, and how many it yields. An FP8 weight
     comes out dequantized (float32) under its own name, one tensor at a time; its scale
     (`<name>_scale_inv`, anywhere in the directory) is consumed, never yielded.
-    weight_block_size: the config's quantization_config block, None for an unquantized model."""
+    weight_block_size: the config's quantization_config block, None for an unquantized model.
+    num_layers: tensors of layers past it (DeepSeek's MTP layer, `model.layers.61.*` in V3, about
+    2% of the weights) are neither read nor dequantized nor yielded."""
     files = _safetensors_files(Path(path))
     where: dict[str, Path] = {}
     fp8: dict[str, tuple[str, list[int]]] = {}  # name -> (safetensors dtype, shape)
@@ -116,6 +118,9 @@ def iter_checkpoint(path: str | Path, weight_block_size: list[int] | tuple[int, 
     for f in files:
         with safe_open(f, framework="pt") as sf:
             for name in sf.keys():
+                layer = _LAYER.match(name)
+                if layer and num_layers is not None and int(layer.group(1)) >= num_layers:
+                    continue
                 where[name] = f
                 meta = sf.get_slice(name)
                 if name.endswith(SCALE_SUFFIX):
@@ -129,7 +134,7 @@ def iter_checkpoint(path: str | Path, weight_block_size: list[int] | tuple[int, 
         for f in files:
             with safe_open(f, framework="pt") as sf:
                 for name in sf.keys():
-                    if name in scales:
+                    if name in scales or name not in where:
                         continue
                     tensor = sf.get_tensor(name)
                     if name in fp8:
@@ -182,7 +187,7 @@ def load_model(path: str | Path, device="cpu", dtype=torch.float32, progress: bo
         model = DeepseekForCausalLM(cfg, device=device, local_phys2log=local_phys2log).to(dtype)
     _restore_fp32_router(model)
     quant = cfg.quantization_config
-    tensors, total = iter_checkpoint(path, quant.weight_block_size if quant else None)
+    tensors, total = iter_checkpoint(path, quant.weight_block_size if quant else None, cfg.num_hidden_layers)
     load_weights(model, tensors, total, progress)
     return model.eval()
 

@@ -346,3 +346,27 @@ def test_fp8_checkpoint_serves_on_the_gpu(tmp_path):
         outs[device] = [o.output_token_ids for o in engine.generate(prompts, params)]
     assert engine.runner.model.model.embed_tokens.weight.is_cuda
     assert outs["cuda"] == outs["cpu"]
+
+
+def test_layers_past_the_model_are_not_read(tmp_path, monkeypatch):
+    """An MTP-style layer after the main ones (DeepSeek-V3's layer 61) is left unread: not
+    dequantized, not yielded, not counted, and the model loads as without it."""
+    d = write_random_checkpoint(preset("tiny", num_hidden_layers=5), tmp_path / "with-mtp", fp8_block=(32, 32),
+                                progress=False)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["num_hidden_layers"] = 4
+    (d / "config.json").write_text(json.dumps(cfg))
+    stored = _all_tensors(d)
+    extra = [n for n in stored if n.startswith("model.layers.4.")]
+    fp8_kept = [n for n, t in stored.items() if t.dtype == torch.float8_e4m3fn and n not in extra]
+    assert extra and any(stored[n].dtype == torch.float8_e4m3fn for n in extra)
+    calls = []
+    monkeypatch.setattr(checkpoint, "dequantize_fp8_blocks",
+                        lambda q, s, block: calls.append(q.shape) or dequantize_fp8_blocks(q, s, block))
+    tensors, total = iter_checkpoint(d, [32, 32], num_layers=4)
+    names = [n for n, _ in tensors]
+    assert not any(n.startswith("model.layers.4.") for n in names)
+    assert total == len(names) == len(stored) - len(extra) - sum(n.endswith("_scale_inv") for n in stored
+                                                                    if n not in extra)
+    assert len(calls) == len(fp8_kept)
+    assert isinstance(load_model(d, progress=False), checkpoint.DeepseekForCausalLM)
