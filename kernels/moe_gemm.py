@@ -3,7 +3,9 @@
     out[t] = sum over pairs p with token_of[p] == t of
              weight_of[p] * w2[s] @ (silu(w13[s, :I] @ x[t]) * (w13[s, I:] @ x[t])),  s = slot_of[p]
 
-with w13 [S, 2I, H] (rows 0..I-1 gate, I..2I-1 up) and w2 [S, H, I]. token_of may be None
+with w13 [S, 2I, H] (rows 0..I-1 gate, I..2I-1 up) and w2 [S, H, I], in the activations' dtype or
+in block FP8 (float8 e4m3 with ExpertScales: each weight tile read as one byte an element,
+converted in registers and its partial products scaled; activations stay 16-bit). token_of may be None
 when the pairs are token-major, k per token (p // k is the token): the router's layout, for
 which the kernels derive the token themselves instead of reading a tensor two launches built.
 
@@ -22,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from . import triton_ok
+from .fp8_blocks import ExpertScales, check_expert_scales, dequantize_experts
 
 try:
     import triton
@@ -53,16 +56,27 @@ def token_major(token_of: torch.Tensor | None, x: torch.Tensor, slot_of: torch.T
 
 def fused_experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, token_of: torch.Tensor | None,
                             slot_of: torch.Tensor, weight_of: torch.Tensor,
-                            shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                            shared: tuple | None = None, scales: ExpertScales | None = None) -> torch.Tensor:
     """The exact semantics: one matmul pair per slot (and for the shared expert, weight 1),
-    weighted sum in fp32, output in x's dtype."""
+    weighted sum in fp32, output in x's dtype. FP8 weights: dequantized to fp32 and computed in
+    fp32, the SwiGLU activation rounded to x's dtype between the projections (as the kernels store it)."""
     token_of = token_major(token_of, x, slot_of)
     num_slots = w13.shape[0]
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     if shared is not None:
-        s13, s2 = check_shared(shared, w13, w2)
-        gate, up = F.linear(x.to(s13.dtype), s13).chunk(2, dim=-1)
-        out += F.linear(F.silu(gate) * up, s2).float()
+        shared = check_shared(shared, w13, w2, scales)
+    check_expert_scales(w13, w2, scales)
+    if scales is not None:
+        w13, w2 = dequantize_experts(w13, w2, scales)
+        shared = None if shared is None else dequantize_experts(*shared)
+
+    def mlp(rows: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(rows.to(w_gate_up.dtype), w_gate_up).chunk(2, dim=-1)
+        act = F.silu(gate) * up
+        return F.linear(act if scales is None else act.to(x.dtype).float(), w_down)
+
+    if shared is not None:
+        out += mlp(x, shared[0], shared[1]).float()
     order = slot_of.argsort(stable=True)
     counts = torch.zeros(num_slots, dtype=torch.long, device=x.device).scatter_add_(
         0, slot_of, torch.ones_like(slot_of))
@@ -73,8 +87,7 @@ def fused_experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
         pairs = order[start:start + n]
         start += n
         tokens = token_of[pairs]
-        gate, up = F.linear(x[tokens].to(w13.dtype), w13[slot]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[slot])
+        y = mlp(x[tokens], w13[slot], w2[slot])
         out.index_add_(0, tokens, y.float() * weight_of[pairs].float()[:, None])
     return out.to(x.dtype)
 
@@ -256,9 +269,11 @@ if triton is not None:  # called from the kernels below, so built with them
 
 def _gate_up_kernel(x_ptr, w13_ptr, shared_w13_ptr, act_ptr, token_ptr, row_pair_ptr, tile_slot_ptr,
                     H, I, num_slots, num_tiles, num_tokens, stride_xt, zero_ptr, zero_count,
+                    scale_ptr, shared_scale_ptr, scale_rows, scale_cols,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, PAIRS_PER_TOKEN: tl.constexpr,
-                    SHARED: tl.constexpr, PDL: tl.constexpr = 0):
+                    SHARED: tl.constexpr, SCALE_N: tl.constexpr = 0, SCALE_K: tl.constexpr = 0,
+                    PDL: tl.constexpr = 0):
     pdl_enter(PDL)
     # One program: BLOCK_M padded rows (one slot) x BLOCK_N columns of both gate and up.
     # First its share of the down kernel's fp32 sum, zeroed here instead of by a launch of its own.
@@ -282,6 +297,13 @@ def _gate_up_kernel(x_ptr, w13_ptr, shared_w13_ptr, act_ptr, token_ptr, row_pair
     if SHARED:
         gate_ptrs = tl.where(is_shared, shared_w13_ptr + w_offs, gate_ptrs)
     up_ptrs = gate_ptrs + I * H
+    if SCALE_N > 0:
+        # Block FP8 (ExpertScales): a column's scale row, the gate's row blocks before the up's.
+        s_offs = (cols // SCALE_N).to(tl.int64) * scale_cols
+        gate_scale_ptrs = scale_ptr + slot * 2 * scale_rows * scale_cols + s_offs
+        if SHARED:
+            gate_scale_ptrs = tl.where(is_shared, shared_scale_ptr + s_offs, gate_scale_ptrs)
+        up_scale_ptrs = gate_scale_ptrs + scale_rows * scale_cols
     acc_gate = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
     acc_up = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
     for k0 in range(0, H, BLOCK_K):
@@ -290,10 +312,19 @@ def _gate_up_kernel(x_ptr, w13_ptr, shared_w13_ptr, act_ptr, token_ptr, row_pair
         w_mask = k_ok[:, None] & col_ok[None, :]
         wg = tl.load(gate_ptrs, mask=w_mask, other=0.0)
         wu = tl.load(up_ptrs, mask=w_mask, other=0.0)
+        if SCALE_N > 0:
+            wg, wu = wg.to(a.dtype), wu.to(a.dtype)  # exact: e4m3 values fit bf16
         if DOT_FP32:
             a, wg, wu = a.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
-        acc_gate = tl.dot(a, wg, acc_gate, input_precision=PRECISION)
-        acc_up = tl.dot(a, wu, acc_up, input_precision=PRECISION)
+        if SCALE_N > 0:
+            # BLOCK_K divides SCALE_K: one scale per column over this step's k range
+            sg = tl.load(gate_scale_ptrs + k0 // SCALE_K, mask=col_ok, other=0.0)
+            su = tl.load(up_scale_ptrs + k0 // SCALE_K, mask=col_ok, other=0.0)
+            acc_gate += tl.dot(a, wg, input_precision=PRECISION) * sg[None, :]
+            acc_up += tl.dot(a, wu, input_precision=PRECISION) * su[None, :]
+        else:
+            acc_gate = tl.dot(a, wg, acc_gate, input_precision=PRECISION)
+            acc_up = tl.dot(a, wu, acc_up, input_precision=PRECISION)
         x_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
@@ -305,9 +336,11 @@ def _gate_up_kernel(x_ptr, w13_ptr, shared_w13_ptr, act_ptr, token_ptr, row_pair
 
 def _down_kernel(act_ptr, w2_ptr, shared_w2_ptr, out_ptr, token_ptr, weight_ptr, row_pair_ptr, tile_slot_ptr,
                  H, I, num_slots, num_tiles, num_tokens, stride_ot,
+                 scale_ptr, shared_scale_ptr, scale_rows, scale_cols,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, PAIRS_PER_TOKEN: tl.constexpr,
-                 SHARED: tl.constexpr, PDL: tl.constexpr = 0):
+                 SHARED: tl.constexpr, SCALE_N: tl.constexpr = 0, SCALE_K: tl.constexpr = 0,
+                 PDL: tl.constexpr = 0):
     pdl_enter(PDL)
     # One program: BLOCK_M padded rows (one slot) x BLOCK_N hidden columns, added into fp32 out.
     slot, is_shared, skip, rows, pair, is_pair, token = _tile_rows(
@@ -322,14 +355,25 @@ def _down_kernel(act_ptr, w2_ptr, shared_w2_ptr, out_ptr, token_ptr, weight_ptr,
     w_ptrs = w2_ptr + slot * H * I + w_offs
     if SHARED:
         w_ptrs = tl.where(is_shared, shared_w2_ptr + w_offs, w_ptrs)
+    if SCALE_N > 0:
+        s_offs = (cols // SCALE_N).to(tl.int64) * scale_cols
+        scale_ptrs = scale_ptr + slot * scale_rows * scale_cols + s_offs
+        if SHARED:
+            scale_ptrs = tl.where(is_shared, shared_scale_ptr + s_offs, scale_ptrs)
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
     for k0 in range(0, I, BLOCK_K):
         k_ok = ks + k0 < I
         a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if SCALE_N > 0:
+            w = w.to(a.dtype)
         if DOT_FP32:
             a, w = a.to(tl.float32), w.to(tl.float32)
-        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        if SCALE_N > 0:
+            acc += tl.dot(a, w, input_precision=PRECISION) * tl.load(scale_ptrs + k0 // SCALE_K, mask=col_ok,
+                                                                     other=0.0)[None, :]
+        else:
+            acc = tl.dot(a, w, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     route_weight = tl.load(weight_ptr + pair, mask=pair >= 0, other=0.0).to(tl.float32)
@@ -437,8 +481,8 @@ def pick_config(num_pairs: int, num_slots: int, dtype: torch.dtype) -> MoEGemmCo
 def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, token_of: torch.Tensor | None,
                          slot_of: torch.Tensor, weight_of: torch.Tensor,
                          config: MoEGemmConfig | None = None, add=None,
-                         shared: tuple[torch.Tensor, torch.Tensor] | None = None, fp32_out: bool = False,
-                         aligned: AlignedPairs | None = None) -> torch.Tensor:
+                         shared: tuple | None = None, fp32_out: bool = False,
+                         aligned: AlignedPairs | None = None, scales: ExpertScales | None = None) -> torch.Tensor:
     """fused_experts through the two Triton kernels (no host sync; CUDA-graph capturable)."""
     num_tokens, hidden = x.shape
     num_slots, two_i, _ = w13.shape
@@ -448,8 +492,9 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     if num_tokens == 0 or (num_pairs == 0 and shared is None):
         add = pending() if pending is not None else add
         return torch.zeros_like(x) if add is None else add.clone()
+    check_expert_scales(w13, w2, scales)
     if shared is not None:
-        shared = check_shared(shared, w13, w2)
+        shared = check_shared(shared, w13, w2, scales)
     k = pairs_per_token(num_tokens, num_pairs) if token_of is None and num_pairs else 0
     cfg = config or pick_config(num_pairs, num_slots, w13.dtype)
     # The fp32 output, which the down kernel adds into, is zeroed by the gate-up launch.
@@ -464,8 +509,10 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     tiles = num_tiles + (triton.cdiv(num_tokens, cfg.block_m) if shared is not None else 0)
     w13 = w13.contiguous()
     w2 = w2.contiguous()
-    shared_w13, shared_w2 = shared if shared is not None else (w13, w2)  # not read without SHARED
-    xw = x.to(w13.dtype).contiguous()
+    shared_w13, shared_w2, shared_scales = shared if shared is not None else (w13, w2, scales)  # read with SHARED
+    # FP8 weights are converted in the kernels: the activations keep their 16-bit dtype
+    compute = x.dtype if scales is not None else w13.dtype
+    xw = x.to(compute).contiguous()
     token_of = slot_of if token_of is None else token_of.contiguous()  # not read when k > 0
     weight_of = weight_of.contiguous()
     # The interpreter multiplies bf16 bit patterns in tl.dot (triton-lang/triton#11584): on CPU
@@ -474,20 +521,32 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     # fp32 operands get IEEE products like the reference's F.linear (TF32 would cost ~1e-3 relative).
     precision = "ieee" if dot_fp32 or w13.dtype == torch.float32 else "tf32"
 
-    act = torch.empty(tiles * cfg.block_m, inter, dtype=w2.dtype, device=x.device)
+    act = torch.empty(tiles * cfg.block_m, inter, dtype=compute, device=x.device)
     plain = ("num_tiles", "num_tokens", "zero_count")
+    if scales is None:
+        scaled = dict(scale_ptr=w13, shared_scale_ptr=w13, scale_rows=0, scale_cols=0)  # not read
+        gate_up_scaled = down_scaled = scaled
+    else:
+        rows, cols = scales.block
+        fp8 = dict(SCALE_N=rows, SCALE_K=cols)
+        gate_up_scaled = dict(scale_ptr=scales.w13.contiguous(), shared_scale_ptr=shared_scales.w13.contiguous(),
+                              scale_rows=scales.w13.shape[-2] // 2, scale_cols=scales.w13.shape[-1], **fp8)
+        down_scaled = dict(scale_ptr=scales.w2.contiguous(), shared_scale_ptr=shared_scales.w2.contiguous(),
+                           scale_rows=scales.w2.shape[-2], scale_cols=scales.w2.shape[-1], **fp8)
+    # A k step of the scaled kernels stays inside one scale block (cols: a power of two).
+    fit_k = (lambda bk: bk) if scales is None else (lambda bk: min(bk, scales.block[1]))
     block_n, block_k, warps, stages = cfg.gate_up
     _jit(_gate_up_kernel, *plain)[(tiles, triton.cdiv(inter, block_n))](
         xw, w13, shared_w13, act, token_of, aligned.row_pair, aligned.tile_slot,
-        hidden, inter, num_slots, num_tiles, num_tokens, xw.stride(0), out, out.numel(),
-        BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, DOT_FP32=dot_fp32,
+        hidden, inter, num_slots, num_tiles, num_tokens, xw.stride(0), out, out.numel(), **gate_up_scaled,
+        BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=fit_k(block_k), PRECISION=precision, DOT_FP32=dot_fp32,
         PAIRS_PER_TOKEN=k, SHARED=shared is not None, num_warps=warps, num_stages=stages, **pdl_launch(xw))
 
     block_n, block_k, warps, stages = cfg.down
     _jit(_down_kernel, *plain)[(tiles, triton.cdiv(hidden, block_n))](
         act, w2, shared_w2, out, token_of, weight_of, aligned.row_pair, aligned.tile_slot,
-        hidden, inter, num_slots, num_tiles, num_tokens, out.stride(0),
-        BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, DOT_FP32=dot_fp32,
+        hidden, inter, num_slots, num_tiles, num_tokens, out.stride(0), **down_scaled,
+        BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=fit_k(block_k), PRECISION=precision, DOT_FP32=dot_fp32,
         PAIRS_PER_TOKEN=k, SHARED=shared is not None, num_warps=warps, num_stages=stages, **pdl_launch(act))
     if pending is not None:
         add = pending()
@@ -502,28 +561,34 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     return summed
 
 
-def check_shared(shared: tuple[torch.Tensor, torch.Tensor], w13: torch.Tensor,
-                 w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A shared expert (w13 [2I, H], w2 [H, I]) computed as one more slot: the routed experts'
-    shapes and dtype, rows contiguous."""
-    s13, s2 = shared
+def check_shared(shared: tuple, w13: torch.Tensor, w2: torch.Tensor,
+                 scales: ExpertScales | None = None) -> tuple[torch.Tensor, torch.Tensor, ExpertScales | None]:
+    """A shared expert (w13 [2I, H], w2 [H, I], and for FP8 routed experts its own ExpertScales)
+    computed as one more slot: the routed experts' shapes, dtype and blocks, rows contiguous."""
+    s13, s2, *rest = shared
+    own = rest[0] if rest else None
     if s13.shape != w13.shape[1:] or s2.shape != w2.shape[1:] or s13.dtype != w13.dtype or s2.dtype != w2.dtype:
         raise ValueError(f"shared expert {list(s13.shape)}, {list(s2.shape)} {s13.dtype} does not match the "
                          f"routed experts' {list(w13.shape[1:])}, {list(w2.shape[1:])} {w13.dtype}")
-    return s13.contiguous(), s2.contiguous()
+    check_expert_scales(s13, s2, own)
+    if own is not None and (scales is None or tuple(own.block) != tuple(scales.block)):
+        raise ValueError("a shared expert's FP8 blocks must match the routed experts' blocks")
+    return s13.contiguous(), s2.contiguous(), own
 
 
 # ---------------------------------------------------------------- dispatcher
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, token_of: torch.Tensor | None,
                   slot_of: torch.Tensor, weight_of: torch.Tensor, add=None,
-                  shared: tuple[torch.Tensor, torch.Tensor] | None = None, fp32_out: bool = False,
-                  aligned: AlignedPairs | None = None) -> torch.Tensor:
+                  shared: tuple | None = None, fp32_out: bool = False,
+                  aligned: AlignedPairs | None = None, scales: ExpertScales | None = None) -> torch.Tensor:
     """Routed experts over pairs: x [T, H], w13 [S, 2I, H], w2 [S, H, I], token_of / slot_of [P]
     int64 (token_of None: token-major pairs, P / T per token), weight_of [P] float -> [T, H] in
     x's dtype (see the module docstring for the sum).
     - `shared` (w13 [2I, H], w2 [H, I]): a shared expert every token passes through with weight 1,
-      summed with the routed ones in fp32 (its weight read once, in the same two launches).
+      summed with the routed ones in fp32 (its weight read once, in the same two launches); with
+      FP8 routed experts, FP8 itself with a third item, its ExpertScales.
+    - `scales`: w13 and w2 are block FP8 (kernels/fp8_blocks.py's layout).
     - `fp32_out`: without `add`, the Triton path may return the fp32 sum unrounded, for a consumer
       that rounds it itself (add_rms_norm does, in its own launch); other paths round.
     - `add` [T, H]: added to the result as `out + add` would. It may be a function returning it,
@@ -533,6 +598,6 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, token_of
     Triton where it can run (CUDA, or CPU under TRITON_INTERPRET=1), the reference elsewhere."""
     if triton is not None and triton_ok(x):
         return fused_experts_triton(x, w13, w2, token_of, slot_of, weight_of, add=add, shared=shared,
-                                    fp32_out=fp32_out, aligned=aligned)
-    out = fused_experts_reference(x, w13, w2, token_of, slot_of, weight_of, shared=shared)
+                                    fp32_out=fp32_out, aligned=aligned, scales=scales)
+    out = fused_experts_reference(x, w13, w2, token_of, slot_of, weight_of, shared=shared, scales=scales)
     return out if add is None else out + (add() if callable(add) else add)
