@@ -6,6 +6,9 @@ the down kernel's built-in one, then the down kernel's with the best gate-up sha
     python -m bench.probe_moe --json moe.jsonl
     python -m bench.probe_moe --prefill --json moe.jsonl   # chunk shapes: 512 and 2048 tokens, each swept
 
+`--fp8` quantizes the experts to block FP8 (128 x 128 blocks, kernels/fp8_blocks.py) and times the
+kernels on them, with the 16-bit weights' built-in shapes timed in the same run beside them.
+
 `--prefill` sweeps wider tiles and the row tile itself (`--block-m`), at prompt-chunk sizes.
 
 `--gate` also times the router's partial-logits kernel (kernels/routing.py) by how many parts
@@ -22,6 +25,7 @@ import torch
 
 from bench.kernel_moe_gemm import BENCH_MODEL, make_inputs, relative_error
 from bench.kernel_timing import graph_ms
+from kernels.fp8_blocks import quantize_experts
 from kernels.moe_gemm import fused_experts_reference, fused_experts_triton, pick_config
 
 SHAPES = [(n, w, s) for n in (32, 64, 128) for w in (64, 128, 256) for s in (4, 8) if n * w <= 128 * 128 or s == 8]
@@ -38,6 +42,7 @@ def main(argv=None) -> None:
                     help="row tiles to sweep (default: the built-in one; 64 128 with --prefill)")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--fp8", action="store_true", help="block-FP8 experts (and the 16-bit ones' built-in shapes beside)")
     ap.add_argument("--gate", action="store_true")
     ap.add_argument("--gate-only", action="store_true", help="time the router's kernel alone")
     args = ap.parse_args(argv)
@@ -56,8 +61,19 @@ def main(argv=None) -> None:
         g = torch.Generator().manual_seed(7)
         shared = ((torch.randn(w13.shape[1:], generator=g) * 2048 ** -0.5).to(w13),
                   (torch.randn(w2.shape[1:], generator=g) * 768 ** -0.5).to(w2))
-        want = fused_experts_reference(x, w13, w2, None, slot_of, weight_of, shared=shared)
+        scales = None
+        if args.fp8:
+            bf16 = (w13, w2, shared)
+            built_bf16 = pick_config(slot_of.numel(), w13.shape[0], w13.dtype)
+            w13, w2, scales = quantize_experts(w13, w2, (128, 128))
+            shared = quantize_experts(*shared, (128, 128))
+        want = fused_experts_reference(x, w13, w2, None, slot_of, weight_of, shared=shared, scales=scales)
         built_in = pick_config(slot_of.numel(), w13.shape[0], w13.dtype)
+        if args.fp8:
+            us = graph_ms(lambda: fused_experts_triton(x, bf16[0], bf16[1], None, slot_of, weight_of, built_bf16,
+                                                       shared=bf16[2]), 3, args.iters) * 1e3
+            rows.append(dict(tokens=tokens, sweep="bf16 built-in", us=round(us, 2)))
+            print(json.dumps(rows[-1]), flush=True)
 
         def timed(cfg, label):
             try:
@@ -67,11 +83,13 @@ def main(argv=None) -> None:
                 return float("inf")
 
         def _timed(cfg, label):
-            err = relative_error(fused_experts_triton(x, w13, w2, None, slot_of, weight_of, cfg, shared=shared), want)
+            def call():
+                return fused_experts_triton(x, w13, w2, None, slot_of, weight_of, cfg, shared=shared, scales=scales)
+
+            err = relative_error(call(), want)
             if err > 2e-2:
                 raise AssertionError(f"wrong result ({err:.3g}) with {cfg}")
-            us = graph_ms(lambda: fused_experts_triton(x, w13, w2, None, slot_of, weight_of, cfg, shared=shared),
-                          3, args.iters) * 1e3
+            us = graph_ms(call, 3, args.iters) * 1e3
             rows.append(dict(tokens=tokens, sweep=label, block_m=cfg.block_m, gate_up=cfg.gate_up, down=cfg.down,
                              us=round(us, 2)))
             print(json.dumps(rows[-1]), flush=True)

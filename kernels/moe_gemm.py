@@ -263,8 +263,18 @@ def _tile_rows(token_ptr, row_pair_ptr, tile_slot_ptr, num_slots, num_tiles, num
     return slot, is_shared, skip, rows, pair, is_pair, token
 
 
+def _fp8_operand(a):
+    """16-bit activations beside FP8 weights go into the products as fp16: e4m3 converts to fp16
+    in one instruction per pair (to bf16 it takes several, which cost more than the bytes saved),
+    and bf16 values convert exactly in fp16's normal range; the rare ones past it are clamped."""
+    if a.dtype == tl.bfloat16:
+        a = tl.clamp(a.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    return a
+
+
 if triton is not None:  # called from the kernels below, so built with them
     _tile_rows = triton.jit(_tile_rows)
+    _fp8_operand = triton.jit(_fp8_operand)
 
 
 def _gate_up_kernel(x_ptr, w13_ptr, shared_w13_ptr, act_ptr, token_ptr, row_pair_ptr, tile_slot_ptr,
@@ -313,7 +323,8 @@ def _gate_up_kernel(x_ptr, w13_ptr, shared_w13_ptr, act_ptr, token_ptr, row_pair
         wg = tl.load(gate_ptrs, mask=w_mask, other=0.0)
         wu = tl.load(up_ptrs, mask=w_mask, other=0.0)
         if SCALE_N > 0:
-            wg, wu = wg.to(a.dtype), wu.to(a.dtype)  # exact: e4m3 values fit bf16
+            a = _fp8_operand(a)
+            wg, wu = wg.to(a.dtype), wu.to(a.dtype)  # exact: e4m3 values fit fp16
         if DOT_FP32:
             a, wg, wu = a.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
         if SCALE_N > 0:
@@ -366,6 +377,7 @@ def _down_kernel(act_ptr, w2_ptr, shared_w2_ptr, out_ptr, token_ptr, weight_ptr,
         a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         if SCALE_N > 0:
+            a = _fp8_operand(a)
             w = w.to(a.dtype)
         if DOT_FP32:
             a, w = a.to(tl.float32), w.to(tl.float32)
@@ -473,6 +485,9 @@ def pick_config(num_pairs: int, num_slots: int, dtype: torch.dtype) -> MoEGemmCo
         cfg = MoEGemmConfig(64, (64, 64, 8, 4), (64, 64, 8, 3))
     else:
         cfg = MoEGemmConfig(64, (256, 64, 8, 3), (128, 32, 8, 4))
+    if dtype == torch.float8_e4m3fn and 4 < rows_per_slot <= 16:
+        # one byte a weight: wider column tiles win from a few rows a slot (bench.probe_moe --fp8, H200)
+        cfg = cfg._replace(gate_up=(128, 128, 4, 3), down=(128, 128, 4, 3))
     if dtype == torch.float32:  # twice the bytes per stage: fewer stages (and gate-up columns) to fit shared memory
         cfg = cfg._replace(gate_up=(min(cfg.gate_up[0], 128),) + cfg.gate_up[1:3] + (2,), down=cfg.down[:3] + (2,))
     return cfg
@@ -519,7 +534,7 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     # the operands go up to fp32 first, where products of bf16 values are exact.
     dot_fp32 = not x.is_cuda
     # fp32 operands get IEEE products like the reference's F.linear (TF32 would cost ~1e-3 relative).
-    precision = "ieee" if dot_fp32 or w13.dtype == torch.float32 else "tf32"
+    precision = "ieee" if dot_fp32 or compute == torch.float32 else "tf32"
 
     act = torch.empty(tiles * cfg.block_m, inter, dtype=compute, device=x.device)
     plain = ("num_tiles", "num_tokens", "zero_count")
