@@ -194,8 +194,11 @@ def step_bytes(engine: LLMEngine, batch: int, context: int, experts_touched: lis
         else:
             total += p.numel() * p.element_size()
     for moe, touched in zip(model.moe_layers(), experts_touched):
-        per_slot = (moe.w13[0].numel() + moe.w2[0].numel()) * moe.w13.element_size()
-        total += touched * per_slot
+        total += touched * sum(t[0].numel() * t.element_size() for t in moe.slot_tensors())  # FP8: scales too
+        shared_fp8 = moe._shared_fp8._value if moe.fp8_block is not None else None
+        if shared_fp8 is not None:  # the fused slot read the shared expert's FP8 copy, not its 16-bit weights
+            total -= sum(p.numel() * p.element_size() for p in moe.shared_experts.parameters())
+            total += sum(t.numel() * t.element_size() for t in (*shared_fp8[:2], *shared_fp8[2][:2]))
     kv = engine.runner.kv
     d, kv_bytes = mc.latent_dim, kv.global_kv.element_size() + (4 / mc.latent_dim if kv.kv_scale is not None else 0)
     w = mc.sliding_window or 0
@@ -433,6 +436,8 @@ def main(argv=None):
                     help="EngineConfig.index_topk_freq: the indexer scores in every n-th layer, the others "
                          "reuse its top-k (one row each)")
     ap.add_argument("--moe-gemm", nargs="+", default=["auto"], choices=["auto", "triton", "grouped_mm"])
+    ap.add_argument("--expert-dtype", nargs="+", default=["auto"], choices=["auto", "fp8_e4m3"],
+                    help="routed experts' weights; quantizing is in place, so 'auto' runs first")
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--moe-share", action="store_true", help="also time the step with MoE layers removed")
@@ -469,14 +474,14 @@ def main(argv=None):
     model = build_ours(cfg, args.device, dtype)
     bw = copy_bandwidth(args.device)
     rows = []
-    runs = [(kv, gemm, freq, c) for kv in args.kv_dtype for gemm in args.moe_gemm
-            for freq in args.index_topk_freq for c in args.contexts]
-    for kv_dtype, gemm, freq, context in runs:
+    runs = [(kv, gemm, freq, c, e) for e in sorted(args.expert_dtype, key=lambda e: e != "auto")
+            for kv in args.kv_dtype for gemm in args.moe_gemm for freq in args.index_topk_freq for c in args.contexts]
+    for kv_dtype, gemm, freq, context, expert_dtype in runs:
         blocks = args.batch * -(-(context + 1) // args.block_size)
         ecfg = EngineConfig(device=args.device, dtype=args.dtype, block_size=args.block_size, num_blocks=blocks,
                             max_num_seqs=args.batch, max_model_len=context + 1, kv_cache_dtype=kv_dtype, moe_gemm=gemm,
                             index_cache_dtype=args.index_dtype, index_topk_freq=freq,
-                            cuda_graph_max_batch=args.batch)
+                            cuda_graph_max_batch=args.batch, expert_dtype=expert_dtype)
         engine = LLMEngine(model, None, ecfg)
         batch = make_batch(engine, args.batch, context)
         fwd, step = time_forward(engine, batch, args.iters)
@@ -484,14 +489,16 @@ def main(argv=None):
         nbytes = step_bytes(engine, args.batch, context, touched)
         roof = nbytes / bw * 1e3 if bw else None
         row = dict(preset=args.preset, device=args.device, batch=args.batch, context=context, kv_dtype=kv_dtype,
-                   index_dtype=str(engine.runner.kv.index_keys.dtype).removeprefix("torch.")
+                   expert_dtype=expert_dtype, index_dtype=str(engine.runner.kv.index_keys.dtype).removeprefix("torch.")
                    if engine.runner.kv.index_keys is not None else None, index_topk_freq=freq, moe_gemm=gemm,
                    graphs=engine.runner.graphs is not None, pdl=pdl.pdl_mode(torch.empty(0, device=args.device)),
                    forward_ms=round(fwd, 3), step_ms=round(step, 3),
                    tok_s=round(args.batch / fwd * 1e3, 1), bytes_per_step_gb=round(nbytes / 1e9, 3),
                    copy_gbs=bw and round(bw / 1e9, 1), roofline_ms=roof and round(roof, 3),
                    roofline_pct=roof and round(100 * roof / fwd, 1),
-                   experts_touched_mean=round(sum(touched) / len(touched), 1))
+                   experts_touched_mean=round(sum(touched) / len(touched), 1),
+                   routed_expert_gb=round(sum(t.numel() * t.element_size() for m in engine.runner.model.moe_layers()
+                                              for t in m.slot_tensors()) / 1e9, 3))
         if args.graphs_vs_eager and engine.runner.graphs is not None:
             graphs, engine.runner.graphs = engine.runner.graphs, None
             row["eager_forward_ms"] = round(time_forward(engine, batch, args.iters)[0], 3)
@@ -542,10 +549,12 @@ def main(argv=None):
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
     base = rows[0]["forward_ms"] if rows else None
-    print("\n| kv | moe gemm | index freq | context | batch | forward ms | step ms | vs first | roofline ms | % roofline |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| experts | kv | moe gemm | index freq | context | batch | forward ms | step ms | vs first | roofline ms "
+          "| % roofline |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['kv_dtype']} | {r['moe_gemm']} | {r['index_topk_freq']} | {r['context']} | {r['batch']} | "
+        print(f"| {r['expert_dtype']} | {r['kv_dtype']} | {r['moe_gemm']} | {r['index_topk_freq']} | {r['context']} | "
+              f"{r['batch']} | "
               f"{r['forward_ms']} | {r['step_ms']} | "
               f"{r['forward_ms'] / base - 1:+.1%} | {r['roofline_ms']} | {r['roofline_pct']} |")
     if args.json:

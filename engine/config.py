@@ -340,6 +340,11 @@ class EngineConfig(BaseModel):
     moe_gemm: Literal["auto", "triton", "grouped_mm"] = Field(
         "auto", description="routed-expert GEMMs on GPU: the fused Triton SwiGLU kernel (kernels/moe_gemm.py; "
                             "auto, measured faster on H200) or torch's grouped GEMM")
+    expert_dtype: Literal["auto", "fp8_e4m3"] = Field(
+        "auto", description="routed experts' weights: 'auto' keeps the model dtype; 'fp8_e4m3' stores them as "
+                            "block FP8 (one fp32 scale per block: the checkpoint's weight_block_size, else "
+                            "128 x 128), quantized at start and computed by the fused kernels in 16-bit "
+                            "activations: half the bytes a decode step reads from them")
     fuse_shared_experts: bool = Field(
         True, description="on GPU, compute the shared expert as one more slot of the routed experts' fused "
                           "kernels (where it has their shape) instead of as a separate MLP")

@@ -56,7 +56,7 @@ def validate_plan(phys2log: torch.Tensor, num_layers: int, num_slots: int, num_l
 class Migration:
     plan_id: str
     phys2log: torch.Tensor                      # [layers, slots], the new placement
-    staged: dict = field(default_factory=dict)  # moe layer -> (w13, w2) for this rank's slots
+    staged: dict = field(default_factory=dict)  # moe layer -> its slot tensors (MoE.slot_tensors) for this rank
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
     committed: bool = False
@@ -110,19 +110,19 @@ class ExpertParallel:
         against the forward's). Call on every rank after the weights are loaded."""
         from torch.multiprocessing.reductions import reduce_tensor
 
-        mine = [(reduce_tensor(m.w13.data), reduce_tensor(m.w2.data)) for m in self.moes]
+        mine = [[reduce_tensor(t) for t in m.slot_tensors()] for m in self.moes]
         handles = [None] * self.world
         dist.all_gather_object(handles, mine, group=self.migrate_group)
         self.peers = []
         for r, layers in enumerate(handles):
             if r == self.rank:
-                self.peers.append([(m.w13.data, m.w2.data) for m in self.moes])
+                self.peers.append([m.slot_tensors() for m in self.moes])
             else:
-                self.peers.append([(f13(*a13), f2(*a2)) for (f13, a13), (f2, a2) in layers])
+                self.peers.append([[rebuild(*args) for rebuild, args in layer] for layer in layers])
         self.copy_stream = torch.cuda.Stream()
         # Staging buffers for every local slot, allocated once: a fresh multi-GB allocation per
         # migration costs more than the copies themselves.
-        self._staging = [(torch.empty_like(m.w13.data), torch.empty_like(m.w2.data)) for m in self.moes]
+        self._staging = [[torch.empty_like(t) for t in m.slot_tensors()] for m in self.moes]
 
     # lockstep ---------------------------------------------------------------------------
     def sync(self, busy: bool) -> bool:
@@ -244,15 +244,17 @@ class ExpertParallel:
             requests = []
             for i, (layer, src_rank, src_slot, dst_rank, dst_slot) in enumerate(self.transfers(mig.phys2log)):
                 moe = self.moes[layer]
+                # one tag per slot tensor (the FP8 experts' scales travel with their weights)
+                tags = len(moe.slot_tensors())
                 if src_rank == self.rank:
                     s = src_slot - self.base
-                    for j, w in enumerate((moe.w13.data[s].clone(), moe.w2.data[s].clone())):
-                        requests.append(dist.isend(w, dst_rank, group=self.migrate_group, tag=2 * i + j))
+                    for j, t in enumerate(moe.slot_tensors()):
+                        requests.append(dist.isend(t[s].clone(), dst_rank, group=self.migrate_group, tag=tags * i + j))
                 if dst_rank == self.rank:
-                    w13, w2 = mig.staged[layer]
                     d = dst_slot - self.base
-                    for j, buf in enumerate((w13[d], w2[d])):
-                        requests.append(dist.irecv(buf, src_rank, group=self.migrate_group, tag=2 * i + j))
+                    for j, staged in enumerate(mig.staged[layer]):
+                        buf = staged[d]
+                        requests.append(dist.irecv(buf, src_rank, group=self.migrate_group, tag=tags * i + j))
                         mig.bytes_received += buf.numel() * buf.element_size()
             for r in requests:
                 r.wait()
@@ -285,17 +287,17 @@ class ExpertParallel:
         """Staging buffers of layer k, starting from the experts this rank already holds (one
         gather per layer: few Python calls)."""
         moe = self.moes[k]
-        w13, w2 = self._staging[k] if self._staging else (torch.empty_like(moe.w13.data),
-                                                           torch.empty_like(moe.w2.data))
+        current = moe.slot_tensors()
+        staged = self._staging[k] if self._staging else [torch.empty_like(t) for t in current]
         cur = self.phys2log[k, self.base:self.base + self.spr].tolist()
         pairs = [(cur.index(e), s) for s, e in enumerate(mig.phys2log[k, self.base:self.base + self.spr].tolist())
                  if e in cur]
         if pairs:
-            src = torch.tensor([p[0] for p in pairs], device=w13.device)
-            dst = torch.tensor([p[1] for p in pairs], device=w13.device)
-            w13.index_copy_(0, dst, moe.w13.data.index_select(0, src))
-            w2.index_copy_(0, dst, moe.w2.data.index_select(0, src))
-        mig.staged[k] = (w13, w2)
+            src = torch.tensor([p[0] for p in pairs], device=staged[0].device)
+            dst = torch.tensor([p[1] for p in pairs], device=staged[0].device)
+            for buf, t in zip(staged, current):
+                buf.index_copy_(0, dst, t.index_select(0, src))
+        mig.staged[k] = staged
 
     def _wanted(self, new: torch.Tensor) -> dict[tuple[int, int], list[tuple[int, int]]]:
         """(layer, source rank) -> [(source local slot, destination local slot)] this rank pulls."""
@@ -309,36 +311,33 @@ class ExpertParallel:
     def _peer_layer(self, mig: Migration, k: int) -> None:
         """Peer copies of layer k: when most of a source's slots are wanted, one bulk copy of its
         whole layer over NVLink and a local gather beat many small copies."""
-        w13, w2 = mig.staged[k]
+        staged = mig.staged[k]
         for src_rank in range(self.world):
             pairs = mig.wanted.get((k, src_rank))
             if not pairs:
                 continue
-            src13, src2 = self.peers[src_rank][k]
+            sources = self.peers[src_rank][k]
             if 2 * len(pairs) >= self.spr:
                 if self._bulk is None:
-                    self._bulk = (torch.empty_like(w13), torch.empty_like(w2))
-                bulk13, bulk2 = self._bulk
-                bulk13.copy_(src13, non_blocking=True)
-                bulk2.copy_(src2, non_blocking=True)
-                src_idx = torch.tensor([p[0] for p in pairs], device=w13.device)
-                dst_idx = torch.tensor([p[1] for p in pairs], device=w13.device)
-                w13.index_copy_(0, dst_idx, bulk13.index_select(0, src_idx))
-                w2.index_copy_(0, dst_idx, bulk2.index_select(0, src_idx))
+                    self._bulk = [torch.empty_like(t) for t in staged]
+                src_idx = torch.tensor([p[0] for p in pairs], device=staged[0].device)
+                dst_idx = torch.tensor([p[1] for p in pairs], device=staged[0].device)
+                for buf, bulk, src in zip(staged, self._bulk, sources):
+                    bulk.copy_(src, non_blocking=True)
+                    buf.index_copy_(0, dst_idx, bulk.index_select(0, src_idx))
             else:
                 for s, d in pairs:
-                    w13[d].copy_(src13[s], non_blocking=True)
-                    w2[d].copy_(src2[s], non_blocking=True)
-            mig.bytes_received += len(pairs) * (w13[0].numel() + w2[0].numel()) * w13.element_size()
+                    for buf, src in zip(staged, sources):
+                        buf[d].copy_(src[s], non_blocking=True)
+            mig.bytes_received += len(pairs) * sum(t[0].numel() * t.element_size() for t in staged)
 
     def _switch(self) -> None:
         """Swap weights and maps; runs on every rank at the same lockstep step."""
         with self._lock:
             mig, self.pending = self.pending, None
         for k, moe in enumerate(self.moes):
-            w13, w2 = mig.staged[k]
-            moe.w13.data.copy_(w13)
-            moe.w2.data.copy_(w2)
+            for t, staged in zip(moe.slot_tensors(), mig.staged[k]):
+                t.copy_(staged)
             moe.local_phys2log = mig.phys2log[k, self.base:self.base + self.spr].tolist()
         self.phys2log = mig.phys2log.clone()
         self.maps = [ExpertMap(self.phys2log[layer], self.num_logical) for layer in range(self.phys2log.shape[0])]

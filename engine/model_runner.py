@@ -11,7 +11,7 @@ from .cuda_graphs import DecodeGraphs
 from .decode_attention import build_decode_batch, build_token_batch
 from .config import EngineConfig
 from .model import DeepseekForCausalLM
-from .moe import MoE
+from .moe import MoE, expert_fp8_block
 from .sampling import Sampler
 from .scheduler import ScheduledBatch
 
@@ -85,9 +85,12 @@ class ModelRunner:
         self.device = torch.device(cfg.device)
         self.dtype = getattr(torch, cfg.dtype)
         self.kv = KVCache(model, cfg, self.device, self.dtype)
+        fp8_block = expert_fp8_block(model.cfg) if cfg.expert_dtype == "fp8_e4m3" else None
         for moe in model.moe_layers():
             moe.gemm = cfg.moe_gemm
             moe.fuse_shared = cfg.fuse_shared_experts
+            if fp8_block is not None and moe.fp8_block is None:
+                moe.quantize_experts(fp8_block)
         self.set_overlap(cfg.decode_overlap)
         for layer, scores in zip(model.model.layers, cfg.index_scoring_layers(model.cfg)):
             layer.self_attn.reuse_topk = not scores

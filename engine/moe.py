@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import triton_ok
+from kernels.fp8_blocks import ExpertScales, dequantize_experts, quantize_experts
 from kernels.moe_gemm import AlignedPairs, fused_experts, pick_config, token_major
 from kernels.routing import fused_route, gate_fused_ok, gate_norm_applies, gate_parts_norm_triton, gate_parts_triton
 from kernels.swiglu import silu_mul
@@ -37,6 +38,12 @@ def route(logits: torch.Tensor, bias: torch.Tensor, cfg: ModelConfig, expert_map
     routed = fused_route(logits, bias, cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok, cfg.norm_topk_prob,
                          cfg.routed_scaling_factor, expert_map.log2phys, expert_map.num_replicas, slot_load, align)
     return routed if align is None else routed[:3] + (AlignedPairs(*routed[3]),)
+
+
+def expert_fp8_block(cfg: ModelConfig) -> tuple[int, int]:
+    """The FP8 experts' block: the checkpoint's own (DeepSeek's FP8 releases: 128 x 128), else 128 x 128."""
+    quant = cfg.quantization_config
+    return tuple(quant.weight_block_size) if quant is not None else (128, 128)
 
 
 class ExpertMap:
@@ -125,6 +132,9 @@ class MoE(nn.Module):
         self.fuse_shared = True  # EngineConfig.fuse_shared_experts, set by the model runner
         self.register_buffer("slot_load", torch.zeros(num_slots, dtype=torch.long), persistent=False)
         self._gate_fp32 = DerivedWeight()  # router logits are computed in fp32
+        # Block FP8 experts (quantize_experts): the scales of w13 / w2, and the shared expert's FP8 copy.
+        self.fp8_block: tuple[int, int] | None = None
+        self._shared_fp8 = DerivedWeight()
 
     def forward(self, x: torch.Tensor | NormInput) -> torch.Tensor:
         """[T, H]: in x's dtype, or from the fused kernels the fp32 sum before its rounding, which
@@ -157,6 +167,37 @@ class MoE(nn.Module):
         return self.experts(x, routed[2], routed[1], add=None if shared is None else shared.join,
                             shared=shared_slot, fp32_out=True, aligned=routed[3] if align else None)
 
+    # block FP8 experts ------------------------------------------------------------------
+    def quantize_experts(self, block: tuple[int, int], slots_at_once: int = 8) -> None:
+        """Store the routed experts as block FP8 (kernels/fp8_blocks.py): one byte a weight plus
+        one fp32 scale per block, computed by the fused kernels without a dequantized copy.
+        A few slots at a time, so the fp32 working copy stays small beside the weights."""
+        if self.fp8_block is not None:
+            raise ValueError("the experts are already FP8")
+        parts = [quantize_experts(self.w13.data[i:i + slots_at_once], self.w2.data[i:i + slots_at_once], block)
+                 for i in range(0, self.w13.shape[0], slots_at_once)]
+        self.w13 = nn.Parameter(torch.cat([p[0] for p in parts]), requires_grad=False)
+        self.w2 = nn.Parameter(torch.cat([p[1] for p in parts]), requires_grad=False)
+        self.register_buffer("w13_scale", torch.cat([p[2].w13 for p in parts]))
+        self.register_buffer("w2_scale", torch.cat([p[2].w2 for p in parts]))
+        self.fp8_block = tuple(block)
+
+    @property
+    def scales(self) -> ExpertScales | None:
+        return None if self.fp8_block is None else ExpertScales(self.w13_scale, self.w2_scale, self.fp8_block)
+
+    def slot_tensors(self) -> list[torch.Tensor]:
+        """Everything held per physical slot (dim 0): what the balancer moves with an expert."""
+        weights = [self.w13.data, self.w2.data]
+        return weights if self.fp8_block is None else weights + [self.w13_scale, self.w2_scale]
+
+    def _dense_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """w13, w2 in `dtype` for the paths without the fused kernels (FP8 dequantized per call)."""
+        if self.fp8_block is None:
+            return self.w13, self.w2
+        w13, w2 = dequantize_experts(self.w13, self.w2, self.scales)
+        return w13.to(dtype), w2.to(dtype)
+
     def takes_norm(self, x: torch.Tensor, residual: torch.Tensor | None, norm) -> bool:
         """Whether forward() can take its input's norm as a NormInput: one token, where the
         router's partial logits run as a kernel (gate_parts_norm_triton)."""
@@ -180,8 +221,12 @@ class MoE(nn.Module):
         if not self.fuse_shared or self.shared_experts is None or self.ep is not None or not self._fused_ok(x):
             return None
         w13, w2 = self.shared_experts.expert_weights()
-        if (w13.shape, w2.shape, w13.dtype, w2.dtype) != (self.w13.shape[1:], self.w2.shape[1:], self.w13.dtype,
-                                                          self.w2.dtype):
+        if (w13.shape, w2.shape) != (self.w13.shape[1:], self.w2.shape[1:]):
+            return None
+        if self.fp8_block is not None:
+            # the fused slot reads an FP8 copy of the shared expert, in the routed experts' blocks
+            return self._shared_fp8.get([w13, w2], lambda: quantize_experts(w13, w2, self.fp8_block))
+        if (w13.dtype, w2.dtype) != (self.w13.dtype, self.w2.dtype):
             return None
         return w13, w2
 
@@ -222,27 +267,29 @@ class MoE(nn.Module):
                 self.slot_load += counts
         if fused:
             return fused_experts(x, self.w13, self.w2, token_of, slot_of, weight_of, add=add, shared=shared,
-                                 fp32_out=fp32_out, aligned=aligned)
+                                 fp32_out=fp32_out, aligned=aligned, scales=self.scales)
         order = slot_of.argsort(stable=True)
         token_of = token_major(token_of, x, slot_of)[order]
         xs = x[token_of]
-        if _grouped_mm_ok(xs, self.w13):
+        w13, w2 = self._dense_weights(x.dtype)
+        if _grouped_mm_ok(xs, w13):
             offs = counts.cumsum(0).to(torch.int32)
-            gate_up = torch._grouped_mm(xs, self.w13.transpose(1, 2), offs=offs)
-            y = torch._grouped_mm(silu_mul(gate_up), self.w2.transpose(1, 2), offs=offs)
+            gate_up = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs)
+            y = torch._grouped_mm(silu_mul(gate_up), w2.transpose(1, 2), offs=offs)
         else:
-            y = self._experts_loop(xs, counts)
+            y = self._experts_loop(xs, counts, w13, w2)
         y = y * weight_of[order].to(y.dtype)[:, None]
         out = torch.zeros_like(x).index_add_(0, token_of, y.to(x.dtype))
         return out if add is None else out + (add() if callable(add) else add)
 
-    def _experts_loop(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def _experts_loop(self, xs: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor,
+                      w2: torch.Tensor) -> torch.Tensor:
         y = torch.empty_like(xs)
         start = 0
         for slot, n in enumerate(counts.tolist()):
             if n:
-                gate_up = F.linear(xs[start:start + n], self.w13[slot])
-                y[start:start + n] = F.linear(silu_mul(gate_up), self.w2[slot])
+                gate_up = F.linear(xs[start:start + n], w13[slot])
+                y[start:start + n] = F.linear(silu_mul(gate_up), w2[slot])
                 start += n
         return y
 

@@ -18,15 +18,24 @@ def prompts_for(rank):
     return [torch.randint(4, 500, (n,), generator=g).tolist() for n in ((30, 7) if rank == 0 else (18,))]
 
 
-def setup(rank, world, port, ckpt):
+def setup(rank, world, port, ckpt, fp8=False):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     migrate = dist.new_group(backend="gloo")
-    engine = LLMEngine(*_model_and_tok(ckpt, rank, world, migrate))
+    engine = LLMEngine(*_model_and_tok(ckpt, rank, world, migrate, fp8))
     return AsyncLLMEngine(engine)
 
 
-def _model_and_tok(ckpt, rank, world, migrate):
+def engine_config(fp8=False):
+    return EngineConfig(block_size=4, expert_dtype="fp8_e4m3" if fp8 else "auto")
+
+
+def slot0(moe):
+    """Slot 0's gate/up weights, and with FP8 experts their scales (plain floats: fp8 is exact in fp32)."""
+    return moe.w13.data[0].float().clone(), None if moe.scales is None else moe.scales.w13[0].clone()
+
+
+def _model_and_tok(ckpt, rank, world, migrate, fp8=False):
     from engine.checkpoint import load_model
     from engine.config import ModelConfig
     from engine.tokenizer import Tokenizer
@@ -35,7 +44,7 @@ def _model_and_tok(ckpt, rank, world, migrate):
     ep = ExpertParallel(rank, world, initial_placement(moe_layers, cfg.n_routed_experts, cfg.n_routed_experts),
                         cfg.n_routed_experts, group=dist.group.WORLD, migrate_group=migrate)
     model = load_model(ckpt, progress=False, local_phys2log=ep.local_phys2log())
-    return model, Tokenizer(ckpt), EngineConfig(block_size=4), ep
+    return model, Tokenizer(ckpt), engine_config(fp8), ep
 
 
 async def generate_all(aengine, prompts, tag):
@@ -48,14 +57,15 @@ async def generate_all(aengine, prompts, tag):
 
 
 def run(rank, world, port, ckpt, results, scenario):
-    aengine = setup(rank, world, port, ckpt)
+    # "migrate_fp8": the same migration with block-FP8 experts (their scales travel with them)
+    aengine = setup(rank, world, port, ckpt, fp8=scenario == "migrate_fp8")
     engine, ep = aengine.engine, aengine.engine.ep
     out = {"rank": rank}
     try:
         prompts = prompts_for(rank)
         out["before"] = asyncio.run(generate_all(aengine, prompts, "before"))
         moe = engine.runner.model.moe_layers()[0]
-        out["slot0_before"] = moe.w13.data[0].clone()
+        out["slot0_before"], out["slot0_scale_before"] = slot0(moe)
         # Move every expert to the other rank: all of them must travel.
         spr = ep.spr
         new = torch.cat([ep.phys2log[:, spr:], ep.phys2log[:, :spr]], dim=1)
@@ -88,7 +98,7 @@ def run(rank, world, port, ckpt, results, scenario):
         if not staged["staged"]:
             ep.abort("p1")
             out["phys2log_after"] = ep.phys2log.clone()
-            out["slot0_after"] = moe.w13.data[0].clone()
+            out["slot0_after"], out["slot0_scale_after"] = slot0(moe)
             return
         ep.commit("p1")
         deadline = time.monotonic() + 20
@@ -96,7 +106,7 @@ def run(rank, world, port, ckpt, results, scenario):
             time.sleep(0.01)
         out["switched"] = ep.switches
         out["phys2log_after"] = ep.phys2log.clone()
-        out["slot0_after"] = moe.w13.data[0].clone()
+        out["slot0_after"], out["slot0_scale_after"] = slot0(moe)
         out["after"] = asyncio.run(generate_all(aengine, prompts, "after"))
     except BaseException as e:
         out["error"] = repr(e)
@@ -114,7 +124,7 @@ def survive_peer_loss(aengine, ep, moe, prompts, out):
     out["staged"] = ep.wait_staged("p1", 30)
     ep.abort("p1")
     out["phys2log_after"] = ep.phys2log.clone()
-    out["slot0_after"] = moe.w13.data[0].clone()
+    out["slot0_after"], out["slot0_scale_after"] = slot0(moe)
     try:
         asyncio.run(asyncio.wait_for(generate_all(aengine, prompts[:1], "after-kill"), 30))
         out["after_kill"] = "served"

@@ -79,6 +79,22 @@ def test_invalid_plans_are_refused(migration_run):
         assert "have no slot" in empty
 
 
+def test_fp8_experts_migrate_with_their_scales(tiny_ckpt):
+    """Block-FP8 experts (EngineConfig.expert_dtype): every expert moves to the other rank, its
+    scales with it, and the outputs stay the single-process FP8 engine's."""
+    outs = _run(tiny_ckpt, "migrate_fp8")
+    single = LLMEngine.from_pretrained(tiny_ckpt, ep_worker.engine_config(fp8=True), progress=False)
+    for rank, out in outs.items():
+        assert "error" not in out, out.get("error")
+        expect = [o.output_token_ids for o in single.generate(ep_worker.prompts_for(rank), ep_worker.GREEDY)]
+        assert out["before"] == expect
+        assert out["switched"] == 1 and out["after"] == out["before"]
+        other = outs[1 - rank]
+        assert out["slot0_scale_before"] is not None
+        assert out["slot0_after"] == other["slot0_before"] and out["slot0_scale_after"] == other["slot0_scale_before"]
+        assert out["slot0_scale_after"] != out["slot0_scale_before"]
+
+
 def test_rank_killed_mid_migration_keeps_old_placement(tiny_ckpt):
     outs = _run(tiny_ckpt, "kill")
     survivor = outs[0]

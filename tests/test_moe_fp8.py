@@ -1,0 +1,132 @@
+"""Block-FP8 routed experts in the engine (EngineConfig.expert_dtype = "fp8_e4m3")."""
+import pytest
+import torch
+from pydantic import ValidationError
+
+from engine.config import EngineConfig, preset
+from engine.llm_engine import LLMEngine
+from engine.moe import MoE
+from engine.sampling import SamplingParams
+from kernels.fp8_blocks import dequantize_experts
+
+from kernel_devices import INTERPRETING
+
+needs_interpreter = pytest.mark.skipif(not INTERPRETING, reason="CPU runs Triton only under TRITON_INTERPRET=1")
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+
+def _moe_pair(block=(16, 16), seed=0):
+    """A MoE layer quantized to FP8 and a copy holding its dequantized weights."""
+    cfg = preset("tiny")
+    torch.manual_seed(seed)
+    fp8 = MoE(cfg)
+    for p in fp8.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    fp8.gate.e_score_correction_bias.normal_(std=0.1)
+    dense = MoE(cfg)
+    dense.load_state_dict(fp8.state_dict())
+    fp8.quantize_experts(block)
+    w13, w2 = dequantize_experts(fp8.w13.data, fp8.w2.data, fp8.scales)
+    dense.w13.data.copy_(w13)
+    dense.w2.data.copy_(w2)
+    for m in (fp8, dense):
+        m.fuse_shared = False
+    return fp8, dense
+
+
+def test_quantized_layer_stores_one_byte_a_weight_and_moves_scales_with_slots():
+    fp8, dense = _moe_pair()
+    assert fp8.w13.dtype == fp8.w2.dtype == torch.float8_e4m3fn and not fp8.w13.requires_grad
+    # tiny: hidden 64 (4 column blocks of 16), moe_intermediate 32 (2 row blocks each for gate and up)
+    assert fp8.scales.w13.shape == (fp8.w13.shape[0], 4, 4) and fp8.scales.w2.shape == (fp8.w2.shape[0], 4, 2)
+    tensors = fp8.slot_tensors()
+    assert [t.shape[0] for t in tensors] == [fp8.w13.shape[0]] * 4
+    assert tensors[2].data_ptr() == fp8.scales.w13.data_ptr()  # what the balancer copies is what is read
+    assert len(dense.slot_tensors()) == 2
+    with pytest.raises(ValueError, match="already FP8"):
+        fp8.quantize_experts((16, 16))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("gemm", ["auto", "grouped_mm"])
+@pytest.mark.parametrize("tokens", [1, 9])
+@torch.no_grad()
+def test_quantized_layer_computes_its_dequantized_weights(gemm, tokens, monkeypatch):
+    """The fused kernels (auto: interpreted) and the dense fallback (grouped_mm on CPU: the
+    per-slot loop on dequantized weights) against the same layer holding the dequantized weights."""
+    monkeypatch.setenv("WIDEEP_CPU_KERNELS", "1")
+    fp8, dense = _moe_pair()
+    fp8.gemm = dense.gemm = gemm
+    x = torch.randn(tokens, fp8.cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    assert fp8._fused_ok(x) == (gemm == "auto")
+    got, want = fp8(x).float(), dense(x).float()
+    assert float((got - want).norm() / want.norm()) < 1e-5
+    assert torch.equal(fp8.slot_load, dense.slot_load) and int(fp8.slot_load.sum()) > 0
+
+
+@needs_interpreter
+@torch.no_grad()
+def test_fused_shared_expert_reads_an_fp8_copy(monkeypatch):
+    """With the shared expert fused as one more slot its FP8 copy is computed: near the separate
+    16-bit shared MLP (within FP8's rounding), and not identical to it."""
+    monkeypatch.setenv("WIDEEP_CPU_KERNELS", "1")
+    fp8, _ = _moe_pair()
+    x = torch.randn(5, fp8.cfg.hidden_size, generator=torch.Generator().manual_seed(2))
+    separate = fp8(x).float()
+    fp8.fuse_shared = True
+    shared = fp8._shared_slot(x)
+    assert shared is not None and shared[0].dtype == torch.float8_e4m3fn
+    fused = fp8(x).float()
+    err = float((fused - separate).norm() / separate.norm())
+    assert 0 < err < 0.05, err
+
+
+def _engine(ckpt, **kw):
+    return LLMEngine.from_pretrained(ckpt, EngineConfig(block_size=4, **kw), progress=False)
+
+
+def _prompts(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(4, 500, (n,), generator=g).tolist() for n in (11, 3, 25)]
+
+
+def test_fp8_engine_serves_the_dequantized_model(tiny_ckpt):
+    """Greedy tokens (prefill, chunks and decode) of the FP8-expert engine are those of the same
+    model holding the dequantized expert weights, and no KV block is leaked."""
+    fp8 = _engine(tiny_ckpt, expert_dtype="fp8_e4m3", fuse_shared_experts=False)
+    dense = _engine(tiny_ckpt, fuse_shared_experts=False)
+    for q, d in zip(fp8.runner.model.moe_layers(), dense.runner.model.moe_layers()):
+        assert q.w13.dtype == torch.float8_e4m3fn and q.fp8_block == (128, 128)  # tiny has no checkpoint block
+        w13, w2 = dequantize_experts(q.w13.data, q.w2.data, q.scales)
+        d.w13.data.copy_(w13)
+        d.w2.data.copy_(w2)
+    prompts = _prompts()
+    got = [o.output_token_ids for o in fp8.generate(prompts, GREEDY)]
+    want = [o.output_token_ids for o in dense.generate(prompts, GREEDY)]
+    assert got == want
+    assert fp8.scheduler.blocks.num_used_blocks == 0
+    # and the quantization changed something: the 16-bit weights differ from the dequantized ones
+    plain = _engine(tiny_ckpt)
+    q, p = fp8.runner.model.moe_layers()[0], plain.runner.model.moe_layers()[0]
+    assert not torch.equal(dequantize_experts(q.w13.data, q.w2.data, q.scales)[0], p.w13.data.float())
+
+
+def test_bad_expert_dtype_names_the_field():
+    with pytest.raises(ValidationError, match="expert_dtype"):
+        EngineConfig(expert_dtype="fp4")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_fp8_experts_on_gpu_graphs_match_eager(tiny_v4_ckpt):
+    """bf16 on the GPU: decode steps replayed from CUDA graphs (the FP8 shared slot fused, the
+    router laying out one token's pairs) give the eager FP8 engine's tokens."""
+    kw = dict(device="cuda", dtype="bfloat16", expert_dtype="fp8_e4m3", warmup=False)
+    prompts = _prompts(seed=3)
+    graphs = _engine(tiny_v4_ckpt, **kw)
+    eager = _engine(tiny_v4_ckpt, cuda_graphs=False, **kw)
+    got = [o.output_token_ids for o in graphs.generate(prompts, GREEDY)]
+    assert got == [o.output_token_ids for o in eager.generate(prompts, GREEDY)]
+    assert graphs.runner.graphs.graphs, "no decode step was replayed from a graph"
+    one = [o.output_token_ids for o in graphs.generate(prompts[:1], GREEDY)]
+    assert one == got[:1]
