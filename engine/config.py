@@ -376,6 +376,13 @@ class EngineConfig(BaseModel):
                                 "stay out of use this long, so a write still in flight cannot land in another "
                                 "request's KV")
 
+    @model_validator(mode="after")
+    def _check_experts(self) -> "EngineConfig":
+        if self.expert_dtype == "fp8_e4m3" and self.moe_gemm == "grouped_mm":
+            raise ValueError("expert_dtype 'fp8_e4m3' is computed by the fused Triton kernels; moe_gemm "
+                             "'grouped_mm' would dequantize every expert every step (use 'auto' or 'triton')")
+        return self
+
     @field_validator("index_topk_pattern")
     @classmethod
     def _check_pattern(cls, v: str | None) -> str | None:

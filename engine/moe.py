@@ -17,7 +17,7 @@ from kernels.moe_gemm import AlignedPairs, fused_experts, pick_config, token_maj
 from kernels.routing import fused_route, gate_fused_ok, gate_norm_applies, gate_parts_norm_triton, gate_parts_triton
 from kernels.swiglu import silu_mul
 
-from .config import ModelConfig
+from .config import ConfigError, ModelConfig
 from .layers import MLP, DerivedWeight, NormInput
 from .streams import Branch
 
@@ -43,7 +43,12 @@ def route(logits: torch.Tensor, bias: torch.Tensor, cfg: ModelConfig, expert_map
 def expert_fp8_block(cfg: ModelConfig) -> tuple[int, int]:
     """The FP8 experts' block: the checkpoint's own (DeepSeek's FP8 releases: 128 x 128), else 128 x 128."""
     quant = cfg.quantization_config
-    return tuple(quant.weight_block_size) if quant is not None else (128, 128)
+    rows, cols = tuple(quant.weight_block_size) if quant is not None else (128, 128)
+    if cols < 16 or cols & (cols - 1):
+        # a kernel k step stays inside one block: a power of two of at least one MMA's depth
+        raise ConfigError(f"expert_dtype 'fp8_e4m3': the checkpoint's weight_block_size [{rows}, {cols}] needs "
+                          "cols a power of two >= 16")
+    return rows, cols
 
 
 class ExpertMap:

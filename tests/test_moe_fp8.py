@@ -130,3 +130,17 @@ def test_fp8_experts_on_gpu_graphs_match_eager(tiny_v4_ckpt):
     assert graphs.runner.graphs.graphs, "no decode step was replayed from a graph"
     one = [o.output_token_ids for o in graphs.generate(prompts[:1], GREEDY)]
     assert one == got[:1]
+
+
+def test_fp8_experts_refuse_the_grouped_gemm_and_odd_checkpoint_blocks():
+    from engine.config import ConfigError, FP8Quantization
+    from engine.moe import expert_fp8_block
+    with pytest.raises(ValidationError, match="expert_dtype 'fp8_e4m3' is computed by the fused Triton kernels"):
+        EngineConfig(expert_dtype="fp8_e4m3", moe_gemm="grouped_mm")
+    cfg = preset("tiny")
+    assert expert_fp8_block(cfg) == (128, 128)
+    odd = cfg.model_copy(update={"quantization_config": FP8Quantization(quant_method="fp8", weight_block_size=[128, 96])})
+    with pytest.raises(ConfigError, match=r"weight_block_size \[128, 96\]"):
+        expert_fp8_block(odd)
+    ok = cfg.model_copy(update={"quantization_config": FP8Quantization(quant_method="fp8", weight_block_size=[64, 32])})
+    assert expert_fp8_block(ok) == (64, 32)
