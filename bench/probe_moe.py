@@ -43,6 +43,7 @@ def main(argv=None) -> None:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--json", default=None)
     ap.add_argument("--fp8", action="store_true", help="block-FP8 experts (and the 16-bit ones' built-in shapes beside)")
+    ap.add_argument("--built-in-only", action="store_true", help="no sweep: the built-in shapes alone")
     ap.add_argument("--gate", action="store_true")
     ap.add_argument("--gate-only", action="store_true", help="time the router's kernel alone")
     args = ap.parse_args(argv)
@@ -96,6 +97,8 @@ def main(argv=None) -> None:
             return us
 
         base = timed(built_in, "built-in")
+        if args.built_in_only:
+            continue
         if best is None or args.prefill:  # decode: sweep at the first token count, check the winner at the others
             winners = []
             for block_m in args.block_m or [built_in.block_m]:

@@ -7,6 +7,7 @@ weights are dequantized as they are read (engine/fp8_weights.py).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import sys
@@ -23,9 +24,9 @@ from kernels.fp8_blocks import dequantize_fp8_blocks, quantize_fp8_blocks, scale
 from .config import ConfigError, ModelConfig, preset
 from .fp8_weights import FP8_LINEAR, SCALE_SUFFIX
 from .model import DeepseekForCausalLM
-from .moe import MoE
+from .moe import MoE, expert_fp8_block
 
-_EXPERT = re.compile(r"^(model\.layers\.(\d+)\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT = re.compile(r"^(model\.layers\.(\d+)\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight(_scale_inv)?$")
 _FUSED = re.compile(r"^(model\.layers\.(\d+)\.mlp)\.experts\.(gate_up_proj|down_proj)$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _FP8_DTYPES = {"F8_E4M3", "F8_E5M2"}  # as safetensors names them
@@ -40,15 +41,17 @@ def _targets(model: DeepseekForCausalLM, name: str, inter: int) -> list[tuple[st
     every local slot that holds it (none when another rank holds it)."""
     m = _EXPERT.match(name)
     if m:
-        prefix, layer, j, kind = m.groups()
+        prefix, layer, j, kind, scale = m.groups()
         moe = model.model.layers[int(layer)].mlp
-        if not isinstance(moe, MoE) or not 0 <= int(j) < model.cfg.n_routed_experts:
+        if not isinstance(moe, MoE) or not 0 <= int(j) < model.cfg.n_routed_experts or (scale and moe.fp8_block is None):
             return [(name, ())]  # reported as unexpected
         slots = [s for s, e in enumerate(moe.local_phys2log) if e == int(j)]
+        suffix = "_scale" if scale else ""  # FP8 experts kept as they are: the scales fill their own slots
         if kind == "down_proj":
-            return [(f"{prefix}.w2", (s,)) for s in slots]
-        rows = slice(0, inter) if kind == "gate_proj" else slice(inter, 2 * inter)
-        return [(f"{prefix}.w13", (s, rows)) for s in slots]
+            return [(f"{prefix}.w2{suffix}", (s,)) for s in slots]
+        half = moe.w13_scale.shape[1] // 2 if scale else inter  # the gate's rows, then the up's
+        rows = slice(0, half) if kind == "gate_proj" else slice(half, 2 * half)
+        return [(f"{prefix}.w13{suffix}", (s, rows)) for s in slots]
     m = _FUSED.match(name)
     if m:
         prefix, layer, kind = m.groups()
@@ -63,10 +66,12 @@ def load_weights(model: DeepseekForCausalLM, tensors: Iterator[tuple[str, torch.
     """Copy (HF name, tensor) pairs into the model; every parameter must be filled exactly."""
     cfg = model.cfg
     params = dict(model.named_parameters())
-    params.update({n: b for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")})
+    params.update({n: b for n, b in model.named_buffers()
+                   if n.endswith(("e_score_correction_bias", ".w13_scale", ".w2_scale"))})
     filled: dict[str, int] = {}
-    # a w13 slot is filled by its gate and its up projection, a w2 slot by its down projection
-    expected = {n: (p.shape[0] * (2 if n.endswith("w13") else 1) if n.endswith((".w13", ".w2")) else 1)
+    # a w13 slot (and its FP8 scales) is filled by its gate and its up projection, a w2 slot by its down projection
+    slotted = (".w13", ".w2", ".w13_scale", ".w2_scale")
+    expected = {n: (p.shape[0] * (2 if n.endswith(("w13", "w13_scale")) else 1) if n.endswith(slotted) else 1)
                 for n, p in params.items()}
     for name, tensor in tqdm(tensors, total=total, desc="loading weights", unit="tensor",
                              disable=not progress, file=sys.stderr):
@@ -106,10 +111,12 @@ def _safetensors_files(path: Path) -> list[Path]:
 
 
 def iter_checkpoint(path: str | Path, weight_block_size: list[int] | tuple[int, int] | None = None,
-                    num_layers: int | None = None) -> tuple[Iterator[tuple[str, torch.Tensor]], int]:
+                    num_layers: int | None = None,
+                    keep_fp8=None) -> tuple[Iterator[tuple[str, torch.Tensor]], int]:
     """(HF name, tensor) pairs of a checkpoint directory, and how many it yields. An FP8 weight
     comes out dequantized (float32) under its own name, one tensor at a time; its scale
-    (`<name>_scale_inv`, anywhere in the directory) is consumed, never yielded.
+    (`<name>_scale_inv`, anywhere in the directory) is consumed, never yielded, unless
+    `keep_fp8(name)` says the weight is kept: then it comes out as stored, followed by its scale.
     weight_block_size: the config's quantization_config block, None for an unquantized model.
     num_layers: tensors of layers past it (DeepSeek's MTP layer, `model.layers.61.*` in V3, about
     2% of the weights) are neither read nor dequantized nor yielded."""
@@ -140,10 +147,15 @@ def iter_checkpoint(path: str | Path, weight_block_size: list[int] | tuple[int, 
                         continue
                     tensor = sf.get_tensor(name)
                     if name in fp8:
-                        tensor = dequantize_fp8_blocks(tensor, _read(sf, f, where, name + SCALE_SUFFIX),
-                                                       weight_block_size)
+                        scale = _read(sf, f, where, name + SCALE_SUFFIX)
+                        if keep_fp8 is not None and keep_fp8(name):
+                            yield name, tensor
+                            yield name + SCALE_SUFFIX, scale
+                            continue
+                        tensor = dequantize_fp8_blocks(tensor, scale, weight_block_size)
                     yield name, tensor
-    return gen(), len(where) - len(scales)
+    kept = sum(1 for name in fp8 if keep_fp8 is not None and keep_fp8(name))
+    return gen(), len(where) - len(scales) + kept
 
 
 def _read(sf, f: Path, where: dict[str, Path], name: str) -> torch.Tensor:
@@ -179,19 +191,35 @@ def _check_fp8(fp8: dict[str, tuple[str, list[int]]], scales: dict[str, list[int
 
 
 def load_model(path: str | Path, device="cpu", dtype=torch.float32, progress: bool = True,
-               local_phys2log: list[list[int]] | None = None) -> DeepseekForCausalLM:
-    """local_phys2log (expert parallelism): per MoE layer, the experts of this rank's slots."""
+               local_phys2log: list[list[int]] | None = None, fp8_experts: bool = False) -> DeepseekForCausalLM:
+    """local_phys2log (expert parallelism): per MoE layer, the experts of this rank's slots.
+    fp8_experts (EngineConfig.expert_dtype 'fp8_e4m3'): an FP8 checkpoint's routed experts load as
+    they are stored, weights and scales, never dequantized (other checkpoints' experts are
+    quantized by the engine after loading)."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint directory not found: {path}")
     cfg = ModelConfig.from_file(path)
-    with torch.device(device):
-        model = DeepseekForCausalLM(cfg, device=device, local_phys2log=local_phys2log).to(dtype)
-    _restore_fp32_router(model)
     quant = cfg.quantization_config
-    tensors, total = iter_checkpoint(path, quant.weight_block_size if quant else None, cfg.num_hidden_layers)
+    block = expert_fp8_block(cfg) if fp8_experts and quant is not None else None
+    # Built in the serving dtype (not in fp32 and then cast): the model's bytes are allocated once.
+    with torch.device(device), _default_dtype(dtype):
+        model = DeepseekForCausalLM(cfg, device=device, local_phys2log=local_phys2log, expert_fp8_block=block)
+    _restore_fp32_router(model)
+    keep = _EXPERT.match if block is not None else None
+    tensors, total = iter_checkpoint(path, quant.weight_block_size if quant else None, cfg.num_hidden_layers, keep)
     load_weights(model, tensors, total, progress)
     return model.eval()
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
 
 
 def _restore_fp32_router(model: DeepseekForCausalLM) -> None:

@@ -160,7 +160,8 @@ class LLMEngine:
         cfg = cfg or EngineConfig()
         path = ensure_checkpoint(str(name_or_path))
         model = load_model(path, device=cfg.device, dtype=getattr(torch, cfg.dtype), progress=progress,
-                           local_phys2log=ep.local_phys2log() if ep is not None else None)
+                           local_phys2log=ep.local_phys2log() if ep is not None else None,
+                           fp8_experts=cfg.expert_dtype == "fp8_e4m3")
         return cls(model, Tokenizer(path), cfg, ep)
 
     # requests ---------------------------------------------------------------------------

@@ -185,10 +185,12 @@ class MLAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, rotary: Rotary, local_phys2log: list[int] | None = None):
+    def __init__(self, cfg: ModelConfig, layer: int, rotary: Rotary, local_phys2log: list[int] | None = None,
+                 expert_fp8_block: tuple[int, int] | None = None):
         super().__init__()
         self.self_attn = MLAttention(cfg, layer, rotary)
-        self.mlp = MoE(cfg, local_phys2log) if cfg.is_moe_layer(layer) else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = (MoE(cfg, local_phys2log, expert_fp8_block) if cfg.is_moe_layer(layer)
+                    else MLP(cfg.hidden_size, cfg.intermediate_size))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -204,14 +206,15 @@ class DecoderLayer(nn.Module):
 
 
 class DeepseekModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, device="cpu", local_phys2log: list[list[int]] | None = None):
+    def __init__(self, cfg: ModelConfig, device="cpu", local_phys2log: list[list[int]] | None = None,
+                 expert_fp8_block: tuple[int, int] | None = None):
         super().__init__()
         self.rotary = rotary = Rotary(cfg.qk_rope_head_dim, cfg.rope_base, cfg.rope_interleave,
                                       cfg.max_position_embeddings, device, cfg.rope_yarn)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         moe_ids = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
         per_layer = {layer: local_phys2log[k] for k, layer in enumerate(moe_ids)} if local_phys2log else {}
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary, per_layer.get(i))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary, per_layer.get(i), expert_fp8_block)
                                     for i in range(cfg.num_hidden_layers))
         for k, layer in enumerate(moe_ids):
             self.layers[layer].mlp.layer_index = k
@@ -219,12 +222,14 @@ class DeepseekModel(nn.Module):
 
 
 class DeepseekForCausalLM(nn.Module):
-    """local_phys2log (expert parallelism): per MoE layer, the logical experts of this rank's slots."""
+    """local_phys2log (expert parallelism): per MoE layer, the logical experts of this rank's slots.
+    expert_fp8_block: the routed experts allocated as block FP8 (MoE's fp8_block)."""
 
-    def __init__(self, cfg: ModelConfig, device="cpu", local_phys2log: list[list[int]] | None = None):
+    def __init__(self, cfg: ModelConfig, device="cpu", local_phys2log: list[list[int]] | None = None,
+                 expert_fp8_block: tuple[int, int] | None = None):
         super().__init__()
         self.cfg = cfg
-        self.model = DeepseekModel(cfg, device, local_phys2log)
+        self.model = DeepseekModel(cfg, device, local_phys2log, expert_fp8_block)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def forward(self, input_ids: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:

@@ -113,10 +113,16 @@ _GROUPED_MM_DISABLED = False
 class MoE(nn.Module):
     """One MoE layer. `local_phys2log` names the logical expert of each physical slot this
     process holds (all experts, in order, without expert parallelism); with expert
-    parallelism `ep` (engine.ep.ExpertParallel) routes tokens to the slots of every rank."""
+    parallelism `ep` (engine.ep.ExpertParallel) routes tokens to the slots of every rank.
+    `fp8_block`: the routed experts are allocated as block FP8 from the start, for a loader to
+    fill from an FP8 checkpoint as it stands (no 16-bit copy of them is ever made)."""
 
-    def __init__(self, cfg: ModelConfig, local_phys2log: list[int] | None = None):
+    def __init__(self, cfg: ModelConfig, local_phys2log: list[int] | None = None,
+                 fp8_block: tuple[int, int] | None = None):
         super().__init__()
+        # Block FP8 experts (quantize_experts): the scales of w13 / w2, and the shared expert's FP8 copy.
+        self.fp8_block: tuple[int, int] | None = None
+        self._shared_fp8 = DerivedWeight()
         self.cfg = cfg
         self.local_phys2log = list(local_phys2log) if local_phys2log is not None else list(range(cfg.n_routed_experts))
         num_slots = len(self.local_phys2log)
@@ -124,8 +130,15 @@ class MoE(nn.Module):
         self.gate = nn.Linear(h, cfg.n_routed_experts, bias=False)
         self.gate.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts))
         # Physical expert slots: gate and up projections fused.
-        self.w13 = nn.Parameter(torch.empty(num_slots, 2 * i, h))
-        self.w2 = nn.Parameter(torch.empty(num_slots, h, i))
+        if fp8_block is None:
+            self.w13 = nn.Parameter(torch.empty(num_slots, 2 * i, h))
+            self.w2 = nn.Parameter(torch.empty(num_slots, h, i))
+        else:
+            rows, cols = fp8_block
+            fp8 = torch.float8_e4m3fn
+            self._hold_fp8(torch.empty(num_slots, 2 * i, h, dtype=fp8), torch.empty(num_slots, h, i, dtype=fp8),
+                           torch.empty(num_slots, 2 * -(-i // rows), -(-h // cols), dtype=torch.float32),
+                           torch.empty(num_slots, -(-h // rows), -(-i // cols), dtype=torch.float32), fp8_block)
         self.shared_experts = MLP(h, i * cfg.n_shared_experts) if cfg.n_shared_experts else None
         self.expert_map = ExpertMap(self.local_phys2log, cfg.n_routed_experts) \
             if local_phys2log is None else None
@@ -137,9 +150,6 @@ class MoE(nn.Module):
         self.fuse_shared = True  # EngineConfig.fuse_shared_experts, set by the model runner
         self.register_buffer("slot_load", torch.zeros(num_slots, dtype=torch.long), persistent=False)
         self._gate_fp32 = DerivedWeight()  # router logits are computed in fp32
-        # Block FP8 experts (quantize_experts): the scales of w13 / w2, and the shared expert's FP8 copy.
-        self.fp8_block: tuple[int, int] | None = None
-        self._shared_fp8 = DerivedWeight()
 
     def forward(self, x: torch.Tensor | NormInput) -> torch.Tensor:
         """[T, H]: in x's dtype, or from the fused kernels the fp32 sum before its rounding, which
@@ -181,10 +191,14 @@ class MoE(nn.Module):
             raise ValueError("the experts are already FP8")
         parts = [quantize_experts(self.w13.data[i:i + slots_at_once], self.w2.data[i:i + slots_at_once], block)
                  for i in range(0, self.w13.shape[0], slots_at_once)]
-        self.w13 = nn.Parameter(torch.cat([p[0] for p in parts]), requires_grad=False)
-        self.w2 = nn.Parameter(torch.cat([p[1] for p in parts]), requires_grad=False)
-        self.register_buffer("w13_scale", torch.cat([p[2].w13 for p in parts]))
-        self.register_buffer("w2_scale", torch.cat([p[2].w2 for p in parts]))
+        self._hold_fp8(torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]),
+                       torch.cat([p[2].w13 for p in parts]), torch.cat([p[2].w2 for p in parts]), block)
+
+    def _hold_fp8(self, w13, w2, w13_scale, w2_scale, block) -> None:
+        self.w13 = nn.Parameter(w13, requires_grad=False)
+        self.w2 = nn.Parameter(w2, requires_grad=False)
+        self.register_buffer("w13_scale", w13_scale)
+        self.register_buffer("w2_scale", w2_scale)
         self.fp8_block = tuple(block)
 
     @property

@@ -263,6 +263,20 @@ def _tile_rows(token_ptr, row_pair_ptr, tile_slot_ptr, num_slots, num_tiles, num
     return slot, is_shared, skip, rows, pair, is_pair, token
 
 
+def _fp8_weights(w, scale, DEQUANT_TILE: tl.constexpr, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
+    """An e4m3 weight tile for the products. Row tiles of prompt chunks (DEQUANT_TILE) dequantize it
+    in the activations' dtype, as the 16-bit weights would be (bf16(w * scale)), so the products
+    chain in one accumulator; a compute-bound tile converts each weight once for many rows. Decode
+    tiles keep it unscaled in fp16 (scaled after the product, per column: fewer operations a weight)."""
+    if DEQUANT_TILE:
+        w = w.to(tl.float32) * scale[None, :]
+        # the interpreter truncates fp32 -> bf16; the GPU's cast rounds to nearest even, as cast_rne does
+        return cast_rne(w, dtype) if INTERPRETED else w.to(dtype)
+    if dtype == tl.float32:
+        return w.to(tl.float32)
+    return w.to(tl.float16)  # exact: e4m3 values fit fp16
+
+
 def _fp8_operand(a):
     """16-bit activations beside FP8 weights go into the products as fp16: e4m3 converts to fp16
     in one instruction per pair (to bf16 it takes several, which cost more than the bytes saved),
@@ -275,6 +289,7 @@ def _fp8_operand(a):
 if triton is not None:  # called from the kernels below, so built with them
     _tile_rows = triton.jit(_tile_rows)
     _fp8_operand = triton.jit(_fp8_operand)
+    _fp8_weights = triton.jit(_fp8_weights)
 
 
 def _gate_up_kernel(x_ptr, w13_ptr, shared_w13_ptr, act_ptr, token_ptr, row_pair_ptr, tile_slot_ptr,
@@ -283,7 +298,7 @@ def _gate_up_kernel(x_ptr, w13_ptr, shared_w13_ptr, act_ptr, token_ptr, row_pair
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, PAIRS_PER_TOKEN: tl.constexpr,
                     SHARED: tl.constexpr, SCALE_N: tl.constexpr = 0, SCALE_K: tl.constexpr = 0,
-                    PDL: tl.constexpr = 0):
+                    DEQUANT_TILE: tl.constexpr = 0, PDL: tl.constexpr = 0):
     pdl_enter(PDL)
     # One program: BLOCK_M padded rows (one slot) x BLOCK_N columns of both gate and up.
     # First its share of the down kernel's fp32 sum, zeroed here instead of by a launch of its own.
@@ -323,14 +338,16 @@ def _gate_up_kernel(x_ptr, w13_ptr, shared_w13_ptr, act_ptr, token_ptr, row_pair
         wg = tl.load(gate_ptrs, mask=w_mask, other=0.0)
         wu = tl.load(up_ptrs, mask=w_mask, other=0.0)
         if SCALE_N > 0:
-            a = _fp8_operand(a)
-            wg, wu = wg.to(a.dtype), wu.to(a.dtype)  # exact: e4m3 values fit fp16
-        if DOT_FP32:
-            a, wg, wu = a.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
-        if SCALE_N > 0:
             # BLOCK_K divides SCALE_K: one scale per column over this step's k range
             sg = tl.load(gate_scale_ptrs + k0 // SCALE_K, mask=col_ok, other=0.0)
             su = tl.load(up_scale_ptrs + k0 // SCALE_K, mask=col_ok, other=0.0)
+            wg = _fp8_weights(wg, sg, DEQUANT_TILE, a.dtype, DOT_FP32)
+            wu = _fp8_weights(wu, su, DEQUANT_TILE, a.dtype, DOT_FP32)
+            if not DEQUANT_TILE:
+                a = _fp8_operand(a)
+        if DOT_FP32:
+            a, wg, wu = a.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
+        if SCALE_N > 0 and not DEQUANT_TILE:
             acc_gate += tl.dot(a, wg, input_precision=PRECISION) * sg[None, :]
             acc_up += tl.dot(a, wu, input_precision=PRECISION) * su[None, :]
         else:
@@ -351,7 +368,7 @@ def _down_kernel(act_ptr, w2_ptr, shared_w2_ptr, out_ptr, token_ptr, weight_ptr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, PAIRS_PER_TOKEN: tl.constexpr,
                  SHARED: tl.constexpr, SCALE_N: tl.constexpr = 0, SCALE_K: tl.constexpr = 0,
-                 PDL: tl.constexpr = 0):
+                 DEQUANT_TILE: tl.constexpr = 0, PDL: tl.constexpr = 0):
     pdl_enter(PDL)
     # One program: BLOCK_M padded rows (one slot) x BLOCK_N hidden columns, added into fp32 out.
     slot, is_shared, skip, rows, pair, is_pair, token = _tile_rows(
@@ -377,13 +394,14 @@ def _down_kernel(act_ptr, w2_ptr, shared_w2_ptr, out_ptr, token_ptr, weight_ptr,
         a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         if SCALE_N > 0:
-            a = _fp8_operand(a)
-            w = w.to(a.dtype)
+            scale = tl.load(scale_ptrs + k0 // SCALE_K, mask=col_ok, other=0.0)
+            w = _fp8_weights(w, scale, DEQUANT_TILE, a.dtype, DOT_FP32)
+            if not DEQUANT_TILE:
+                a = _fp8_operand(a)
         if DOT_FP32:
             a, w = a.to(tl.float32), w.to(tl.float32)
-        if SCALE_N > 0:
-            acc += tl.dot(a, w, input_precision=PRECISION) * tl.load(scale_ptrs + k0 // SCALE_K, mask=col_ok,
-                                                                     other=0.0)[None, :]
+        if SCALE_N > 0 and not DEQUANT_TILE:
+            acc += tl.dot(a, w, input_precision=PRECISION) * scale[None, :]
         else:
             acc = tl.dot(a, w, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
@@ -543,7 +561,9 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
         gate_up_scaled = down_scaled = scaled
     else:
         rows, cols = scales.block
-        fp8 = dict(SCALE_N=rows, SCALE_K=cols)
+        # Decode row tiles scale the products (cheaper for few rows); chunk tiles, where the MMAs
+        # must chain in one accumulator to keep the tensor cores fed, dequantize the weight tile.
+        fp8 = dict(SCALE_N=rows, SCALE_K=cols, DEQUANT_TILE=int(cfg.block_m >= 64))
         gate_up_scaled = dict(scale_ptr=scales.w13.contiguous(), shared_scale_ptr=shared_scales.w13.contiguous(),
                               scale_rows=scales.w13.shape[-2] // 2, scale_cols=scales.w13.shape[-1], **fp8)
         down_scaled = dict(scale_ptr=scales.w2.contiguous(), shared_scale_ptr=shared_scales.w2.contiguous(),

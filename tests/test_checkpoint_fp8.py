@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 from engine import checkpoint
 from engine.checkpoint import CheckpointError, iter_checkpoint, load_model, write_random_checkpoint
 from engine.config import ConfigError, EngineConfig, ModelConfig, preset
-from kernels.fp8_blocks import dequantize_fp8_blocks, quantize_fp8_blocks
+from kernels.fp8_blocks import dequantize_experts, dequantize_fp8_blocks, quantize_fp8_blocks
 from engine.llm_engine import LLMEngine
 from engine.sampling import SamplingParams
 
@@ -334,15 +334,17 @@ def test_other_quantizations_are_refused_naming_the_field(tmp_path, quant, field
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_fp8_checkpoint_serves_on_the_gpu(tmp_path):
-    """Dequantized on the host, copied to the GPU: the greedy tokens of the CPU engine."""
+@pytest.mark.parametrize("expert_dtype", ["auto", "fp8_e4m3"])
+def test_fp8_checkpoint_serves_on_the_gpu(tmp_path, expert_dtype):
+    """Dequantized on the host, copied to the GPU (or, fp8_e4m3, the experts kept as stored and
+    computed by the FP8 kernels): the greedy tokens of the CPU engine."""
     ckpt = _fp8_ckpt(tmp_path, "tiny-v4", block=(128, 128))
     prompts = [list(range(4, 40)), list(range(100, 107))]
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     outs = {}
     for device in ("cpu", "cuda"):
-        engine = LLMEngine.from_pretrained(ckpt, EngineConfig(device=device, block_size=4, warmup=False),
-                                           progress=False)
+        cfg = EngineConfig(device=device, block_size=4, warmup=False, expert_dtype=expert_dtype)
+        engine = LLMEngine.from_pretrained(ckpt, cfg, progress=False)
         outs[device] = [o.output_token_ids for o in engine.generate(prompts, params)]
     assert engine.runner.model.model.embed_tokens.weight.is_cuda
     assert outs["cuda"] == outs["cpu"]
@@ -370,3 +372,41 @@ def test_layers_past_the_model_are_not_read(tmp_path, monkeypatch):
                                                                     if n not in extra)
     assert len(calls) == len(fp8_kept)
     assert isinstance(load_model(d, progress=False), checkpoint.DeepseekForCausalLM)
+
+
+@pytest.mark.parametrize("name, block", [("tiny", (16, 16)), ("tiny-v4", (32, 16))])
+def test_fp8_experts_load_as_stored(tmp_path, name, block):
+    """With fp8_experts the routed experts keep the checkpoint's own bytes and scales (never
+    dequantized); everything else loads dequantized as before, and the engine serves what the
+    plain (all-dequantized) load serves."""
+    d = _fp8_ckpt(tmp_path, name, block)
+    stored = {}
+    for f in sorted(d.glob("*.safetensors")):
+        stored.update(load_file(f))
+    model = load_model(d, progress=False, fp8_experts=True)
+    plain = load_model(d, progress=False)
+    inter = model.cfg.moe_intermediate_size
+    for moe, ref in zip(model.moe_layers(), plain.moe_layers()):
+        assert moe.fp8_block == block and moe.w13.dtype == torch.float8_e4m3fn
+        index = [i for i, l in enumerate(model.model.layers) if l.mlp is moe][0]
+        for e in (0, model.cfg.n_routed_experts - 1):
+            prefix = f"model.layers.{index}.mlp.experts.{e}"
+            gate, up = stored[f"{prefix}.gate_proj.weight"], stored[f"{prefix}.up_proj.weight"]
+            assert torch.equal(moe.w13.data[e, :inter].view(torch.uint8), gate.view(torch.uint8))
+            assert torch.equal(moe.w13.data[e, inter:].view(torch.uint8), up.view(torch.uint8))
+            assert torch.equal(moe.w2.data[e].view(torch.uint8), stored[f"{prefix}.down_proj.weight"].view(torch.uint8))
+            half = moe.scales.w13.shape[1] // 2
+            assert torch.equal(moe.scales.w13[e, :half], stored[f"{prefix}.gate_proj.weight_scale_inv"])
+            assert torch.equal(moe.scales.w13[e, half:], stored[f"{prefix}.up_proj.weight_scale_inv"])
+            assert torch.equal(moe.scales.w2[e], stored[f"{prefix}.down_proj.weight_scale_inv"])
+        w13, w2 = dequantize_experts(moe.w13.data, moe.w2.data, moe.scales)
+        assert torch.equal(w13, ref.w13.data) and torch.equal(w2, ref.w2.data)
+    prompts = [[5, 17, 300, 42, 9], list(range(20, 32))]
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    outs = {}
+    for dt in ("fp8_e4m3", "auto"):
+        engine = LLMEngine.from_pretrained(d, EngineConfig(block_size=4, expert_dtype=dt, fuse_shared_experts=False),
+                                           progress=False)
+        assert (engine.runner.model.moe_layers()[0].w13.dtype == torch.float8_e4m3fn) == (dt == "fp8_e4m3")
+        outs[dt] = [o.output_token_ids for o in engine.generate(prompts, greedy)]
+    assert outs["fp8_e4m3"] == outs["auto"]

@@ -89,14 +89,16 @@ def test_fp8_experts_match_the_dequantized_reference(device, dtype, num_tokens, 
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_fp8_prompt_chunk_tiles(device):
-    """Many rows per slot pick the chunk tiles (BLOCK_K 64 and 32 inside blocks of 128 columns)."""
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_fp8_prompt_chunk_tiles(device, block_m):
+    """Many rows per slot: BLOCK_K 64 and 32 inside blocks of 128 columns; rows of 64 (prompt
+    chunks) dequantize the weight tile instead of scaling the products."""
     hidden, inter, num_slots, topk, num_tokens = 128, 64, 2, 2, 40
     block = (128, 128)
     q13, q2, scales = to(device, *quantize_experts(*block_varied_weights(num_slots, hidden, inter, (32, 32)), block))
     x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(4)).to(device, torch.bfloat16)
     slot_of, weight_of = routing(num_tokens, topk, num_slots, device)
-    config = MoEGemmConfig(16, (32, 64, 4, 2), (32, 32, 4, 2))
+    config = MoEGemmConfig(block_m, (32, 64, 4, 2), (32, 32, 4, 2))
     got = fused_experts_triton(x, q13, q2, None, slot_of, weight_of, config=config, scales=scales)
     want = fused_experts_reference(x, q13, q2, None, slot_of, weight_of, scales=scales)
     assert_near(got.float(), want.float(), torch.bfloat16)
