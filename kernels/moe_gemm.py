@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from . import triton_ok
+from . import kernel_or_reference, triton_ok
 from .fp8_blocks import ExpertScales, check_expert_scales, dequantize_experts
 
 try:
@@ -268,13 +268,19 @@ def _fp8_weights(w, scale, DEQUANT_TILE: tl.constexpr, dtype: tl.constexpr, INTE
     in the activations' dtype, as the 16-bit weights would be (bf16(w * scale)), so the products
     chain in one accumulator; a compute-bound tile converts each weight once for many rows. Decode
     tiles keep it unscaled in fp16 (scaled after the product, per column: fewer operations a weight)."""
+    # one return, every branch static: the compiler unifies the types of all returns it meets
     if DEQUANT_TILE:
-        w = w.to(tl.float32) * scale[None, :]
+        v = w.to(tl.float32) * scale[None, :]
         # the interpreter truncates fp32 -> bf16; the GPU's cast rounds to nearest even, as cast_rne does
-        return cast_rne(w, dtype) if INTERPRETED else w.to(dtype)
-    if dtype == tl.float32:
-        return w.to(tl.float32)
-    return w.to(tl.float16)  # exact: e4m3 values fit fp16
+        if INTERPRETED:
+            out = cast_rne(v, dtype)
+        else:
+            out = v.to(dtype)
+    elif dtype == tl.float32:
+        out = w.to(tl.float32)
+    else:
+        out = w.to(tl.float16)  # exact: e4m3 values fit fp16
+    return out
 
 
 def _fp8_operand(a):
@@ -561,28 +567,38 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
         gate_up_scaled = down_scaled = scaled
     else:
         rows, cols = scales.block
-        # Decode row tiles scale the products (cheaper for few rows); chunk tiles, where the MMAs
-        # must chain in one accumulator to keep the tensor cores fed, dequantize the weight tile.
-        fp8 = dict(SCALE_N=rows, SCALE_K=cols, DEQUANT_TILE=int(cfg.block_m >= 64))
         gate_up_scaled = dict(scale_ptr=scales.w13.contiguous(), shared_scale_ptr=shared_scales.w13.contiguous(),
-                              scale_rows=scales.w13.shape[-2] // 2, scale_cols=scales.w13.shape[-1], **fp8)
+                              scale_rows=scales.w13.shape[-2] // 2, scale_cols=scales.w13.shape[-1],
+                              SCALE_N=rows, SCALE_K=cols)
         down_scaled = dict(scale_ptr=scales.w2.contiguous(), shared_scale_ptr=shared_scales.w2.contiguous(),
-                           scale_rows=scales.w2.shape[-2], scale_cols=scales.w2.shape[-1], **fp8)
+                           scale_rows=scales.w2.shape[-2], scale_cols=scales.w2.shape[-1], SCALE_N=rows, SCALE_K=cols)
     # A k step of the scaled kernels stays inside one scale block (cols: a power of two).
     fit_k = (lambda bk: bk) if scales is None else (lambda bk: min(bk, scales.block[1]))
-    block_n, block_k, warps, stages = cfg.gate_up
-    _jit(_gate_up_kernel, *plain)[(tiles, triton.cdiv(inter, block_n))](
-        xw, w13, shared_w13, act, token_of, aligned.row_pair, aligned.tile_slot,
-        hidden, inter, num_slots, num_tiles, num_tokens, xw.stride(0), out, out.numel(), **gate_up_scaled,
-        BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=fit_k(block_k), PRECISION=precision, DOT_FP32=dot_fp32,
-        PAIRS_PER_TOKEN=k, SHARED=shared is not None, num_warps=warps, num_stages=stages, **pdl_launch(xw))
 
-    block_n, block_k, warps, stages = cfg.down
-    _jit(_down_kernel, *plain)[(tiles, triton.cdiv(hidden, block_n))](
-        act, w2, shared_w2, out, token_of, weight_of, aligned.row_pair, aligned.tile_slot,
-        hidden, inter, num_slots, num_tiles, num_tokens, out.stride(0), **down_scaled,
-        BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=fit_k(block_k), PRECISION=precision, DOT_FP32=dot_fp32,
-        PAIRS_PER_TOKEN=k, SHARED=shared is not None, num_warps=warps, num_stages=stages, **pdl_launch(act))
+    def launch(dequant_tile: int) -> None:
+        # Both launches from scratch: the gate-up launch zeroes the sum the down launch adds into.
+        block_n, block_k, warps, stages = cfg.gate_up
+        _jit(_gate_up_kernel, *plain)[(tiles, triton.cdiv(inter, block_n))](
+            xw, w13, shared_w13, act, token_of, aligned.row_pair, aligned.tile_slot,
+            hidden, inter, num_slots, num_tiles, num_tokens, xw.stride(0), out, out.numel(), **gate_up_scaled,
+            BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=fit_k(block_k), PRECISION=precision, DOT_FP32=dot_fp32,
+            PAIRS_PER_TOKEN=k, SHARED=shared is not None, DEQUANT_TILE=dequant_tile, num_warps=warps,
+            num_stages=stages, **pdl_launch(xw))
+        block_n, block_k, warps, stages = cfg.down
+        _jit(_down_kernel, *plain)[(tiles, triton.cdiv(hidden, block_n))](
+            act, w2, shared_w2, out, token_of, weight_of, aligned.row_pair, aligned.tile_slot,
+            hidden, inter, num_slots, num_tiles, num_tokens, out.stride(0), **down_scaled,
+            BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=fit_k(block_k), PRECISION=precision, DOT_FP32=dot_fp32,
+            PAIRS_PER_TOKEN=k, SHARED=shared is not None, DEQUANT_TILE=dequant_tile, num_warps=warps,
+            num_stages=stages, **pdl_launch(act))
+
+    if scales is not None and cfg.block_m >= 64:
+        # Prompt-chunk row tiles dequantize the FP8 weight tile, so the MMAs chain in one
+        # accumulator; decode tiles scale each product (fewer operations a weight for few rows).
+        # The products-scaled variant stands in should this one fail to build on some GPU.
+        kernel_or_reference("moe_fp8_dequant_tile", lambda: launch(1), lambda: launch(0))
+    else:
+        launch(0)
     if pending is not None:
         add = pending()
     if add is None:

@@ -138,3 +138,35 @@ def test_bad_fp8_expert_arguments():
         fused_experts(x, q13, q2, None, slot_of, weight_of, scales=scales._replace(block=(16, 24)))
     with pytest.raises(ValueError, match="float8_e4m3fn weights"):
         fused_experts(x, q13.float(), q2.float(), None, slot_of, weight_of, scales=scales)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_chunk_tiles_fall_back_to_scaled_products_when_the_dequantizing_build_fails(device, monkeypatch, caplog):
+    """Should the weight-dequantizing variant of the chunk tiles not build on some GPU, the
+    products-scaled one (the decode tiles' method) computes the same result instead, with a warning."""
+    import kernels
+    from kernels import moe_gemm
+    monkeypatch.setattr(kernels, "_unusable", set())
+    real = moe_gemm._jit
+
+    class Unbuildable:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                if kw.get("DEQUANT_TILE"):
+                    raise RuntimeError("no build for this GPU")
+                return self.kernel[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(moe_gemm, "_jit", lambda fn, *plain: Unbuildable(real(fn, *plain)))
+    hidden, inter, num_slots, topk, num_tokens = 64, 32, 2, 2, 40
+    q13, q2, scales = to(device, *quantize_experts(*block_varied_weights(num_slots, hidden, inter, (16, 16)), (16, 16)))
+    x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(8)).to(device, torch.bfloat16)
+    slot_of, weight_of = routing(num_tokens, topk, num_slots, device)
+    config = MoEGemmConfig(64, (32, 16, 4, 2), (32, 16, 4, 2))
+    got = fused_experts_triton(x, q13, q2, None, slot_of, weight_of, config=config, scales=scales)
+    want = fused_experts_reference(x, q13, q2, None, slot_of, weight_of, scales=scales)
+    assert_near(got, want, torch.bfloat16)
+    assert "moe_fp8_dequant_tile" in kernels._unusable and "no build for this GPU" in caplog.text
