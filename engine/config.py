@@ -343,8 +343,9 @@ class EngineConfig(BaseModel):
     expert_dtype: Literal["auto", "fp8_e4m3"] = Field(
         "auto", description="routed experts' weights: 'auto' keeps the model dtype; 'fp8_e4m3' stores them as "
                             "block FP8 (one fp32 scale per block: the checkpoint's weight_block_size, else "
-                            "128 x 128), quantized at start and computed by the fused kernels in 16-bit "
-                            "activations: half the bytes a decode step reads from them")
+                            "128 x 128), loaded as stored from an FP8 checkpoint or else quantized at start, "
+                            "and computed by the fused kernels with 16-bit activations: half the bytes a "
+                            "decode step reads from them")
     fuse_shared_experts: bool = Field(
         True, description="on GPU, compute the shared expert as one more slot of the routed experts' fused "
                           "kernels (where it has their shape) instead of as a separate MLP")
