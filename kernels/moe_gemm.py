@@ -4,8 +4,9 @@
              weight_of[p] * w2[s] @ (silu(w13[s, :I] @ x[t]) * (w13[s, I:] @ x[t])),  s = slot_of[p]
 
 with w13 [S, 2I, H] (rows 0..I-1 gate, I..2I-1 up) and w2 [S, H, I], in the activations' dtype or
-in block FP8 (float8 e4m3 with ExpertScales: each weight tile read as one byte an element,
-converted in registers and its partial products scaled; activations stay 16-bit). token_of may be None
+in block FP8 (float8 e4m3 with ExpertScales: each weight tile read as one byte an element and
+converted in registers, decode tiles scaling its partial products and prompt-chunk tiles the tile
+itself; activations stay 16-bit). token_of may be None
 when the pairs are token-major, k per token (p // k is the token): the router's layout, for
 which the kernels derive the token themselves instead of reading a tensor two launches built.
 
