@@ -436,8 +436,9 @@ def main(argv=None):
                     help="EngineConfig.index_topk_freq: the indexer scores in every n-th layer, the others "
                          "reuse its top-k (one row each)")
     ap.add_argument("--moe-gemm", nargs="+", default=["auto"], choices=["auto", "triton", "grouped_mm"])
-    ap.add_argument("--expert-dtype", nargs="+", default=["auto"], choices=["auto", "fp8_e4m3"],
-                    help="routed experts' weights; quantizing is in place, so 'auto' runs first")
+    ap.add_argument("--expert-dtype", nargs="+", default=["auto"], choices=["auto", "fp8_e4m3", "fp8_w8a8"],
+                    help="routed experts' weights; quantizing is in place, so 'auto' runs first. fp8_w8a8: "
+                         "FP8 weights and activations (expert_activations 'fp8_e4m3')")
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--moe-share", action="store_true", help="also time the step with MoE layers removed")
@@ -481,7 +482,8 @@ def main(argv=None):
         ecfg = EngineConfig(device=args.device, dtype=args.dtype, block_size=args.block_size, num_blocks=blocks,
                             max_num_seqs=args.batch, max_model_len=context + 1, kv_cache_dtype=kv_dtype, moe_gemm=gemm,
                             index_cache_dtype=args.index_dtype, index_topk_freq=freq,
-                            cuda_graph_max_batch=args.batch, expert_dtype=expert_dtype)
+                            cuda_graph_max_batch=args.batch, expert_dtype=expert_dtype.replace("w8a8", "e4m3"),
+                            expert_activations="fp8_e4m3" if expert_dtype == "fp8_w8a8" else "auto")
         engine = LLMEngine(model, None, ecfg)
         batch = make_batch(engine, args.batch, context)
         fwd, step = time_forward(engine, batch, args.iters)

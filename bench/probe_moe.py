@@ -11,6 +11,12 @@ kernels on them, with the 16-bit weights' built-in shapes timed in the same run 
 
 `--prefill` sweeps wider tiles and the row tile itself (`--block-m`), at prompt-chunk sizes.
 
+`--act-fp8` (with `--fp8`) quantizes the activations too, per token per 128 columns, for the FP8
+tensor cores; the FP8-weight kernels with 16-bit activations are timed beside them.
+
+`--model dsv3` times DeepSeek-V3's layer shape instead (H=7168, I=2048, 32 local slots, top-8:
+one GPU's share of the 256 experts over 8).
+
 `--gate` also times the router's partial-logits kernel (kernels/routing.py) by how many parts
 it splits the hidden size into and its tokens, experts and warps a program, 16 calls a CUDA
 graph replay (`--gate-only`: that alone).
@@ -23,7 +29,7 @@ import json
 
 import torch
 
-from bench.kernel_moe_gemm import BENCH_MODEL, make_inputs, relative_error
+from bench.kernel_moe_gemm import BENCH_MODEL, DEEPSEEK_V3, make_inputs, relative_error
 from bench.kernel_timing import graph_ms
 from kernels.fp8_blocks import quantize_experts
 from kernels.moe_gemm import fused_experts_reference, fused_experts_triton, pick_config
@@ -41,12 +47,19 @@ def main(argv=None) -> None:
     ap.add_argument("--block-m", type=int, nargs="+", default=None,
                     help="row tiles to sweep (default: the built-in one; 64 128 with --prefill)")
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--model", default="bench", choices=["bench", "dsv3"], help="the layer shape")
     ap.add_argument("--json", default=None)
     ap.add_argument("--fp8", action="store_true", help="block-FP8 experts (and the 16-bit ones' built-in shapes beside)")
+    ap.add_argument("--act-fp8", action="store_true", help="with --fp8: FP8 activations too (w8a8)")
+    ap.add_argument("--fp8-acc", type=int, default=None,
+                    help="moe_gemm.FP8_PRECISE_ACC for --act-fp8 (0: the tensor cores' own sums throughout)")
     ap.add_argument("--built-in-only", action="store_true", help="no sweep: the built-in shapes alone")
     ap.add_argument("--gate", action="store_true")
     ap.add_argument("--gate-only", action="store_true", help="time the router's kernel alone")
     args = ap.parse_args(argv)
+    if args.fp8_acc is not None:
+        import kernels.moe_gemm
+        kernels.moe_gemm.FP8_PRECISE_ACC = args.fp8_acc
     args.tokens = args.tokens or ([512, 2048] if args.prefill else [64, 16, 1])
     args.stages = args.stages or ([3, 4] if args.prefill else [3, 4, 5])
     if args.prefill and args.block_m is None:
@@ -58,22 +71,31 @@ def main(argv=None) -> None:
     if args.gate_only:
         args.tokens = []
     for tokens in args.tokens:
-        x, w13, w2, _, slot_of, weight_of = make_inputs(dict(BENCH_MODEL, tokens=tokens), "cuda", torch.bfloat16)
+        model = DEEPSEEK_V3 if args.model == "dsv3" else BENCH_MODEL
+        x, w13, w2, _, slot_of, weight_of = make_inputs(dict(model, tokens=tokens), "cuda", torch.bfloat16)
         g = torch.Generator().manual_seed(7)
-        shared = ((torch.randn(w13.shape[1:], generator=g) * 2048 ** -0.5).to(w13),
-                  (torch.randn(w2.shape[1:], generator=g) * 768 ** -0.5).to(w2))
+        shared = ((torch.randn(w13.shape[1:], generator=g) * model["hidden"] ** -0.5).to(w13),
+                  (torch.randn(w2.shape[1:], generator=g) * model["inter"] ** -0.5).to(w2))
         scales = None
         if args.fp8:
             bf16 = (w13, w2, shared)
             built_bf16 = pick_config(slot_of.numel(), w13.shape[0], w13.dtype)
             w13, w2, scales = quantize_experts(w13, w2, (128, 128))
             shared = quantize_experts(*shared, (128, 128))
-        want = fused_experts_reference(x, w13, w2, None, slot_of, weight_of, shared=shared, scales=scales)
-        built_in = pick_config(slot_of.numel(), w13.shape[0], w13.dtype)
+        want = fused_experts_reference(x, w13, w2, None, slot_of, weight_of, shared=shared, scales=scales,
+                                       act_fp8=args.act_fp8)
+        built_in = pick_config(slot_of.numel(), w13.shape[0], w13.dtype, args.act_fp8)
         if args.fp8:
             us = graph_ms(lambda: fused_experts_triton(x, bf16[0], bf16[1], None, slot_of, weight_of, built_bf16,
                                                        shared=bf16[2]), 3, args.iters) * 1e3
-            rows.append(dict(tokens=tokens, sweep="bf16 built-in", us=round(us, 2)))
+            rows.append(dict(model=args.model, tokens=tokens, sweep="bf16 built-in", us=round(us, 2)))
+            print(json.dumps(rows[-1]), flush=True)
+        if args.act_fp8:
+            built_a16 = pick_config(slot_of.numel(), w13.shape[0], w13.dtype)
+            us = graph_ms(lambda: fused_experts_triton(x, w13, w2, None, slot_of, weight_of, built_a16, shared=shared,
+                                                       scales=scales), 3, args.iters) * 1e3
+            rows.append(dict(model=args.model, tokens=tokens, sweep="fp8 weights, 16-bit activations built-in",
+                             us=round(us, 2)))
             print(json.dumps(rows[-1]), flush=True)
 
         def timed(cfg, label):
@@ -85,14 +107,16 @@ def main(argv=None) -> None:
 
         def _timed(cfg, label):
             def call():
-                return fused_experts_triton(x, w13, w2, None, slot_of, weight_of, cfg, shared=shared, scales=scales)
+                return fused_experts_triton(x, w13, w2, None, slot_of, weight_of, cfg, shared=shared, scales=scales,
+                                            act_fp8=args.act_fp8)
 
             err = relative_error(call(), want)
-            if err > 2e-2:
+            # FP8 activations: a SwiGLU output rounded the other way can move its group's scale
+            if err > (5e-2 if args.act_fp8 else 2e-2):
                 raise AssertionError(f"wrong result ({err:.3g}) with {cfg}")
             us = graph_ms(call, 3, args.iters) * 1e3
-            rows.append(dict(tokens=tokens, sweep=label, block_m=cfg.block_m, gate_up=cfg.gate_up, down=cfg.down,
-                             us=round(us, 2)))
+            rows.append(dict(model=args.model, act_fp8=args.act_fp8, tokens=tokens, sweep=label, block_m=cfg.block_m,
+                             gate_up=cfg.gate_up, down=cfg.down, us=round(us, 2), err=round(err, 5)))
             print(json.dumps(rows[-1]), flush=True)
             return us
 

@@ -9,7 +9,7 @@ import torch
 from .attention import AttentionContext, build_masks
 from .cuda_graphs import DecodeGraphs
 from .decode_attention import build_decode_batch, build_token_batch
-from .config import EngineConfig
+from .config import ConfigError, EngineConfig
 from .model import DeepseekForCausalLM
 from .moe import MoE, expert_fp8_block
 from .sampling import Sampler
@@ -86,9 +86,13 @@ class ModelRunner:
         self.dtype = getattr(torch, cfg.dtype)
         self.kv = KVCache(model, cfg, self.device, self.dtype)
         fp8_block = expert_fp8_block(model.cfg) if cfg.expert_dtype == "fp8_e4m3" else None
+        if cfg.expert_activations == "fp8_e4m3" and fp8_block[1] < 32:
+            raise ConfigError(f"expert_activations 'fp8_e4m3': the experts' FP8 blocks {list(fp8_block)} need at "
+                              "least 32 columns (an FP8 tensor-core product takes 32 a step)")
         for moe in model.moe_layers():
             moe.gemm = cfg.moe_gemm
             moe.fuse_shared = cfg.fuse_shared_experts
+            moe.act_fp8 = cfg.expert_activations == "fp8_e4m3"
             if fp8_block is not None and moe.fp8_block is None:
                 moe.quantize_experts(fp8_block)
         self.set_overlap(cfg.decode_overlap)

@@ -3,7 +3,8 @@
 The scale multiplies: w = fp8 * scale, each scale covering one block, the last blocks of a row
 or column cropped to the weight's shape (DeepSeek-V3's `weight_dequant`). Checkpoints store
 this layout (engine/fp8_weights.py reads it); the FP8 expert kernels (kernels/moe_gemm.py)
-compute from it.
+compute from it, with 16-bit activations or with FP8 ones quantized per token per 128 columns
+(quantize_act_groups).
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from typing import NamedTuple
 import torch
 
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
+# FP8 activations: a group of zeros (padding rows) keeps a finite scale, so 448 / amax is defined
+ACT_AMAX_FLOOR = 1e-12
 
 
 def scale_shape(shape: tuple[int, ...], block: tuple[int, int] | list[int]) -> tuple[int, int]:
@@ -95,3 +98,32 @@ def check_expert_scales(w13: torch.Tensor, w2: torch.Tensor, scales: ExpertScale
         raise ValueError(f"expert scales {list(scales.w13.shape)}, {list(scales.w2.shape)} do not match weights "
                          f"{list(w13.shape)}, {list(w2.shape)} in blocks of {scales.block}: want {list(want13)}, "
                          f"{list(want2)}")
+
+
+def act_group(block: tuple[int, int] | list[int]) -> int:
+    """Columns per activation scale with FP8 activations: DeepSeek-V3's 128, or the weights' block
+    cols where those are narrower (so one k step of the kernels covers one group of each)."""
+    return min(128, block[1])
+
+
+def quantize_act_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token, per-`group`-column FP8 activations (DeepSeek-V3's inference scheme):
+    (float8_e4m3fn [..., K], float32 scale [..., ceil(K / group)]), each group's largest magnitude
+    mapped to 448. The FP8 expert kernels quantize their input rows this way in registers; this is
+    their reference. An all-zero group quantizes to zeros."""
+    *lead, k = x.shape
+    groups = -(-k // group)
+    padded = x.new_zeros(*lead, groups * group, dtype=torch.float32)
+    padded[..., :k] = x.float()
+    padded = padded.view(*lead, groups, group)
+    amax = padded.abs().amax(-1).clamp(min=ACT_AMAX_FLOOR)
+    # the kernels multiply by 448 / amax (correctly rounded) and clamp, as here
+    q = (padded * (FP8_MAX / amax)[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(*lead, groups * group)[..., :k], amax / FP8_MAX
+
+
+def fake_quantize_act(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x through quantize_act_groups and back, in float32: the values FP8 activations multiply."""
+    q, scale = quantize_act_groups(x, group)
+    return q.float() * scale.repeat_interleave(group, -1)[..., :x.shape[-1]]
+

@@ -6,7 +6,10 @@
 with w13 [S, 2I, H] (rows 0..I-1 gate, I..2I-1 up) and w2 [S, H, I], in the activations' dtype or
 in block FP8 (float8 e4m3 with ExpertScales: each weight tile read as one byte an element and
 converted in registers, decode tiles scaling its partial products and prompt-chunk tiles the tile
-itself; activations stay 16-bit). token_of may be None
+itself; activations stay 16-bit). With `act_fp8` the activations are FP8 too, quantized per token
+per 128 columns in registers as the kernels load them (DeepSeek-V3's inference scheme,
+fp8_blocks.quantize_act_groups): the products run on FP8 tensor cores, each k step's scaled by
+the row's and the column's scales. token_of may be None
 when the pairs are token-major, k per token (p // k is the token): the router's layout, for
 which the kernels derive the token themselves instead of reading a tensor two launches built.
 
@@ -25,7 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from . import kernel_or_reference, triton_ok
-from .fp8_blocks import ExpertScales, check_expert_scales, dequantize_experts
+from .fp8_blocks import (ACT_AMAX_FLOOR, FP8_MAX, ExpertScales, act_group, check_expert_scales,
+                         dequantize_experts, fake_quantize_act)
 
 try:
     import triton
@@ -57,24 +61,30 @@ def token_major(token_of: torch.Tensor | None, x: torch.Tensor, slot_of: torch.T
 
 def fused_experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, token_of: torch.Tensor | None,
                             slot_of: torch.Tensor, weight_of: torch.Tensor,
-                            shared: tuple | None = None, scales: ExpertScales | None = None) -> torch.Tensor:
+                            shared: tuple | None = None, scales: ExpertScales | None = None,
+                            act_fp8: bool = False) -> torch.Tensor:
     """The exact semantics: one matmul pair per slot (and for the shared expert, weight 1),
     weighted sum in fp32, output in x's dtype. FP8 weights: dequantized to fp32 and computed in
-    fp32, the SwiGLU activation rounded to x's dtype between the projections (as the kernels store it)."""
+    fp32, the SwiGLU activation rounded to x's dtype between the projections (as the kernels store it).
+    act_fp8: each projection's input through fake_quantize_act first."""
     token_of = token_major(token_of, x, slot_of)
     num_slots = w13.shape[0]
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     if shared is not None:
         shared = check_shared(shared, w13, w2, scales)
     check_expert_scales(w13, w2, scales)
+    group = check_act_fp8(act_fp8, scales)
     if scales is not None:
         w13, w2 = dequantize_experts(w13, w2, scales)
         shared = None if shared is None else dequantize_experts(*shared)
 
     def mlp(rows: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+        rows = fake_quantize_act(rows, group) if group else rows
         gate, up = F.linear(rows.to(w_gate_up.dtype), w_gate_up).chunk(2, dim=-1)
         act = F.silu(gate) * up
-        return F.linear(act if scales is None else act.to(x.dtype).float(), w_down)
+        if scales is not None:
+            act = act.to(x.dtype).float()
+        return F.linear(fake_quantize_act(act, group) if group else act, w_down)
 
     if shared is not None:
         out += mlp(x, shared[0], shared[1]).float()
@@ -91,6 +101,23 @@ def fused_experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
         y = mlp(x[tokens], w13[slot], w2[slot])
         out.index_add_(0, tokens, y.float() * weight_of[pairs].float()[:, None])
     return out.to(x.dtype)
+
+
+# FP8 x FP8 products: Hopper's tensor cores sum them in less than fp32 (DeepSeek-V3's report: about
+# 14 bits); the wgmma tiles of prompt chunks add their partial sums into fp32 every this many k.
+FP8_PRECISE_ACC = 32
+
+
+def check_act_fp8(act_fp8: bool, scales: ExpertScales | None) -> int:
+    """The activation group of FP8 activations (0 without them); they need FP8 weights in blocks
+    of at least 32 columns (an FP8 tensor-core product takes 32 k a step)."""
+    if not act_fp8:
+        return 0
+    if scales is None:
+        raise ValueError("FP8 activations (act_fp8) need block-FP8 expert weights (scales)")
+    if scales.block[1] < 32:
+        raise ValueError(f"FP8 activations (act_fp8) need weight blocks of at least 32 columns, got {scales.block}")
+    return act_group(scales.block)
 
 
 # ---------------------------------------------------------------- alignment
@@ -293,7 +320,32 @@ def _fp8_operand(a):
     return a
 
 
+def _round_e4m3(v):
+    """fp32 values within +-448 rounded to e4m3's grid, nearest even, for the interpreter, whose
+    fp32 -> float8 cast rounds otherwise (the GPU's cvt.rn is nearest even, as torch's cast)."""
+    u = v.to(tl.uint32, bitcast=True)
+    normal = ((u + 0x7FFFF + ((u >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)  # 3 mantissa bits
+    subnormal = (v + 24576.0) - 24576.0  # fp32's step at 1.5 * 2^14 is 2^-9, e4m3's below 2^-6
+    return tl.where(tl.abs(v) < 0.015625, subnormal, normal)
+
+
+def _fp8_act(a, INTERPRETED: tl.constexpr):
+    """A [rows, BLOCK_K] activation tile (one group of each row) as e4m3 and each row's scale:
+    fp8_blocks.quantize_act_groups, in registers."""
+    v = a.to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(v), axis=1), _ACT_FLOOR)
+    top = tl.full(amax.shape, _E4M3_MAX, tl.float32)
+    q = tl.clamp(v * tl.div_rn(top, amax)[:, None], -_E4M3_MAX, _E4M3_MAX)
+    if INTERPRETED:
+        q = _round_e4m3(q)
+    return q.to(tl.float8e4nv), tl.div_rn(amax, top)
+
+
 if triton is not None:  # called from the kernels below, so built with them
+    _E4M3_MAX = tl.constexpr(FP8_MAX)
+    _ACT_FLOOR = tl.constexpr(ACT_AMAX_FLOOR)
+    _round_e4m3 = triton.jit(_round_e4m3)
+    _fp8_act = triton.jit(_fp8_act)
     _tile_rows = triton.jit(_tile_rows)
     _fp8_operand = triton.jit(_fp8_operand)
     _fp8_weights = triton.jit(_fp8_weights)
@@ -305,7 +357,8 @@ def _gate_up_kernel(x_ptr, w13_ptr, shared_w13_ptr, act_ptr, token_ptr, row_pair
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, PAIRS_PER_TOKEN: tl.constexpr,
                     SHARED: tl.constexpr, SCALE_N: tl.constexpr = 0, SCALE_K: tl.constexpr = 0,
-                    DEQUANT_TILE: tl.constexpr = 0, PDL: tl.constexpr = 0):
+                    DEQUANT_TILE: tl.constexpr = 0, ACT_FP8: tl.constexpr = 0, FP8_ACC: tl.constexpr = None,
+                    PDL: tl.constexpr = 0):
     pdl_enter(PDL)
     # One program: BLOCK_M padded rows (one slot) x BLOCK_N columns of both gate and up.
     # First its share of the down kernel's fp32 sum, zeroed here instead of by a launch of its own.
@@ -348,13 +401,23 @@ def _gate_up_kernel(x_ptr, w13_ptr, shared_w13_ptr, act_ptr, token_ptr, row_pair
             # BLOCK_K divides SCALE_K: one scale per column over this step's k range
             sg = tl.load(gate_scale_ptrs + k0 // SCALE_K, mask=col_ok, other=0.0)
             su = tl.load(up_scale_ptrs + k0 // SCALE_K, mask=col_ok, other=0.0)
-            wg = _fp8_weights(wg, sg, DEQUANT_TILE, a.dtype, DOT_FP32)
-            wu = _fp8_weights(wu, su, DEQUANT_TILE, a.dtype, DOT_FP32)
-            if not DEQUANT_TILE:
-                a = _fp8_operand(a)
+            if ACT_FP8:  # BLOCK_K is the activation group: one scale a row this step
+                a, sa = _fp8_act(a, DOT_FP32)
+                sg, su = sa[:, None] * sg[None, :], sa[:, None] * su[None, :]
+            else:
+                wg = _fp8_weights(wg, sg, DEQUANT_TILE, a.dtype, DOT_FP32)
+                wu = _fp8_weights(wu, su, DEQUANT_TILE, a.dtype, DOT_FP32)
+                if not DEQUANT_TILE:
+                    a = _fp8_operand(a)
         if DOT_FP32:
             a, wg, wu = a.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
-        if SCALE_N > 0 and not DEQUANT_TILE:
+        if ACT_FP8 and not DOT_FP32:  # e4m3 x e4m3 on the tensor cores, each step promoted to fp32
+            acc_gate += tl.dot(a, wg, max_num_imprecise_acc=FP8_ACC) * sg
+            acc_up += tl.dot(a, wu, max_num_imprecise_acc=FP8_ACC) * su
+        elif ACT_FP8:
+            acc_gate += tl.dot(a, wg, input_precision=PRECISION) * sg
+            acc_up += tl.dot(a, wu, input_precision=PRECISION) * su
+        elif SCALE_N > 0 and not DEQUANT_TILE:
             acc_gate += tl.dot(a, wg, input_precision=PRECISION) * sg[None, :]
             acc_up += tl.dot(a, wu, input_precision=PRECISION) * su[None, :]
         else:
@@ -366,6 +429,8 @@ def _gate_up_kernel(x_ptr, w13_ptr, shared_w13_ptr, act_ptr, token_ptr, row_pair
     act = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
     # Padding rows hold zeros (their x rows were masked to 0), so the down kernel may read them.
     act_ptrs = act_ptr + rows[:, None].to(tl.int64) * I + cols[None, :]
+    if DOT_FP32:  # the interpreter: rounded to nearest even by hand, as the GPU's cast does
+        act = cast_rne(act, act_ptr.dtype.element_ty)
     tl.store(act_ptrs, act.to(act_ptr.dtype.element_ty), mask=col_ok[None, :])
 
 
@@ -375,7 +440,8 @@ def _down_kernel(act_ptr, w2_ptr, shared_w2_ptr, out_ptr, token_ptr, weight_ptr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, PAIRS_PER_TOKEN: tl.constexpr,
                  SHARED: tl.constexpr, SCALE_N: tl.constexpr = 0, SCALE_K: tl.constexpr = 0,
-                 DEQUANT_TILE: tl.constexpr = 0, PDL: tl.constexpr = 0):
+                 DEQUANT_TILE: tl.constexpr = 0, ACT_FP8: tl.constexpr = 0, FP8_ACC: tl.constexpr = None,
+                 PDL: tl.constexpr = 0):
     pdl_enter(PDL)
     # One program: BLOCK_M padded rows (one slot) x BLOCK_N hidden columns, added into fp32 out.
     slot, is_shared, skip, rows, pair, is_pair, token = _tile_rows(
@@ -402,12 +468,20 @@ def _down_kernel(act_ptr, w2_ptr, shared_w2_ptr, out_ptr, token_ptr, weight_ptr,
         w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         if SCALE_N > 0:
             scale = tl.load(scale_ptrs + k0 // SCALE_K, mask=col_ok, other=0.0)
-            w = _fp8_weights(w, scale, DEQUANT_TILE, a.dtype, DOT_FP32)
-            if not DEQUANT_TILE:
-                a = _fp8_operand(a)
+            if ACT_FP8:
+                a, sa = _fp8_act(a, DOT_FP32)
+                scale = sa[:, None] * scale[None, :]
+            else:
+                w = _fp8_weights(w, scale, DEQUANT_TILE, a.dtype, DOT_FP32)
+                if not DEQUANT_TILE:
+                    a = _fp8_operand(a)
         if DOT_FP32:
             a, w = a.to(tl.float32), w.to(tl.float32)
-        if SCALE_N > 0 and not DEQUANT_TILE:
+        if ACT_FP8 and not DOT_FP32:
+            acc += tl.dot(a, w, max_num_imprecise_acc=FP8_ACC) * scale
+        elif ACT_FP8:
+            acc += tl.dot(a, w, input_precision=PRECISION) * scale
+        elif SCALE_N > 0 and not DEQUANT_TILE:
             acc += tl.dot(a, w, input_precision=PRECISION) * scale[None, :]
         else:
             acc = tl.dot(a, w, acc, input_precision=PRECISION)
@@ -496,11 +570,12 @@ class MoEGemmConfig(NamedTuple):
     down: tuple[int, int, int, int]
 
 
-def pick_config(num_pairs: int, num_slots: int, dtype: torch.dtype) -> MoEGemmConfig:
+def pick_config(num_pairs: int, num_slots: int, dtype: torch.dtype, act_fp8: bool = False) -> MoEGemmConfig:
     """Fixed tile shapes by the mean rows per slot: thin tiles for decode (weight-bandwidth
     bound, little padding), wider ones for prompt chunks (compute bound). The chunk shapes are
     `python -m bench.probe_moe --prefill`'s winners on an H200 (bench model, 512 and 2048 tokens):
-    rows of 64 beat 128 even at 192 rows a slot, and 8 warps beat 4."""
+    rows of 64 beat 128 even at 192 rows a slot, and 8 warps beat 4. FP8 activations keep the row
+    tile (the router lays out pairs for it) and take k steps of one activation group."""
     rows_per_slot = num_pairs / max(num_slots, 1)
     if rows_per_slot <= 16:
         cfg = MoEGemmConfig(16, (64, 128, 4, 4), (64, 128, 4, 4))
@@ -513,6 +588,9 @@ def pick_config(num_pairs: int, num_slots: int, dtype: torch.dtype) -> MoEGemmCo
     if dtype == torch.float8_e4m3fn and 4 < rows_per_slot <= 16:
         # one byte a weight: wider column tiles win from a few rows a slot (bench.probe_moe --fp8, H200)
         cfg = cfg._replace(gate_up=(128, 128, 4, 3), down=(128, 128, 4, 3))
+    if act_fp8 and cfg.block_m >= 64:
+        # both operands one byte: the chunk tiles' columns as wide as the 16-bit weights' allow
+        cfg = cfg._replace(gate_up=(128, 128, 8, 3), down=(128, 128, 8, 3))
     if dtype == torch.float32:  # twice the bytes per stage: fewer stages (and gate-up columns) to fit shared memory
         cfg = cfg._replace(gate_up=(min(cfg.gate_up[0], 128),) + cfg.gate_up[1:3] + (2,), down=cfg.down[:3] + (2,))
     return cfg
@@ -522,7 +600,8 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
                          slot_of: torch.Tensor, weight_of: torch.Tensor,
                          config: MoEGemmConfig | None = None, add=None,
                          shared: tuple | None = None, fp32_out: bool = False,
-                         aligned: AlignedPairs | None = None, scales: ExpertScales | None = None) -> torch.Tensor:
+                         aligned: AlignedPairs | None = None, scales: ExpertScales | None = None,
+                         act_fp8: bool = False) -> torch.Tensor:
     """fused_experts through the two Triton kernels (no host sync; CUDA-graph capturable)."""
     num_tokens, hidden = x.shape
     num_slots, two_i, _ = w13.shape
@@ -533,10 +612,11 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
         add = pending() if pending is not None else add
         return torch.zeros_like(x) if add is None else add.clone()
     check_expert_scales(w13, w2, scales)
+    group = check_act_fp8(act_fp8, scales)
     if shared is not None:
         shared = check_shared(shared, w13, w2, scales)
     k = pairs_per_token(num_tokens, num_pairs) if token_of is None and num_pairs else 0
-    cfg = config or pick_config(num_pairs, num_slots, w13.dtype)
+    cfg = config or pick_config(num_pairs, num_slots, w13.dtype, act_fp8)
     # The fp32 output, which the down kernel adds into, is zeroed by the gate-up launch.
     out = torch.empty(num_tokens, hidden, dtype=torch.float32, device=x.device)
     if aligned is None:
@@ -573,8 +653,9 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
                               SCALE_N=rows, SCALE_K=cols)
         down_scaled = dict(scale_ptr=scales.w2.contiguous(), shared_scale_ptr=shared_scales.w2.contiguous(),
                            scale_rows=scales.w2.shape[-2], scale_cols=scales.w2.shape[-1], SCALE_N=rows, SCALE_K=cols)
-    # A k step of the scaled kernels stays inside one scale block (cols: a power of two).
-    fit_k = (lambda bk: bk) if scales is None else (lambda bk: min(bk, scales.block[1]))
+    # A k step of the scaled kernels stays inside one scale block (cols: a power of two), and with
+    # FP8 activations is one activation group.
+    fit_k = (lambda bk: bk) if scales is None else (lambda bk: group or min(bk, scales.block[1]))
 
     def launch(dequant_tile: int) -> None:
         # Both launches from scratch: the gate-up launch zeroes the sum the down launch adds into.
@@ -583,17 +664,17 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
             xw, w13, shared_w13, act, token_of, aligned.row_pair, aligned.tile_slot,
             hidden, inter, num_slots, num_tiles, num_tokens, xw.stride(0), out, out.numel(), **gate_up_scaled,
             BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=fit_k(block_k), PRECISION=precision, DOT_FP32=dot_fp32,
-            PAIRS_PER_TOKEN=k, SHARED=shared is not None, DEQUANT_TILE=dequant_tile, num_warps=warps,
-            num_stages=stages, **pdl_launch(xw))
+            PAIRS_PER_TOKEN=k, SHARED=shared is not None, DEQUANT_TILE=dequant_tile, ACT_FP8=bool(group),
+            FP8_ACC=FP8_PRECISE_ACC or None, num_warps=warps, num_stages=stages, **pdl_launch(xw))
         block_n, block_k, warps, stages = cfg.down
         _jit(_down_kernel, *plain)[(tiles, triton.cdiv(hidden, block_n))](
             act, w2, shared_w2, out, token_of, weight_of, aligned.row_pair, aligned.tile_slot,
             hidden, inter, num_slots, num_tiles, num_tokens, out.stride(0), **down_scaled,
             BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=fit_k(block_k), PRECISION=precision, DOT_FP32=dot_fp32,
-            PAIRS_PER_TOKEN=k, SHARED=shared is not None, DEQUANT_TILE=dequant_tile, num_warps=warps,
-            num_stages=stages, **pdl_launch(act))
+            PAIRS_PER_TOKEN=k, SHARED=shared is not None, DEQUANT_TILE=dequant_tile, ACT_FP8=bool(group),
+            FP8_ACC=FP8_PRECISE_ACC or None, num_warps=warps, num_stages=stages, **pdl_launch(act))
 
-    if scales is not None and cfg.block_m >= 64:
+    if scales is not None and cfg.block_m >= 64 and not group:
         # Prompt-chunk row tiles dequantize the FP8 weight tile, so the MMAs chain in one
         # accumulator; decode tiles scale each product (fewer operations a weight for few rows).
         # The products-scaled variant stands in should this one fail to build on some GPU.
@@ -633,7 +714,8 @@ def check_shared(shared: tuple, w13: torch.Tensor, w2: torch.Tensor,
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, token_of: torch.Tensor | None,
                   slot_of: torch.Tensor, weight_of: torch.Tensor, add=None,
                   shared: tuple | None = None, fp32_out: bool = False,
-                  aligned: AlignedPairs | None = None, scales: ExpertScales | None = None) -> torch.Tensor:
+                  aligned: AlignedPairs | None = None, scales: ExpertScales | None = None,
+                  act_fp8: bool = False) -> torch.Tensor:
     """Routed experts over pairs: x [T, H], w13 [S, 2I, H], w2 [S, H, I], token_of / slot_of [P]
     int64 (token_of None: token-major pairs, P / T per token), weight_of [P] float -> [T, H] in
     x's dtype (see the module docstring for the sum).
@@ -641,6 +723,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, token_of
       summed with the routed ones in fp32 (its weight read once, in the same two launches); with
       FP8 routed experts, FP8 itself with a third item, its ExpertScales.
     - `scales`: w13 and w2 are block FP8 (kernels/fp8_blocks.py's layout).
+    - `act_fp8` (with `scales`): the activations into both projections are FP8 too, per token per
+      128 columns (fp8_blocks.quantize_act_groups), and the products run on FP8 tensor cores.
     - `fp32_out`: without `add`, the Triton path may return the fp32 sum unrounded, for a consumer
       that rounds it itself (add_rms_norm does, in its own launch); other paths round.
     - `add` [T, H]: added to the result as `out + add` would. It may be a function returning it,
@@ -650,6 +734,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, token_of
     Triton where it can run (CUDA, or CPU under TRITON_INTERPRET=1), the reference elsewhere."""
     if triton is not None and triton_ok(x):
         return fused_experts_triton(x, w13, w2, token_of, slot_of, weight_of, add=add, shared=shared,
-                                    fp32_out=fp32_out, aligned=aligned, scales=scales)
-    out = fused_experts_reference(x, w13, w2, token_of, slot_of, weight_of, shared=shared, scales=scales)
+                                    fp32_out=fp32_out, aligned=aligned, scales=scales, act_fp8=act_fp8)
+    out = fused_experts_reference(x, w13, w2, token_of, slot_of, weight_of, shared=shared, scales=scales,
+                                  act_fp8=act_fp8)
     return out if add is None else out + (add() if callable(add) else add)

@@ -66,6 +66,25 @@ def test_quantized_layer_computes_its_dequantized_weights(gemm, tokens, monkeypa
 
 
 @needs_interpreter
+@pytest.mark.parametrize("tokens", [1, 9])
+@torch.no_grad()
+def test_fp8_activations_in_the_kernels_and_the_fallback(tokens, monkeypatch):
+    """act_fp8 (EngineConfig.expert_activations): the fused kernels and the per-slot fallback
+    multiply the same quantized activations, and those are not the 16-bit ones."""
+    monkeypatch.setenv("WIDEEP_CPU_KERNELS", "1")
+    fp8, _ = _moe_pair(block=(16, 32))
+    x = torch.randn(tokens, fp8.cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    a16 = fp8(x).float()
+    fp8.act_fp8 = True
+    fused = fp8(x).float()
+    fp8.gemm = "grouped_mm"  # on CPU: the loop over slots on the dequantized weights
+    assert not fp8._fused_ok(x)
+    fallback = fp8(x).float()
+    assert float((fused - fallback).norm() / fallback.norm()) < 1e-4
+    assert 1e-3 < float((fused - a16).norm() / a16.norm()) < 0.1
+
+
+@needs_interpreter
 @torch.no_grad()
 def test_fused_shared_expert_reads_an_fp8_copy(monkeypatch):
     """With the shared expert fused as one more slot its FP8 copy is computed: near the separate
@@ -112,16 +131,39 @@ def test_fp8_engine_serves_the_dequantized_model(tiny_ckpt):
     assert not torch.equal(dequantize_experts(q.w13.data, q.w2.data, q.scales)[0], p.w13.data.float())
 
 
+def test_fp8_activations_engine(tiny_ckpt):
+    """The engine with FP8 activations serves and frees its blocks; its MoE layers (the same FP8
+    weights) give outputs near, not equal to, those with 16-bit activations."""
+    engines = [_engine(tiny_ckpt, expert_dtype="fp8_e4m3", expert_activations=a) for a in ("auto", "fp8_e4m3")]
+    assert [m.act_fp8 for e in engines for m in e.runner.model.moe_layers()[:1]] == [False, True]
+    outs = [e.generate(_prompts(), GREEDY) for e in engines]
+    assert all(len(o.output_token_ids) == GREEDY.max_tokens for o in outs[1])
+    assert engines[1].scheduler.blocks.num_used_blocks == 0
+    layers = [e.runner.model.moe_layers()[0] for e in engines]
+    assert torch.equal(layers[0].w13, layers[1].w13)
+    x = torch.randn(6, layers[0].cfg.hidden_size, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        a16, a8 = (m(x).float() for m in layers)
+    err = float((a8 - a16).norm() / a16.norm())
+    assert 0 < err < 0.1, err
+
+
 def test_bad_expert_dtype_names_the_field():
     with pytest.raises(ValidationError, match="expert_dtype"):
         EngineConfig(expert_dtype="fp4")
+    with pytest.raises(ValidationError, match="expert_activations"):
+        EngineConfig(expert_activations="fp8_e4m3")  # FP8 activations need FP8 weights
+    with pytest.raises(ValidationError, match="expert_activations"):
+        EngineConfig(expert_dtype="fp8_e4m3", expert_activations="int8")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_fp8_experts_on_gpu_graphs_match_eager(tiny_v4_ckpt):
+@pytest.mark.parametrize("activations", ["auto", "fp8_e4m3"])
+def test_fp8_experts_on_gpu_graphs_match_eager(tiny_v4_ckpt, activations):
     """bf16 on the GPU: decode steps replayed from CUDA graphs (the FP8 shared slot fused, the
     router laying out one token's pairs) give the eager FP8 engine's tokens."""
-    kw = dict(device="cuda", dtype="bfloat16", expert_dtype="fp8_e4m3", warmup=False)
+    kw = dict(device="cuda", dtype="bfloat16", expert_dtype="fp8_e4m3", expert_activations=activations,
+              warmup=False)
     prompts = _prompts(seed=3)
     graphs = _engine(tiny_v4_ckpt, **kw)
     eager = _engine(tiny_v4_ckpt, cuda_graphs=False, **kw)
@@ -144,3 +186,13 @@ def test_fp8_experts_refuse_the_grouped_gemm_and_odd_checkpoint_blocks():
         expert_fp8_block(odd)
     ok = cfg.model_copy(update={"quantization_config": FP8Quantization(quant_method="fp8", weight_block_size=[64, 32])})
     assert expert_fp8_block(ok) == (64, 32)
+
+
+def test_fp8_activations_refuse_blocks_narrower_than_an_fp8_product():
+    from engine.config import ConfigError, FP8Quantization
+    from engine.model import DeepseekForCausalLM
+    cfg = preset("tiny").model_copy(
+        update={"quantization_config": FP8Quantization(quant_method="fp8", weight_block_size=[128, 16])})
+    model = DeepseekForCausalLM(cfg, device="cpu")
+    with pytest.raises(ConfigError, match=r"expert_activations 'fp8_e4m3'.*\[128, 16\]"):
+        LLMEngine(model, None, EngineConfig(block_size=4, expert_dtype="fp8_e4m3", expert_activations="fp8_e4m3"))
