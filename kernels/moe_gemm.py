@@ -342,6 +342,7 @@ def _fp8_act(a, INTERPRETED: tl.constexpr):
 
 
 if triton is not None:  # called from the kernels below, so built with them
+    _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
     _E4M3_MAX = tl.constexpr(FP8_MAX)
     _ACT_FLOOR = tl.constexpr(ACT_AMAX_FLOOR)
     _round_e4m3 = triton.jit(_round_e4m3)
@@ -351,14 +352,27 @@ if triton is not None:  # called from the kernels below, so built with them
     _fp8_weights = triton.jit(_fp8_weights)
 
 
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, GROUP: tl.constexpr, INTERPRETED: tl.constexpr,
+                          PDL: tl.constexpr = 0):
+    """quantize_act_groups over [T, K]: one program a (row, group)."""
+    pdl_enter(PDL)
+    row, group = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    cols = group * GROUP + tl.arange(0, GROUP)
+    ok = cols < K
+    v = tl.load(x_ptr + row * stride_x + cols[None, :], mask=ok[None, :], other=0.0)
+    q, scale = _fp8_act(v, INTERPRETED)
+    tl.store(q_ptr + row * K + cols[None, :], q, mask=ok[None, :])
+    tl.store(s_ptr + row * tl.num_programs(1) + group + tl.arange(0, 1), scale)
+
+
 def _gate_up_kernel(x_ptr, w13_ptr, shared_w13_ptr, act_ptr, token_ptr, row_pair_ptr, tile_slot_ptr,
                     H, I, num_slots, num_tiles, num_tokens, stride_xt, zero_ptr, zero_count,
-                    scale_ptr, shared_scale_ptr, scale_rows, scale_cols,
+                    scale_ptr, shared_scale_ptr, scale_rows, scale_cols, x_scale_ptr, act_scale_ptr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, PAIRS_PER_TOKEN: tl.constexpr,
                     SHARED: tl.constexpr, SCALE_N: tl.constexpr = 0, SCALE_K: tl.constexpr = 0,
                     DEQUANT_TILE: tl.constexpr = 0, ACT_FP8: tl.constexpr = 0, FP8_ACC: tl.constexpr = None,
-                    PDL: tl.constexpr = 0):
+                    ACT_DTYPE: tl.constexpr = None, PDL: tl.constexpr = 0):
     pdl_enter(PDL)
     # One program: BLOCK_M padded rows (one slot) x BLOCK_N columns of both gate and up.
     # First its share of the down kernel's fp32 sum, zeroed here instead of by a launch of its own.
@@ -401,8 +415,8 @@ def _gate_up_kernel(x_ptr, w13_ptr, shared_w13_ptr, act_ptr, token_ptr, row_pair
             # BLOCK_K divides SCALE_K: one scale per column over this step's k range
             sg = tl.load(gate_scale_ptrs + k0 // SCALE_K, mask=col_ok, other=0.0)
             su = tl.load(up_scale_ptrs + k0 // SCALE_K, mask=col_ok, other=0.0)
-            if ACT_FP8:  # BLOCK_K is the activation group: one scale a row this step
-                a, sa = _fp8_act(a, DOT_FP32)
+            if ACT_FP8:  # x quantized already (quantize_rows); BLOCK_K is its group: one scale a row
+                sa = tl.load(x_scale_ptr + token * tl.cdiv(H, BLOCK_K) + k0 // BLOCK_K, mask=is_pair, other=0.0)
                 sg, su = sa[:, None] * sg[None, :], sa[:, None] * su[None, :]
             else:
                 wg = _fp8_weights(wg, sg, DEQUANT_TILE, a.dtype, DOT_FP32)
@@ -429,14 +443,25 @@ def _gate_up_kernel(x_ptr, w13_ptr, shared_w13_ptr, act_ptr, token_ptr, row_pair
     act = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
     # Padding rows hold zeros (their x rows were masked to 0), so the down kernel may read them.
     act_ptrs = act_ptr + rows[:, None].to(tl.int64) * I + cols[None, :]
-    if DOT_FP32:  # the interpreter: rounded to nearest even by hand, as the GPU's cast does
-        act = cast_rne(act, act_ptr.dtype.element_ty)
-    tl.store(act_ptrs, act.to(act_ptr.dtype.element_ty), mask=col_ok[None, :])
+    if ACT_FP8:
+        # BLOCK_N is one activation group: the down kernel's input quantized here, once a row, from
+        # its 16-bit value (what the 16-bit activations would store)
+        if DOT_FP32:
+            act16 = cast_rne(act, ACT_DTYPE).to(tl.float32)
+        else:
+            act16 = act.to(ACT_DTYPE).to(tl.float32)
+        q, sa = _fp8_act(act16, DOT_FP32)
+        tl.store(act_scale_ptr + rows.to(tl.int64) * tl.cdiv(I, BLOCK_N) + tl.program_id(1), sa)
+        tl.store(act_ptrs, q, mask=col_ok[None, :])
+    else:
+        if DOT_FP32:  # the interpreter: rounded to nearest even by hand, as the GPU's cast does
+            act = cast_rne(act, act_ptr.dtype.element_ty)
+        tl.store(act_ptrs, act.to(act_ptr.dtype.element_ty), mask=col_ok[None, :])
 
 
 def _down_kernel(act_ptr, w2_ptr, shared_w2_ptr, out_ptr, token_ptr, weight_ptr, row_pair_ptr, tile_slot_ptr,
                  H, I, num_slots, num_tiles, num_tokens, stride_ot,
-                 scale_ptr, shared_scale_ptr, scale_rows, scale_cols,
+                 scale_ptr, shared_scale_ptr, scale_rows, scale_cols, act_scale_ptr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, PAIRS_PER_TOKEN: tl.constexpr,
                  SHARED: tl.constexpr, SCALE_N: tl.constexpr = 0, SCALE_K: tl.constexpr = 0,
@@ -468,8 +493,8 @@ def _down_kernel(act_ptr, w2_ptr, shared_w2_ptr, out_ptr, token_ptr, weight_ptr,
         w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         if SCALE_N > 0:
             scale = tl.load(scale_ptrs + k0 // SCALE_K, mask=col_ok, other=0.0)
-            if ACT_FP8:
-                a, sa = _fp8_act(a, DOT_FP32)
+            if ACT_FP8:  # quantized by the gate-up kernel, one group a k step
+                sa = tl.load(act_scale_ptr + rows.to(tl.int64) * tl.cdiv(I, BLOCK_K) + k0 // BLOCK_K)
                 scale = sa[:, None] * scale[None, :]
             else:
                 w = _fp8_weights(w, scale, DEQUANT_TILE, a.dtype, DOT_FP32)
@@ -574,8 +599,9 @@ def pick_config(num_pairs: int, num_slots: int, dtype: torch.dtype, act_fp8: boo
     """Fixed tile shapes by the mean rows per slot: thin tiles for decode (weight-bandwidth
     bound, little padding), wider ones for prompt chunks (compute bound). The chunk shapes are
     `python -m bench.probe_moe --prefill`'s winners on an H200 (bench model, 512 and 2048 tokens):
-    rows of 64 beat 128 even at 192 rows a slot, and 8 warps beat 4. FP8 activations keep the row
-    tile (the router lays out pairs for it) and take k steps of one activation group."""
+    rows of 64 beat 128 even at 192 rows a slot, and 8 warps beat 4. FP8 activations keep the
+    decode row tiles (the router lays out one token's pairs for them) and take k steps of one
+    activation group."""
     rows_per_slot = num_pairs / max(num_slots, 1)
     if rows_per_slot <= 16:
         cfg = MoEGemmConfig(16, (64, 128, 4, 4), (64, 128, 4, 4))
@@ -588,9 +614,14 @@ def pick_config(num_pairs: int, num_slots: int, dtype: torch.dtype, act_fp8: boo
     if dtype == torch.float8_e4m3fn and 4 < rows_per_slot <= 16:
         # one byte a weight: wider column tiles win from a few rows a slot (bench.probe_moe --fp8, H200)
         cfg = cfg._replace(gate_up=(128, 128, 4, 3), down=(128, 128, 4, 3))
+    elif dtype == torch.float8_e4m3fn and rows_per_slot > 128:
+        # each weight tile dequantized once for twice the rows: 662 against 807 us at 2048 tokens
+        # (bench.probe_moe --fp8 --prefill, H200)
+        cfg = MoEGemmConfig(128, (128, 128, 8, 3), (64, 64, 4, 3))
     if act_fp8 and cfg.block_m >= 64:
-        # both operands one byte: the chunk tiles' columns as wide as the 16-bit weights' allow
-        cfg = cfg._replace(gate_up=(128, 128, 8, 3), down=(128, 128, 8, 3))
+        # both operands one byte, nothing converted: rows of 64 at every chunk size (rows of 128
+        # took 1392 us at 2048 tokens, bench.probe_moe --fp8 --act-fp8 on an H200)
+        cfg = MoEGemmConfig(64, (128, 128, 8, 3), (128, 128, 8, 3))
     if dtype == torch.float32:  # twice the bytes per stage: fewer stages (and gate-up columns) to fit shared memory
         cfg = cfg._replace(gate_up=(min(cfg.gate_up[0], 128),) + cfg.gate_up[1:3] + (2,), down=cfg.down[:3] + (2,))
     return cfg
@@ -641,7 +672,16 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     # fp32 operands get IEEE products like the reference's F.linear (TF32 would cost ~1e-3 relative).
     precision = "ieee" if dot_fp32 or compute == torch.float32 else "tf32"
 
-    act = torch.empty(tiles * cfg.block_m, inter, dtype=compute, device=x.device)
+    act = torch.empty(tiles * cfg.block_m, inter, dtype=torch.float8_e4m3fn if group else compute, device=x.device)
+    # FP8 activations: x quantized once a token here, the SwiGLU output by the gate-up kernel
+    x_scale = act_scale = out  # not read without them
+    if group:
+        xq = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+        x_scale = torch.empty(num_tokens, triton.cdiv(hidden, group), dtype=torch.float32, device=x.device)
+        _jit(_quantize_rows_kernel, "K")[(num_tokens, x_scale.shape[1])](
+            xw, xq, x_scale, hidden, xw.stride(0), GROUP=group, INTERPRETED=dot_fp32, num_warps=1, **pdl_launch(xw))
+        xw = xq
+        act_scale = torch.empty(act.shape[0], triton.cdiv(inter, group), dtype=torch.float32, device=x.device)
     plain = ("num_tiles", "num_tokens", "zero_count")
     if scales is None:
         scaled = dict(scale_ptr=w13, shared_scale_ptr=w13, scale_rows=0, scale_cols=0)  # not read
@@ -660,16 +700,18 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     def launch(dequant_tile: int) -> None:
         # Both launches from scratch: the gate-up launch zeroes the sum the down launch adds into.
         block_n, block_k, warps, stages = cfg.gate_up
+        block_n = group or block_n  # FP8 activations: a program's columns are one group of its output
         _jit(_gate_up_kernel, *plain)[(tiles, triton.cdiv(inter, block_n))](
             xw, w13, shared_w13, act, token_of, aligned.row_pair, aligned.tile_slot,
             hidden, inter, num_slots, num_tiles, num_tokens, xw.stride(0), out, out.numel(), **gate_up_scaled,
+            x_scale_ptr=x_scale, act_scale_ptr=act_scale, ACT_DTYPE=_TL_DTYPES[compute],
             BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=fit_k(block_k), PRECISION=precision, DOT_FP32=dot_fp32,
             PAIRS_PER_TOKEN=k, SHARED=shared is not None, DEQUANT_TILE=dequant_tile, ACT_FP8=bool(group),
             FP8_ACC=FP8_PRECISE_ACC or None, num_warps=warps, num_stages=stages, **pdl_launch(xw))
         block_n, block_k, warps, stages = cfg.down
         _jit(_down_kernel, *plain)[(tiles, triton.cdiv(hidden, block_n))](
             act, w2, shared_w2, out, token_of, weight_of, aligned.row_pair, aligned.tile_slot,
-            hidden, inter, num_slots, num_tiles, num_tokens, out.stride(0), **down_scaled,
+            hidden, inter, num_slots, num_tiles, num_tokens, out.stride(0), **down_scaled, act_scale_ptr=act_scale,
             BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=fit_k(block_k), PRECISION=precision, DOT_FP32=dot_fp32,
             PAIRS_PER_TOKEN=k, SHARED=shared is not None, DEQUANT_TILE=dequant_tile, ACT_FP8=bool(group),
             FP8_ACC=FP8_PRECISE_ACC or None, num_warps=warps, num_stages=stages, **pdl_launch(act))

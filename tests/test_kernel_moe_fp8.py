@@ -89,10 +89,10 @@ def test_fp8_experts_match_the_dequantized_reference(device, dtype, num_tokens, 
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("block_m", [16, 64])
+@pytest.mark.parametrize("block_m", [16, 64, 128])
 def test_fp8_prompt_chunk_tiles(device, block_m):
     """Many rows per slot: BLOCK_K 64 and 32 inside blocks of 128 columns; rows of 64 (prompt
-    chunks) dequantize the weight tile instead of scaling the products."""
+    chunks; 128 past 128 rows a slot) dequantize the weight tile instead of scaling the products."""
     hidden, inter, num_slots, topk, num_tokens = 128, 64, 2, 2, 40
     block = (128, 128)
     q13, q2, scales = to(device, *quantize_experts(*block_varied_weights(num_slots, hidden, inter, (32, 32)), block))
