@@ -109,7 +109,7 @@ def act_group(block: tuple[int, int] | list[int]) -> int:
 def quantize_act_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token, per-`group`-column FP8 activations (DeepSeek-V3's inference scheme):
     (float8_e4m3fn [..., K], float32 scale [..., ceil(K / group)]), each group's largest magnitude
-    mapped to 448. The FP8 expert kernels quantize their input rows this way in registers; this is
+    mapped to 448. The FP8 expert kernels quantize their inputs this way (kernels/moe_gemm.py); this is
     their reference. An all-zero group quantizes to zeros."""
     *lead, k = x.shape
     groups = -(-k // group)

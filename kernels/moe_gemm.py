@@ -6,10 +6,11 @@
 with w13 [S, 2I, H] (rows 0..I-1 gate, I..2I-1 up) and w2 [S, H, I], in the activations' dtype or
 in block FP8 (float8 e4m3 with ExpertScales: each weight tile read as one byte an element and
 converted in registers, decode tiles scaling its partial products and prompt-chunk tiles the tile
-itself; activations stay 16-bit). With `act_fp8` the activations are FP8 too, quantized per token
-per 128 columns in registers as the kernels load them (DeepSeek-V3's inference scheme,
-fp8_blocks.quantize_act_groups): the products run on FP8 tensor cores, each k step's scaled by
-the row's and the column's scales. token_of may be None
+itself; activations stay 16-bit). With `act_fp8` the activations are FP8 too, per token per 128
+columns (DeepSeek-V3's inference scheme, fp8_blocks.quantize_act_groups): x is quantized once a
+token by a launch of its own, the SwiGLU output by the gate-up kernel as it stores it, and the
+products run on FP8 tensor cores, each k step's scaled by the row's and the column's scales.
+token_of may be None
 when the pairs are token-major, k per token (p // k is the token): the router's layout, for
 which the kernels derive the token themselves instead of reading a tensor two launches built.
 
@@ -330,8 +331,8 @@ def _round_e4m3(v):
 
 
 def _fp8_act(a, INTERPRETED: tl.constexpr):
-    """A [rows, BLOCK_K] activation tile (one group of each row) as e4m3 and each row's scale:
-    fp8_blocks.quantize_act_groups, in registers."""
+    """A [rows, group] activation tile as e4m3 and each row's scale: fp8_blocks.quantize_act_groups
+    in registers."""
     v = a.to(tl.float32)
     amax = tl.maximum(tl.max(tl.abs(v), axis=1), _ACT_FLOOR)
     top = tl.full(amax.shape, _E4M3_MAX, tl.float32)
