@@ -350,8 +350,8 @@ class EngineConfig(BaseModel):
         "auto", description="the routed experts' inputs, with expert_dtype 'fp8_e4m3': 'auto' keeps them "
                             "16-bit; 'fp8_e4m3' quantizes each token's inputs to both projections per 128 "
                             "columns (DeepSeek-V3's own inference scheme, as its FP8 checkpoints are served) "
-                            "so the products run on FP8 tensor cores (on the H200 up to 1.5x faster MoE "
-                            "kernels than FP8 weights alone from 32 rows an expert); 3 mantissa bits for the "
+                            "so the products run on FP8 tensor cores (on the H200 MoE kernels up to 1.47x "
+                            "faster than with FP8 weights alone); 3 mantissa bits for the "
                             "activations")
     fuse_shared_experts: bool = Field(
         True, description="on GPU, compute the shared expert as one more slot of the routed experts' fused "
