@@ -45,6 +45,15 @@ def to(device, q13, q2, scales):
     return q13.to(device), q2.to(device), ExpertScales(scales.w13.to(device), scales.w2.to(device), scales.block)
 
 
+def with_shared_slot(device, num_slots, hidden, inter, block):
+    """FP8 routed experts and one more, as the shared expert with its own scales."""
+    q13, q2, scales = quantize_experts(*block_varied_weights(num_slots + 1, hidden, inter, block, seed=5), block)
+    shared = (q13[num_slots].to(device), q2[num_slots].to(device),
+              ExpertScales(scales.w13[num_slots].to(device), scales.w2[num_slots].to(device), block))
+    return (*to(device, q13[:num_slots], q2[:num_slots],
+                ExpertScales(scales.w13[:num_slots], scales.w2[:num_slots], block)), shared)
+
+
 def test_quantize_experts_layout_and_round_trip():
     # inter 24 in row blocks of 16: the gate's second block is partial and must not take up rows
     w13, w2 = block_varied_weights(3, 64, 24, (16, 32))
@@ -108,11 +117,7 @@ def test_fp8_prompt_chunk_tiles(device, block_m):
 def test_fp8_shared_expert_as_one_more_slot(device):
     hidden, inter, num_slots, topk, num_tokens = 64, 32, 4, 2, 5
     block = (16, 32)
-    q13, q2, scales = quantize_experts(*block_varied_weights(num_slots + 1, hidden, inter, block, seed=5), block)
-    shared = (q13[num_slots].to(device), q2[num_slots].to(device),
-              ExpertScales(scales.w13[num_slots].to(device), scales.w2[num_slots].to(device), block))
-    q13, q2, scales = to(device, q13[:num_slots], q2[:num_slots],
-                         ExpertScales(scales.w13[:num_slots], scales.w2[:num_slots], block))
+    q13, q2, scales, shared = with_shared_slot(device, num_slots, hidden, inter, block)
     x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(6)).to(device, torch.bfloat16)
     slot_of, weight_of = routing(num_tokens, topk, num_slots, device)
     got = fused_experts_triton(x, q13, q2, None, slot_of, weight_of, shared=shared, scales=scales)

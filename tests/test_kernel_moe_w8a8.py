@@ -7,11 +7,10 @@ from kernel_devices import DEVICES
 
 pytest.importorskip("triton")
 
-from kernels.fp8_blocks import (ExpertScales, act_group, fake_quantize_act, quantize_act_groups,  # noqa: E402
-                                quantize_experts)
+from kernels.fp8_blocks import act_group, fake_quantize_act, quantize_act_groups, quantize_experts  # noqa: E402
 from kernels.moe_gemm import (MoEGemmConfig, fused_experts, fused_experts_reference,  # noqa: E402
                               fused_experts_triton, pick_config)
-from test_kernel_moe_fp8 import block_varied_weights, routing, to  # noqa: E402
+from test_kernel_moe_fp8 import block_varied_weights, routing, to, with_shared_slot  # noqa: E402
 
 # fp32 activations: the kernels' products of e4m3 values are exact; what is left is the order of
 # the fp32 sums (and on the GPU the FP8 tensor cores' accumulation within a k step). 16-bit
@@ -92,11 +91,7 @@ def test_fp8_activation_chunk_tiles(device, block_m):
 def test_fp8_activations_with_the_shared_expert_slot(device):
     hidden, inter, num_slots, topk, num_tokens = 64, 32, 4, 2, 5
     block = (16, 32)
-    q13, q2, scales = quantize_experts(*block_varied_weights(num_slots + 1, hidden, inter, block, seed=5), block)
-    shared = (q13[num_slots].to(device), q2[num_slots].to(device),
-              ExpertScales(scales.w13[num_slots].to(device), scales.w2[num_slots].to(device), block))
-    q13, q2, scales = to(device, q13[:num_slots], q2[:num_slots],
-                         ExpertScales(scales.w13[:num_slots], scales.w2[:num_slots], block))
+    q13, q2, scales, shared = with_shared_slot(device, num_slots, hidden, inter, block)
     x = group_varied_rows(num_tokens, hidden, 32, seed=6).to(device, torch.float32)
     slot_of, weight_of = routing(num_tokens, topk, num_slots, device)
     got = fused_experts_triton(x, q13, q2, None, slot_of, weight_of, shared=shared, scales=scales, act_fp8=True)
