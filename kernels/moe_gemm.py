@@ -367,8 +367,8 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, GROUP: tl.constexpr,
 
 
 def _gate_up_kernel(x_ptr, w13_ptr, shared_w13_ptr, act_ptr, token_ptr, row_pair_ptr, tile_slot_ptr,
-                    H, I, num_slots, num_tiles, num_tokens, stride_xt, zero_ptr, zero_count,
-                    scale_ptr, shared_scale_ptr, scale_rows, scale_cols, x_scale_ptr, act_scale_ptr,
+                    H, I, num_slots, num_tiles, num_tokens, stride_xt, zero_ptr, zero_count, x_scale_ptr, act_scale_ptr,
+                    scale_ptr, shared_scale_ptr, scale_rows, scale_cols,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, PAIRS_PER_TOKEN: tl.constexpr,
                     SHARED: tl.constexpr, SCALE_N: tl.constexpr = 0, SCALE_K: tl.constexpr = 0,
@@ -461,8 +461,8 @@ def _gate_up_kernel(x_ptr, w13_ptr, shared_w13_ptr, act_ptr, token_ptr, row_pair
 
 
 def _down_kernel(act_ptr, w2_ptr, shared_w2_ptr, out_ptr, token_ptr, weight_ptr, row_pair_ptr, tile_slot_ptr,
-                 H, I, num_slots, num_tiles, num_tokens, stride_ot,
-                 scale_ptr, shared_scale_ptr, scale_rows, scale_cols, act_scale_ptr,
+                 H, I, num_slots, num_tiles, num_tokens, stride_ot, act_scale_ptr,
+                 scale_ptr, shared_scale_ptr, scale_rows, scale_cols,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, PAIRS_PER_TOKEN: tl.constexpr,
                  SHARED: tl.constexpr, SCALE_N: tl.constexpr = 0, SCALE_K: tl.constexpr = 0,
@@ -704,15 +704,15 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
         block_n = group or block_n  # FP8 activations: a program's columns are one group of its output
         _jit(_gate_up_kernel, *plain)[(tiles, triton.cdiv(inter, block_n))](
             xw, w13, shared_w13, act, token_of, aligned.row_pair, aligned.tile_slot,
-            hidden, inter, num_slots, num_tiles, num_tokens, xw.stride(0), out, out.numel(), **gate_up_scaled,
-            x_scale_ptr=x_scale, act_scale_ptr=act_scale, ACT_DTYPE=_TL_DTYPES[compute],
+            hidden, inter, num_slots, num_tiles, num_tokens, xw.stride(0), out, out.numel(), x_scale, act_scale,
+            **gate_up_scaled, ACT_DTYPE=_TL_DTYPES[compute],
             BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=fit_k(block_k), PRECISION=precision, DOT_FP32=dot_fp32,
             PAIRS_PER_TOKEN=k, SHARED=shared is not None, DEQUANT_TILE=dequant_tile, ACT_FP8=bool(group),
             FP8_ACC=FP8_PRECISE_ACC or None, num_warps=warps, num_stages=stages, **pdl_launch(xw))
         block_n, block_k, warps, stages = cfg.down
         _jit(_down_kernel, *plain)[(tiles, triton.cdiv(hidden, block_n))](
             act, w2, shared_w2, out, token_of, weight_of, aligned.row_pair, aligned.tile_slot,
-            hidden, inter, num_slots, num_tiles, num_tokens, out.stride(0), **down_scaled, act_scale_ptr=act_scale,
+            hidden, inter, num_slots, num_tiles, num_tokens, out.stride(0), act_scale, **down_scaled,
             BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=fit_k(block_k), PRECISION=precision, DOT_FP32=dot_fp32,
             PAIRS_PER_TOKEN=k, SHARED=shared is not None, DEQUANT_TILE=dequant_tile, ACT_FP8=bool(group),
             FP8_ACC=FP8_PRECISE_ACC or None, num_warps=warps, num_stages=stages, **pdl_launch(act))
