@@ -17,6 +17,9 @@ tensor cores; the FP8-weight kernels with 16-bit activations are timed beside th
 `--model dsv3` times DeepSeek-V3's layer shape instead (H=7168, I=2048, 32 local slots, top-8:
 one GPU's share of the 256 experts over 8).
 
+`--kernels` also profiles the built-in shapes' call (eager, torch.profiler): each launch's GPU time,
+and how the tensor-core products of each Triton build were compiled (wgmma or mma.sync).
+
 `--gate` also times the router's partial-logits kernel (kernels/routing.py) by how many parts
 it splits the hidden size into and its tokens, experts and warps a program, 16 calls a CUDA
 graph replay (`--gate-only`: that alone).
@@ -54,6 +57,9 @@ def main(argv=None) -> None:
     ap.add_argument("--fp8-acc", type=int, default=None,
                     help="moe_gemm.FP8_PRECISE_ACC for --act-fp8 (0: the tensor cores' own sums throughout)")
     ap.add_argument("--built-in-only", action="store_true", help="no sweep: the built-in shapes alone")
+    ap.add_argument("--pair-rows-ab", action="store_true",
+                    help="also time the built-in shapes with the other output form (pair rows or fp32 atomics)")
+    ap.add_argument("--kernels", action="store_true", help="profile the built-in call: us a launch, the MMA form")
     ap.add_argument("--gate", action="store_true")
     ap.add_argument("--gate-only", action="store_true", help="time the router's kernel alone")
     args = ap.parse_args(argv)
@@ -116,11 +122,20 @@ def main(argv=None) -> None:
                 raise AssertionError(f"wrong result ({err:.3g}) with {cfg}")
             us = graph_ms(call, 3, args.iters) * 1e3
             rows.append(dict(model=args.model, act_fp8=args.act_fp8, tokens=tokens, sweep=label, block_m=cfg.block_m,
-                             gate_up=cfg.gate_up, down=cfg.down, us=round(us, 2), err=round(err, 5)))
+                             gate_up=cfg.gate_up, down=cfg.down, pair_rows=cfg.pair_rows, us=round(us, 2),
+                             err=round(err, 5)))
             print(json.dumps(rows[-1]), flush=True)
             return us
 
         base = timed(built_in, "built-in")
+        if args.pair_rows_ab:
+            timed(built_in._replace(pair_rows=not built_in.pair_rows), f"built-in, pair rows {not built_in.pair_rows}")
+        if args.kernels:
+            rows.append(dict(model=args.model, act_fp8=args.act_fp8, tokens=tokens, sweep="built-in kernels",
+                             us_by_kernel=kernel_split(lambda: fused_experts_triton(
+                                 x, w13, w2, None, slot_of, weight_of, built_in, shared=shared, scales=scales,
+                                 act_fp8=args.act_fp8)), mma=mma_forms()))
+            print(json.dumps(rows[-1]), flush=True)
         if args.built_in_only:
             continue
         if best is None or args.prefill:  # decode: sweep at the first token count, check the winner at the others
@@ -144,6 +159,37 @@ def main(argv=None) -> None:
     if args.json:
         with open(args.json, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+def kernel_split(call, iters: int = 10) -> dict[str, float]:
+    """GPU us a call of each kernel `call` launches (eager, so the profiler sees each launch)."""
+    from torch.profiler import ProfilerActivity, profile
+    call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            call()
+        torch.cuda.synchronize()
+    us = {}
+    for e in prof.key_averages():
+        total = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if total > 0 and not e.key.startswith(("cuda", "Memcpy", "Memset")):
+            us[e.key] = round(total / iters, 2)
+    return dict(sorted(us.items(), key=lambda kv: -kv[1]))
+
+
+def mma_forms() -> dict[str, dict[str, int]]:
+    """For each build of the two expert kernels: how many wgmma and mma.sync instructions its PTX has."""
+    import kernels.moe_gemm as mg
+    forms = {}
+    for fn in (mg._gate_up_kernel, mg._down_kernel):
+        plain = ("num_tiles", "num_tokens", "zero_count") + (("num_pairs",) if fn is mg._down_kernel else ())
+        jitted = mg._jit(fn, *plain)
+        for cache in getattr(jitted, "device_caches", {}).values():
+            for i, build in enumerate(cache[0].values()):
+                ptx = build.asm.get("ptx", "")
+                forms[f"{fn.__name__}#{i}"] = dict(wgmma=ptx.count("wgmma.mma_async"), mma_sync=ptx.count("mma.sync"))
+    return forms
 
 
 def gate_parts_times(token_counts: list[int], iters: int) -> list[dict]:

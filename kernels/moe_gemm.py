@@ -461,15 +461,16 @@ def _gate_up_kernel(x_ptr, w13_ptr, shared_w13_ptr, act_ptr, token_ptr, row_pair
 
 
 def _down_kernel(act_ptr, w2_ptr, shared_w2_ptr, out_ptr, token_ptr, weight_ptr, row_pair_ptr, tile_slot_ptr,
-                 H, I, num_slots, num_tiles, num_tokens, stride_ot, act_scale_ptr,
+                 H, I, num_slots, num_tiles, num_tokens, stride_ot, num_pairs, act_scale_ptr,
                  scale_ptr, shared_scale_ptr, scale_rows, scale_cols,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, PAIRS_PER_TOKEN: tl.constexpr,
                  SHARED: tl.constexpr, SCALE_N: tl.constexpr = 0, SCALE_K: tl.constexpr = 0,
                  DEQUANT_TILE: tl.constexpr = 0, ACT_FP8: tl.constexpr = 0, FP8_ACC: tl.constexpr = None,
-                 PDL: tl.constexpr = 0):
+                 PAIR_ROWS: tl.constexpr = 0, PDL: tl.constexpr = 0):
     pdl_enter(PDL)
-    # One program: BLOCK_M padded rows (one slot) x BLOCK_N hidden columns, added into fp32 out.
+    # One program: BLOCK_M padded rows (one slot) x BLOCK_N hidden columns, added into fp32 out
+    # (PAIR_ROWS: stored as each pair's own row of out, for _sum_pairs_kernel).
     slot, is_shared, skip, rows, pair, is_pair, token = _tile_rows(
         token_ptr, row_pair_ptr, tile_slot_ptr, num_slots, num_tiles, num_tokens, BLOCK_M, PAIRS_PER_TOKEN, SHARED)
     if skip:
@@ -513,14 +514,46 @@ def _down_kernel(act_ptr, w2_ptr, shared_w2_ptr, out_ptr, token_ptr, weight_ptr,
             acc = tl.dot(a, w, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    route_weight = tl.load(weight_ptr + pair, mask=pair >= 0, other=0.0).to(tl.float32)
+    if PAIR_ROWS:
+        # Prompt chunks: each pair's output unweighted, rounded as the MLP's own output would be;
+        # a token's rows are summed by a second pass (row num_pairs + t: token t's shared expert).
+        dest = tl.where(is_shared, num_pairs + token, pair).to(tl.int64)
+        if DOT_FP32:
+            acc = cast_rne(acc, out_ptr.dtype.element_ty)
+        tl.store(out_ptr + dest[:, None] * stride_ot + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=is_pair[:, None] & col_ok[None, :])
+    else:
+        route_weight = tl.load(weight_ptr + pair, mask=pair >= 0, other=0.0).to(tl.float32)
+        if SHARED:
+            route_weight = tl.where(is_shared, 1.0, route_weight)
+        acc = acc * route_weight[:, None]
+        # A token's k pairs land in different tiles: combine them with fp32 atomics (order-free
+        # sum, like index_add_ on CUDA). Few rows a slot make few atomics; past that they cost more
+        # than a row a pair and a second pass (PAIR_ROWS).
+        out_ptrs = out_ptr + token[:, None] * stride_ot + cols[None, :]
+        tl.atomic_add(out_ptrs, acc, mask=is_pair[:, None] & col_ok[None, :])
+
+
+def _sum_pairs_kernel(rows_ptr, weight_ptr, add_ptr, out_ptr, H, num_pairs, PAIRS_PER_TOKEN: tl.constexpr,
+                      SHARED: tl.constexpr, HAS_ADD: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
+    """out[t] = sum_j rows[t k + j] weight[t k + j] (+ rows[num_pairs + t], the shared expert) in
+    fp32, in j's order; with add, rounded to out's dtype, plus add, rounded again (as _round_add_kernel)."""
+    pdl_enter(PDL)
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < H
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for j in tl.static_range(PAIRS_PER_TOKEN):
+        pair = token * PAIRS_PER_TOKEN + j
+        weight = tl.load(weight_ptr + pair).to(tl.float32)
+        acc += tl.load(rows_ptr + pair * H + cols, mask=ok, other=0.0).to(tl.float32) * weight
     if SHARED:
-        route_weight = tl.where(is_shared, 1.0, route_weight)
-    acc = acc * route_weight[:, None]
-    # A token's k pairs land in different tiles: combine them with fp32 atomics (order-free sum,
-    # like index_add_ on CUDA) instead of a per-pair output buffer and a second pass.
-    out_ptrs = out_ptr + token[:, None] * stride_ot + cols[None, :]
-    tl.atomic_add(out_ptrs, acc, mask=is_pair[:, None] & col_ok[None, :])
+        acc += tl.load(rows_ptr + (num_pairs + token) * H + cols, mask=ok, other=0.0).to(tl.float32)
+    DTYPE: tl.constexpr = out_ptr.dtype.element_ty
+    if HAS_ADD:
+        a = cast_rne(acc, DTYPE).to(tl.float32)
+        acc = a + tl.load(add_ptr + token * H + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + token * H + cols, cast_rne(acc, DTYPE), mask=ok)
 
 
 def _round_add_kernel(acc_ptr, add_ptr, out_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
@@ -594,6 +627,8 @@ class MoEGemmConfig(NamedTuple):
     block_m: int
     gate_up: tuple[int, int, int, int]  # BLOCK_N, BLOCK_K, num_warps, num_stages
     down: tuple[int, int, int, int]
+    # a row of output a pair, summed by a second pass, instead of fp32 atomics (token-major pairs)
+    pair_rows: bool = False
 
 
 def pick_config(num_pairs: int, num_slots: int, dtype: torch.dtype, act_fp8: bool = False) -> MoEGemmConfig:
@@ -623,6 +658,11 @@ def pick_config(num_pairs: int, num_slots: int, dtype: torch.dtype, act_fp8: boo
         # both operands one byte, nothing converted: rows of 64 at every chunk size (rows of 128
         # took 1392 us at 2048 tokens, bench.probe_moe --fp8 --act-fp8 on an H200)
         cfg = MoEGemmConfig(64, (128, 128, 8, 3), (128, 128, 8, 3))
+    if cfg.block_m >= 32:
+        # from 17 rows a slot a pair's own output row and a second pass beat fp32 atomics: bench
+        # layer 193 against 207 us at 256 tokens, 458 against 507 at 2048 (bench.probe_moe
+        # --pair-rows-ab, H200); at 16 rows a slot or fewer they are within 1%
+        cfg = cfg._replace(pair_rows=True)
     if dtype == torch.float32:  # twice the bytes per stage: fewer stages (and gate-up columns) to fit shared memory
         cfg = cfg._replace(gate_up=(min(cfg.gate_up[0], 128),) + cfg.gate_up[1:3] + (2,), down=cfg.down[:3] + (2,))
     return cfg
@@ -649,8 +689,12 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
         shared = check_shared(shared, w13, w2, scales)
     k = pairs_per_token(num_tokens, num_pairs) if token_of is None and num_pairs else 0
     cfg = config or pick_config(num_pairs, num_slots, w13.dtype, act_fp8)
-    # The fp32 output, which the down kernel adds into, is zeroed by the gate-up launch.
-    out = torch.empty(num_tokens, hidden, dtype=torch.float32, device=x.device)
+    pair_rows = cfg.pair_rows and k > 0
+    if pair_rows:  # a row a pair (then one a token for the shared expert), each written once
+        out = torch.empty(num_pairs + (num_tokens if shared is not None else 0), hidden, dtype=x.dtype,
+                          device=x.device)
+    else:  # the fp32 output, which the down kernel adds into, is zeroed by the gate-up launch
+        out = torch.empty(num_tokens, hidden, dtype=torch.float32, device=x.device)
     if aligned is None:
         aligned = align_pairs_triton(slot_of, num_slots, cfg.block_m)
     elif aligned.row_pair.numel() != aligned.tile_slot.numel() * cfg.block_m:
@@ -704,18 +748,20 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
         block_n = group or block_n  # FP8 activations: a program's columns are one group of its output
         _jit(_gate_up_kernel, *plain)[(tiles, triton.cdiv(inter, block_n))](
             xw, w13, shared_w13, act, token_of, aligned.row_pair, aligned.tile_slot,
-            hidden, inter, num_slots, num_tiles, num_tokens, xw.stride(0), out, out.numel(), x_scale, act_scale,
+            hidden, inter, num_slots, num_tiles, num_tokens, xw.stride(0), out, 0 if pair_rows else out.numel(),
+            x_scale, act_scale,
             **gate_up_scaled, ACT_DTYPE=_TL_DTYPES[compute],
             BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=fit_k(block_k), PRECISION=precision, DOT_FP32=dot_fp32,
             PAIRS_PER_TOKEN=k, SHARED=shared is not None, DEQUANT_TILE=dequant_tile, ACT_FP8=bool(group),
             FP8_ACC=FP8_PRECISE_ACC or None, num_warps=warps, num_stages=stages, **pdl_launch(xw))
         block_n, block_k, warps, stages = cfg.down
-        _jit(_down_kernel, *plain)[(tiles, triton.cdiv(hidden, block_n))](
+        _jit(_down_kernel, *plain, "num_pairs")[(tiles, triton.cdiv(hidden, block_n))](
             act, w2, shared_w2, out, token_of, weight_of, aligned.row_pair, aligned.tile_slot,
-            hidden, inter, num_slots, num_tiles, num_tokens, out.stride(0), act_scale, **down_scaled,
+            hidden, inter, num_slots, num_tiles, num_tokens, out.stride(0), num_pairs, act_scale, **down_scaled,
             BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=fit_k(block_k), PRECISION=precision, DOT_FP32=dot_fp32,
             PAIRS_PER_TOKEN=k, SHARED=shared is not None, DEQUANT_TILE=dequant_tile, ACT_FP8=bool(group),
-            FP8_ACC=FP8_PRECISE_ACC or None, num_warps=warps, num_stages=stages, **pdl_launch(act))
+            FP8_ACC=FP8_PRECISE_ACC or None, PAIR_ROWS=pair_rows, num_warps=warps, num_stages=stages,
+            **pdl_launch(act))
 
     if scales is not None and cfg.block_m >= 64 and not group:
         # Prompt-chunk row tiles dequantize the FP8 weight tile, so the MMAs chain in one
@@ -726,10 +772,19 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
         launch(0)
     if pending is not None:
         add = pending()
+    if add is not None and (add.shape != (num_tokens, hidden) or add.dtype != x.dtype):
+        raise ValueError(f"add must be [{num_tokens}, {hidden}] {x.dtype}, got {list(add.shape)} {add.dtype}")
+    if pair_rows:
+        summed = torch.empty(num_tokens, hidden, dtype=torch.float32 if fp32_out and add is None else x.dtype,
+                             device=x.device)
+        block = 1024
+        _jit(_sum_pairs_kernel, "num_pairs")[(num_tokens, triton.cdiv(hidden, block))](
+            out, weight_of, summed if add is None else add.contiguous(), summed, hidden, num_pairs,
+            PAIRS_PER_TOKEN=k, SHARED=shared is not None, HAS_ADD=add is not None, BLOCK=block, num_warps=4,
+            **pdl_launch(out))
+        return summed
     if add is None:
         return out if fp32_out else out.to(x.dtype)
-    if add.shape != out.shape or add.dtype != x.dtype:
-        raise ValueError(f"add must be [{num_tokens}, {hidden}] {x.dtype}, got {list(add.shape)} {add.dtype}")
     summed = torch.empty(add.shape, dtype=add.dtype, device=add.device)  # written as contiguous
     block = 1024
     _jit(_round_add_kernel, "n")[(triton.cdiv(out.numel(), block),)](

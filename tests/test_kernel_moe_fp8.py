@@ -99,7 +99,8 @@ def test_fp8_experts_match_the_dequantized_reference(device, dtype, num_tokens, 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("block_m", [16, 64, 128])
-def test_fp8_prompt_chunk_tiles(device, block_m):
+@pytest.mark.parametrize("pair_rows", [False, True])  # fp32 atomics or a row a pair
+def test_fp8_prompt_chunk_tiles(device, block_m, pair_rows):
     """Many rows per slot: BLOCK_K 64 and 32 inside blocks of 128 columns; rows of 64 (prompt
     chunks; 128 past 128 rows a slot) dequantize the weight tile instead of scaling the products."""
     hidden, inter, num_slots, topk, num_tokens = 128, 64, 2, 2, 40
@@ -107,7 +108,7 @@ def test_fp8_prompt_chunk_tiles(device, block_m):
     q13, q2, scales = to(device, *quantize_experts(*block_varied_weights(num_slots, hidden, inter, (32, 32)), block))
     x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(4)).to(device, torch.bfloat16)
     slot_of, weight_of = routing(num_tokens, topk, num_slots, device)
-    config = MoEGemmConfig(block_m, (32, 64, 4, 2), (32, 32, 4, 2))
+    config = MoEGemmConfig(block_m, (32, 64, 4, 2), (32, 32, 4, 2), pair_rows)
     got = fused_experts_triton(x, q13, q2, None, slot_of, weight_of, config=config, scales=scales)
     want = fused_experts_reference(x, q13, q2, None, slot_of, weight_of, scales=scales)
     assert_near(got.float(), want.float(), torch.bfloat16)

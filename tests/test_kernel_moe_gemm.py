@@ -184,6 +184,44 @@ def test_built_in_configs(device, dtype, num_tokens, block_m):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_shared", [False, True])
+def test_pair_rows_match_the_atomic_sum(device, dtype, with_shared):
+    """Prompt-chunk tiles write a row a pair and sum a token's rows in a second pass
+    (MoEGemmConfig.pair_rows) instead of adding into fp32 with atomics: the same result, the
+    residual `add` and the fp32 output included, and the same bits on every call."""
+    hidden, inter, num_slots, topk, num_tokens = 80, 32, 4, 3, 70  # H past one column block
+    w13, w2 = make_weights(num_slots + 1, hidden, inter, dtype, device, seed=41)
+    shared = (w13[num_slots], w2[num_slots]) if with_shared else None
+    w13, w2 = w13[:num_slots], w2[:num_slots]
+    gen = torch.Generator().manual_seed(42)
+    x = torch.randn(num_tokens, hidden, generator=gen).to(device, dtype)
+    add = torch.randn(num_tokens, hidden, generator=gen).to(device, dtype)
+    token_of, slot_of, weight_of = make_routing(num_tokens, topk, list(range(num_slots)), device, seed=43)
+    atomics = MoEGemmConfig(64, (32, 32, 4, 2), (32, 32, 4, 2))
+    rows = atomics._replace(pair_rows=True)
+    want = fused_experts_reference(x, w13, w2, token_of, slot_of, weight_of, shared=shared)
+
+    def run(config, **kw):
+        return fused_experts_triton(x, w13, w2, None, slot_of, weight_of, config=config, shared=shared, **kw)
+
+    got = run(rows)
+    assert got.dtype == dtype and torch.equal(got, run(rows))
+    torch.testing.assert_close(got.float(), want.float(), **TOLERANCE[dtype])
+    torch.testing.assert_close(got.float(), run(atomics).float(), **TOLERANCE[dtype])
+    summed = run(rows, add=add)
+    assert torch.equal(summed, (got.float() + add.float()).to(dtype))  # rounded, added, rounded again
+    assert torch.equal(run(rows, add=lambda: add), summed)
+    wide = run(rows, fp32_out=True)
+    assert wide.dtype == torch.float32
+    torch.testing.assert_close(wide, run(atomics, fp32_out=True), **TOLERANCE[dtype])
+    # pairs given with their tokens (any order, as expert parallelism delivers them) keep the atomics
+    torch.testing.assert_close(fused_experts_triton(x, w13, w2, token_of, slot_of, weight_of, config=rows,
+                                                    shared=shared).float(), want.float(), **TOLERANCE[dtype])
+    assert moe_gemm.pick_config(2048 * 6, 64, dtype).pair_rows and not moe_gemm.pick_config(64 * 6, 64, dtype).pair_rows
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_arbitrary_pairs(device):
     """Pairs in any order (as expert parallelism delivers them), tokens with no pair, a token
     sent twice to the same slot: the sum is over pairs, whatever their layout."""

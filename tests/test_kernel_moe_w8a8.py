@@ -73,7 +73,8 @@ def test_fp8_activations_match_their_reference(device, dtype, num_tokens, block)
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("block_m", [16, 64])
-def test_fp8_activation_chunk_tiles(device, block_m):
+@pytest.mark.parametrize("pair_rows", [False, True])  # fp32 atomics or a row a pair
+def test_fp8_activation_chunk_tiles(device, block_m, pair_rows):
     """Many rows a slot, prompt-chunk row tiles among them: k steps of one activation group
     whatever the configured BLOCK_K, inside weight blocks wider than the group."""
     hidden, inter, num_slots, topk, num_tokens = 256, 128, 2, 2, 40
@@ -81,7 +82,7 @@ def test_fp8_activation_chunk_tiles(device, block_m):
     q13, q2, scales = to(device, *quantize_experts(*block_varied_weights(num_slots, hidden, inter, (32, 32)), block))
     x = group_varied_rows(num_tokens, hidden, 128, seed=4).to(device, torch.float32)
     slot_of, weight_of = routing(num_tokens, topk, num_slots, device)
-    config = MoEGemmConfig(block_m, (32, 64, 4, 2), (32, 32, 4, 2))
+    config = MoEGemmConfig(block_m, (32, 64, 4, 2), (32, 32, 4, 2), pair_rows)
     got = fused_experts_triton(x, q13, q2, None, slot_of, weight_of, config=config, scales=scales, act_fp8=True)
     want = fused_experts_reference(x, q13, q2, None, slot_of, weight_of, scales=scales, act_fp8=True)
     assert rel_err(got, want) < TOLERANCE[torch.float32]
