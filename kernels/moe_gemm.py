@@ -515,8 +515,8 @@ def _down_kernel(act_ptr, w2_ptr, shared_w2_ptr, out_ptr, token_ptr, weight_ptr,
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if PAIR_ROWS:
-        # Prompt chunks: each pair's output unweighted, rounded as the MLP's own output would be;
-        # a token's rows are summed by a second pass (row num_pairs + t: token t's shared expert).
+        # Many rows a slot (pick_config): each pair's output unweighted, rounded as the MLP's own
+        # output would be; a second pass sums a token's rows (row num_pairs + t: its shared expert).
         dest = tl.where(is_shared, num_pairs + token, pair).to(tl.int64)
         if DOT_FP32:
             acc = cast_rne(acc, out_ptr.dtype.element_ty)
