@@ -55,7 +55,7 @@ def main(argv=None) -> None:
     ap.add_argument("--fp8", action="store_true", help="block-FP8 experts (and the 16-bit ones' built-in shapes beside)")
     ap.add_argument("--act-fp8", action="store_true", help="with --fp8: FP8 activations too (w8a8)")
     ap.add_argument("--fp8-acc", type=int, default=None,
-                    help="moe_gemm.FP8_PRECISE_ACC for --act-fp8 (0: the tensor cores' own sums throughout)")
+                    help="moe_gemm.FP8_PRECISE_ACC for --act-fp8 (0, the default: into fp32 once a k step)")
     ap.add_argument("--built-in-only", action="store_true", help="no sweep: the built-in shapes alone")
     ap.add_argument("--pair-rows-ab", action="store_true",
                     help="also time the built-in shapes with the other output form (pair rows or fp32 atomics)")
