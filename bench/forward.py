@@ -39,6 +39,9 @@ from engine.sequence import Sequence, Status
 from kernels import pdl
 
 
+EXPERT_ACTIVATIONS = {"fp8_w8a8": "fp8_e4m3", "fp8_w8a16": "model"}  # --expert-dtype -> expert_activations
+
+
 def copy_bandwidth(device, nbytes=2 << 30, rounds: int = 3) -> float:
     """Bytes/s of HBM traffic in a device-to-device copy (read + write): the best of `rounds`
     medians of 8 copies. One round came out 3% low in a run of the ninth session (4,122 against
@@ -436,9 +439,10 @@ def main(argv=None):
                     help="EngineConfig.index_topk_freq: the indexer scores in every n-th layer, the others "
                          "reuse its top-k (one row each)")
     ap.add_argument("--moe-gemm", nargs="+", default=["auto"], choices=["auto", "triton", "grouped_mm"])
-    ap.add_argument("--expert-dtype", nargs="+", default=["auto"], choices=["auto", "fp8_e4m3", "fp8_w8a8"],
-                    help="routed experts' weights; quantizing is in place, so 'auto' runs first. fp8_w8a8: "
-                         "FP8 weights and activations (expert_activations 'fp8_e4m3')")
+    ap.add_argument("--expert-dtype", nargs="+", default=["auto"], choices=["auto", "fp8_e4m3", "fp8_w8a8", "fp8_w8a16"],
+                    help="routed experts' weights; quantizing is in place, so 'auto' runs first. fp8_e4m3: FP8 "
+                         "weights, expert_activations 'auto'; fp8_w8a8 / fp8_w8a16: with FP8 / 16-bit activations "
+                         "throughout")
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--moe-share", action="store_true", help="also time the step with MoE layers removed")
@@ -482,8 +486,8 @@ def main(argv=None):
         ecfg = EngineConfig(device=args.device, dtype=args.dtype, block_size=args.block_size, num_blocks=blocks,
                             max_num_seqs=args.batch, max_model_len=context + 1, kv_cache_dtype=kv_dtype, moe_gemm=gemm,
                             index_cache_dtype=args.index_dtype, index_topk_freq=freq,
-                            cuda_graph_max_batch=args.batch, expert_dtype=expert_dtype.replace("w8a8", "e4m3"),
-                            expert_activations="fp8_e4m3" if expert_dtype == "fp8_w8a8" else "auto")
+                            cuda_graph_max_batch=args.batch, expert_dtype="fp8_e4m3" if expert_dtype.startswith("fp8") else "auto",
+                            expert_activations=EXPERT_ACTIVATIONS.get(expert_dtype, "auto"))
         engine = LLMEngine(model, None, ecfg)
         batch = make_batch(engine, args.batch, context)
         fwd, step = time_forward(engine, batch, args.iters)

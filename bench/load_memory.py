@@ -22,10 +22,14 @@ import torch
 
 def load_once(path: str, expert_dtype: str, dtype: str) -> dict:
     from engine.checkpoint import load_model
+    from engine.config import EngineConfig, ModelConfig
     kw = {}
-    if "fp8_experts" in inspect.signature(load_model).parameters:  # older trees load 16-bit only
+    if hasattr(EngineConfig, "fp8_experts"):  # 'auto' resolved against the checkpoint, as the engine does
+        engine = EngineConfig(device="cuda", dtype=dtype, expert_dtype=expert_dtype)
+        kw["fp8_experts"] = engine.fp8_experts(ModelConfig.from_file(Path(path)))
+    elif "fp8_experts" in inspect.signature(load_model).parameters:  # older trees: 'auto' was 16-bit
         kw["fp8_experts"] = expert_dtype == "fp8_e4m3"
-    elif expert_dtype != "auto":
+    elif expert_dtype not in ("auto", "model"):
         raise SystemExit("this tree's loader has no FP8 experts")
     torch.cuda.init()
     torch.cuda.reset_peak_memory_stats()
@@ -44,7 +48,7 @@ def main(argv=None) -> None:
     ap.add_argument("--dir", default="checkpoints")
     ap.add_argument("--fp8-block", type=int, nargs=2, default=None)
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--expert-dtype", nargs="+", default=["auto", "fp8_e4m3"], choices=["auto", "fp8_e4m3"])
+    ap.add_argument("--expert-dtype", nargs="+", default=["model", "fp8_e4m3"], choices=["auto", "model", "fp8_e4m3"])
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # the child: load this checkpoint once
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)

@@ -26,7 +26,8 @@ _IGNORED_HF_KEYS = {
 class FP8Quantization(BaseModel):
     """`quantization_config` of DeepSeek's FP8 checkpoints: the Linear weights are float8 e4m3
     with one float32 scale per [rows, cols] block (`<name>.weight_scale_inv`, a multiplier
-    despite its name). They are dequantized to the serving dtype at load; nothing computes in FP8."""
+    despite its name). They are dequantized to the serving dtype at load, except the routed experts'
+    where they are served in FP8 (EngineConfig.fp8_experts)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -340,19 +341,21 @@ class EngineConfig(BaseModel):
     moe_gemm: Literal["auto", "triton", "grouped_mm"] = Field(
         "auto", description="routed-expert GEMMs on GPU: the fused Triton SwiGLU kernel (kernels/moe_gemm.py; "
                             "auto, measured faster on H200) or torch's grouped GEMM")
-    expert_dtype: Literal["auto", "fp8_e4m3"] = Field(
-        "auto", description="routed experts' weights: 'auto' keeps the model dtype; 'fp8_e4m3' stores them as "
-                            "block FP8 (one fp32 scale per block: the checkpoint's weight_block_size, else "
-                            "128 x 128), loaded as stored from an FP8 checkpoint or else quantized at start, "
-                            "and computed by the fused kernels with 16-bit activations: half the bytes a "
-                            "decode step reads from them")
-    expert_activations: Literal["auto", "fp8_e4m3"] = Field(
-        "auto", description="the routed experts' inputs, with expert_dtype 'fp8_e4m3': 'auto' keeps them "
-                            "16-bit; 'fp8_e4m3' quantizes each token's inputs to both projections per 128 "
-                            "columns (DeepSeek-V3's own inference scheme, as its FP8 checkpoints are served) "
-                            "so the products run on FP8 tensor cores (on the H200 MoE kernels up to 1.47x "
-                            "faster than with FP8 weights alone); 3 mantissa bits for the "
-                            "activations")
+    expert_dtype: Literal["auto", "model", "fp8_e4m3"] = Field(
+        "auto", description="routed experts' weights: 'fp8_e4m3' stores them as block FP8 (one fp32 scale per "
+                            "block: the checkpoint's weight_block_size, else 128 x 128), loaded as stored from "
+                            "an FP8 checkpoint or else quantized at start, and computed by the fused kernels: "
+                            "half the bytes a decode step reads from them; 'model' keeps the model dtype (an "
+                            "FP8 checkpoint's experts dequantized at load); 'auto' is 'fp8_e4m3' for an FP8 "
+                            "checkpoint (DeepSeek's releases) on a GPU with the fused kernels, as vLLM and "
+                            "SGLang serve them, else 'model'")
+    expert_activations: Literal["auto", "model", "fp8_e4m3"] = Field(
+        "auto", description="the routed experts' inputs, with FP8 experts: 'fp8_e4m3' quantizes each token's "
+                            "inputs to both projections per 128 columns (DeepSeek-V3's own inference scheme) so "
+                            "the products run on FP8 tensor cores, 3 mantissa bits for the activations; "
+                            "'model' keeps them 16-bit; 'auto' quantizes them where an expert gets more than 16 "
+                            "rows (prompt chunks, large decode batches: on the H200 the MoE kernels ran 1.1-1.5x "
+                            "faster so) and keeps smaller decode batches' 16-bit (as fast there, more precise)")
     fuse_shared_experts: bool = Field(
         True, description="on GPU, compute the shared expert as one more slot of the routed experts' fused "
                           "kernels (where it has their shape) instead of as a separate MLP")
@@ -389,10 +392,22 @@ class EngineConfig(BaseModel):
         if self.expert_dtype == "fp8_e4m3" and self.moe_gemm == "grouped_mm":
             raise ValueError("expert_dtype 'fp8_e4m3' is computed by the fused Triton kernels; moe_gemm "
                              "'grouped_mm' would dequantize every expert every step (use 'auto' or 'triton')")
-        if self.expert_activations == "fp8_e4m3" and self.expert_dtype != "fp8_e4m3":
-            raise ValueError("expert_activations 'fp8_e4m3' multiplies FP8 weights: it needs expert_dtype "
-                             "'fp8_e4m3'")
+        if self.expert_activations == "fp8_e4m3" and self.expert_dtype == "model":
+            raise ValueError("expert_activations 'fp8_e4m3' multiplies FP8 weights: it needs FP8 experts, "
+                             "which expert_dtype 'model' rules out")
         return self
+
+    def fp8_experts(self, model: "ModelConfig") -> bool:
+        """Whether the routed experts are stored as block FP8: expert_dtype, its 'auto' resolved
+        against the checkpoint's quantization_config (and kept 16-bit where its blocks do not fit
+        the kernels' k steps)."""
+        if self.expert_dtype != "auto":
+            return self.expert_dtype == "fp8_e4m3"
+        quant = model.quantization_config
+        if quant is None or not self.device.startswith("cuda") or self.moe_gemm == "grouped_mm":
+            return False
+        cols = quant.weight_block_size[1]
+        return cols >= 16 and cols & (cols - 1) == 0
 
     @field_validator("index_topk_pattern")
     @classmethod

@@ -11,7 +11,7 @@ from kernels.indexer import warm_up as indexer_warm_up
 from kernels.mla_decode import warm_up as mla_warm_up
 
 from .checkpoint import ensure_checkpoint, load_model
-from .config import EngineConfig
+from .config import EngineConfig, ModelConfig
 from .model import DeepseekForCausalLM
 from .model_runner import ModelRunner
 from .sampling import SamplingParams, host_to_device
@@ -161,7 +161,7 @@ class LLMEngine:
         path = ensure_checkpoint(str(name_or_path))
         model = load_model(path, device=cfg.device, dtype=getattr(torch, cfg.dtype), progress=progress,
                            local_phys2log=ep.local_phys2log() if ep is not None else None,
-                           fp8_experts=cfg.expert_dtype == "fp8_e4m3")
+                           fp8_experts=cfg.fp8_experts(ModelConfig.from_file(path)))
         return cls(model, Tokenizer(path), cfg, ep)
 
     # requests ---------------------------------------------------------------------------

@@ -79,20 +79,35 @@ class KVCache:
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
+def expert_activations(cfg: EngineConfig, fp8_block: tuple[int, int] | None) -> str:
+    """MoE.activations for EngineConfig.expert_activations beside experts of these FP8 blocks (None:
+    16-bit experts): 'auto' stays 'auto' (FP8 where it pays, MoE.act_fp8) where the blocks allow it."""
+    wanted = cfg.expert_activations
+    if wanted == "fp8_e4m3" and fp8_block is None:
+        raise ConfigError("expert_activations 'fp8_e4m3' multiplies FP8 weights, and expert_dtype "
+                          f"{cfg.expert_dtype!r} keeps this model's experts 16-bit: set expert_dtype 'fp8_e4m3'")
+    if fp8_block is not None and fp8_block[1] < 32:  # an FP8 tensor-core product takes 32 k a step
+        if wanted == "fp8_e4m3":
+            raise ConfigError(f"expert_activations 'fp8_e4m3': the experts' FP8 blocks {list(fp8_block)} need at "
+                              "least 32 columns (an FP8 tensor-core product takes 32 a step)")
+        return "model"
+    if fp8_block is None or wanted == "model":
+        return "model"
+    return wanted
+
+
 class ModelRunner:
     def __init__(self, model: DeepseekForCausalLM, cfg: EngineConfig):
         self.model, self.cfg = model, cfg
         self.device = torch.device(cfg.device)
         self.dtype = getattr(torch, cfg.dtype)
         self.kv = KVCache(model, cfg, self.device, self.dtype)
-        fp8_block = expert_fp8_block(model.cfg) if cfg.expert_dtype == "fp8_e4m3" else None
-        if cfg.expert_activations == "fp8_e4m3" and fp8_block[1] < 32:
-            raise ConfigError(f"expert_activations 'fp8_e4m3': the experts' FP8 blocks {list(fp8_block)} need at "
-                              "least 32 columns (an FP8 tensor-core product takes 32 a step)")
+        fp8_block = expert_fp8_block(model.cfg) if cfg.fp8_experts(model.cfg) else None
+        activations = expert_activations(cfg, fp8_block)
         for moe in model.moe_layers():
             moe.gemm = cfg.moe_gemm
             moe.fuse_shared = cfg.fuse_shared_experts
-            moe.act_fp8 = cfg.expert_activations == "fp8_e4m3"
+            moe.activations = activations
             if fp8_block is not None and moe.fp8_block is None:
                 moe.quantize_experts(fp8_block)
         self.set_overlap(cfg.decode_overlap)

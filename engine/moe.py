@@ -13,7 +13,7 @@ from torch import nn
 
 from kernels import triton_ok
 from kernels.fp8_blocks import ExpertScales, act_group, dequantize_experts, fake_quantize_act, quantize_experts
-from kernels.moe_gemm import AlignedPairs, fused_experts, pick_config, token_major
+from kernels.moe_gemm import AlignedPairs, act_fp8_pays, fused_experts, pick_config, token_major
 from kernels.routing import fused_route, gate_fused_ok, gate_norm_applies, gate_parts_norm_triton, gate_parts_triton
 from kernels.swiglu import silu_mul
 
@@ -148,7 +148,9 @@ class MoE(nn.Module):
         self.layer_index = -1  # position among the model's MoE layers, set by the model
         self.overlap = False  # EngineConfig.decode_overlap, set by the model runner
         self.fuse_shared = True  # EngineConfig.fuse_shared_experts, set by the model runner
-        self.act_fp8 = False  # EngineConfig.expert_activations 'fp8_e4m3', set by the model runner
+        # the experts' inputs beside FP8 weights, set by the model runner (model_runner.expert_activations):
+        # 'model' 16-bit, 'fp8_e4m3' quantized, 'auto' quantized where it pays (act_fp8_pays)
+        self.activations = "model"
         self.register_buffer("slot_load", torch.zeros(num_slots, dtype=torch.long), persistent=False)
         self._gate_fp32 = DerivedWeight()  # router logits are computed in fp32
 
@@ -229,7 +231,14 @@ class MoE(nn.Module):
         num_slots = self.w13.shape[0]
         if x.shape[0] != 1 or not self._fused_ok(x) or num_slots < self.cfg.num_experts_per_tok:
             return None
-        return num_slots, pick_config(self.cfg.num_experts_per_tok, num_slots, self.w13.dtype, self.act_fp8).block_m
+        k = self.cfg.num_experts_per_tok
+        return num_slots, pick_config(k, num_slots, self.w13.dtype, self.act_fp8(k)).block_m
+
+    def act_fp8(self, num_pairs: int) -> bool:
+        """Whether the experts' inputs for this many (token, slot) pairs are quantized to FP8."""
+        if self.fp8_block is None or self.activations == "model":
+            return False
+        return self.activations == "fp8_e4m3" or act_fp8_pays(num_pairs, self.w13.shape[0])
 
     def _fused_ok(self, x: torch.Tensor) -> bool:
         return self.gemm != "grouped_mm" and triton_ok(x)
@@ -277,6 +286,7 @@ class MoE(nn.Module):
         Pairs are sorted by slot: one grouped GEMM per projection where torch has it (no host
         sync, no per-expert launches), else one matmul pair per slot."""
         fused = self._fused_ok(x)
+        act_fp8 = self.act_fp8(slot_of.numel())
         if shared is not None and not fused:
             raise ValueError("a shared expert slot needs the fused kernels (see _shared_slot)")
         if count or not fused:
@@ -287,36 +297,36 @@ class MoE(nn.Module):
                 self.slot_load += counts
         if fused:
             return fused_experts(x, self.w13, self.w2, token_of, slot_of, weight_of, add=add, shared=shared,
-                                 fp32_out=fp32_out, aligned=aligned, scales=self.scales, act_fp8=self.act_fp8)
+                                 fp32_out=fp32_out, aligned=aligned, scales=self.scales, act_fp8=act_fp8)
         order = slot_of.argsort(stable=True)
         token_of = token_major(token_of, x, slot_of)[order]
         xs = x[token_of]
         w13, w2 = self._dense_weights(x.dtype)
         if _grouped_mm_ok(xs, w13):
             offs = counts.cumsum(0).to(torch.int32)
-            gate_up = torch._grouped_mm(self._act_in(xs), w13.transpose(1, 2), offs=offs)
-            y = torch._grouped_mm(self._act_in(silu_mul(gate_up)), w2.transpose(1, 2), offs=offs)
+            gate_up = torch._grouped_mm(self._act_in(xs, act_fp8), w13.transpose(1, 2), offs=offs)
+            y = torch._grouped_mm(self._act_in(silu_mul(gate_up), act_fp8), w2.transpose(1, 2), offs=offs)
         else:
-            y = self._experts_loop(xs, counts, w13, w2)
+            y = self._experts_loop(xs, counts, w13, w2, act_fp8)
         y = y * weight_of[order].to(y.dtype)[:, None]
         out = torch.zeros_like(x).index_add_(0, token_of, y.to(x.dtype))
         return out if add is None else out + (add() if callable(add) else add)
 
     def _experts_loop(self, xs: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor,
-                      w2: torch.Tensor) -> torch.Tensor:
+                      w2: torch.Tensor, act_fp8: bool) -> torch.Tensor:
         y = torch.empty_like(xs)
         start = 0
         for slot, n in enumerate(counts.tolist()):
             if n:
-                gate_up = F.linear(self._act_in(xs[start:start + n]), w13[slot])
-                y[start:start + n] = F.linear(self._act_in(silu_mul(gate_up)), w2[slot])
+                gate_up = F.linear(self._act_in(xs[start:start + n], act_fp8), w13[slot])
+                y[start:start + n] = F.linear(self._act_in(silu_mul(gate_up), act_fp8), w2[slot])
                 start += n
         return y
 
-    def _act_in(self, rows: torch.Tensor) -> torch.Tensor:
-        """A projection's input as the fused kernels multiply it: FP8 activations (act_fp8) take
-        their quantized values."""
-        if not self.act_fp8 or self.fp8_block is None:
+    def _act_in(self, rows: torch.Tensor, act_fp8: bool) -> torch.Tensor:
+        """A projection's input as the fused kernels multiply it: FP8 activations take their
+        quantized values."""
+        if not act_fp8:
             return rows
         return fake_quantize_act(rows, act_group(self.fp8_block)).to(rows.dtype)
 

@@ -334,10 +334,10 @@ def test_other_quantizations_are_refused_naming_the_field(tmp_path, quant, field
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-@pytest.mark.parametrize("expert_dtype", ["auto", "fp8_e4m3"])
+@pytest.mark.parametrize("expert_dtype", ["model", "fp8_e4m3", "auto"])
 def test_fp8_checkpoint_serves_on_the_gpu(tmp_path, expert_dtype):
-    """Dequantized on the host, copied to the GPU (or, fp8_e4m3, the experts kept as stored and
-    computed by the FP8 kernels): the greedy tokens of the CPU engine."""
+    """Dequantized on the host, copied to the GPU (or, fp8_e4m3 and on the GPU auto, the experts
+    kept as stored and computed by the FP8 kernels): the greedy tokens of the CPU engine."""
     ckpt = _fp8_ckpt(tmp_path, "tiny-v4", block=(128, 128))
     prompts = [list(range(4, 40)), list(range(100, 107))]
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -347,6 +347,8 @@ def test_fp8_checkpoint_serves_on_the_gpu(tmp_path, expert_dtype):
         engine = LLMEngine.from_pretrained(ckpt, cfg, progress=False)
         outs[device] = [o.output_token_ids for o in engine.generate(prompts, params)]
     assert engine.runner.model.model.embed_tokens.weight.is_cuda
+    fp8 = engine.runner.model.moe_layers()[0].w13.dtype == torch.float8_e4m3fn
+    assert fp8 == (expert_dtype != "model")
     assert outs["cuda"] == outs["cpu"]
 
 
@@ -404,7 +406,7 @@ def test_fp8_experts_load_as_stored(tmp_path, name, block):
     prompts = [[5, 17, 300, 42, 9], list(range(20, 32))]
     greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     outs = {}
-    for dt in ("fp8_e4m3", "auto"):
+    for dt in ("fp8_e4m3", "auto"):  # auto: 16-bit on the CPU
         engine = LLMEngine.from_pretrained(d, EngineConfig(block_size=4, expert_dtype=dt, fuse_shared_experts=False),
                                            progress=False)
         assert (engine.runner.model.moe_layers()[0].w13.dtype == torch.float8_e4m3fn) == (dt == "fp8_e4m3")

@@ -75,7 +75,7 @@ def test_fp8_activations_in_the_kernels_and_the_fallback(tokens, monkeypatch):
     fp8, _ = _moe_pair(block=(16, 32))
     x = torch.randn(tokens, fp8.cfg.hidden_size, generator=torch.Generator().manual_seed(1))
     a16 = fp8(x).float()
-    fp8.act_fp8 = True
+    fp8.activations = "fp8_e4m3"
     fused = fp8(x).float()
     fp8.gemm = "grouped_mm"  # on CPU: the loop over slots on the dequantized weights
     assert not fp8._fused_ok(x)
@@ -134,8 +134,8 @@ def test_fp8_engine_serves_the_dequantized_model(tiny_ckpt):
 def test_fp8_activations_engine(tiny_ckpt):
     """The engine with FP8 activations serves and frees its blocks; its MoE layers (the same FP8
     weights) give outputs near, not equal to, those with 16-bit activations."""
-    engines = [_engine(tiny_ckpt, expert_dtype="fp8_e4m3", expert_activations=a) for a in ("auto", "fp8_e4m3")]
-    assert [m.act_fp8 for e in engines for m in e.runner.model.moe_layers()[:1]] == [False, True]
+    engines = [_engine(tiny_ckpt, expert_dtype="fp8_e4m3", expert_activations=a) for a in ("model", "fp8_e4m3")]
+    assert [m.activations for e in engines for m in e.runner.model.moe_layers()[:1]] == ["model", "fp8_e4m3"]
     outs = [e.generate(_prompts(), GREEDY) for e in engines]
     assert all(len(o.output_token_ids) == GREEDY.max_tokens for o in outs[1])
     assert engines[1].scheduler.blocks.num_used_blocks == 0
@@ -152,7 +152,7 @@ def test_bad_expert_dtype_names_the_field():
     with pytest.raises(ValidationError, match="expert_dtype"):
         EngineConfig(expert_dtype="fp4")
     with pytest.raises(ValidationError, match="expert_activations"):
-        EngineConfig(expert_activations="fp8_e4m3")  # FP8 activations need FP8 weights
+        EngineConfig(expert_dtype="model", expert_activations="fp8_e4m3")  # FP8 activations need FP8 weights
     with pytest.raises(ValidationError, match="expert_activations"):
         EngineConfig(expert_dtype="fp8_e4m3", expert_activations="int8")
 
@@ -196,3 +196,71 @@ def test_fp8_activations_refuse_blocks_narrower_than_an_fp8_product():
     model = DeepseekForCausalLM(cfg, device="cpu")
     with pytest.raises(ConfigError, match=r"expert_activations 'fp8_e4m3'.*\[128, 16\]"):
         LLMEngine(model, None, EngineConfig(block_size=4, expert_dtype="fp8_e4m3", expert_activations="fp8_e4m3"))
+
+
+def _fp8_cfg(block=(128, 128)):
+    from engine.config import FP8Quantization
+    return preset("tiny").model_copy(
+        update={"quantization_config": FP8Quantization(quant_method="fp8", weight_block_size=list(block))})
+
+
+def test_auto_expert_dtype_keeps_an_fp8_checkpoint_fp8_on_a_gpu():
+    """expert_dtype 'auto': DeepSeek's FP8 checkpoints keep their experts FP8 on a GPU (as vLLM and
+    SGLang serve them); elsewhere, with the grouped GEMM, with blocks the kernels cannot step
+    through, or for an unquantized checkpoint, the model dtype."""
+    fp8, plain = _fp8_cfg(), preset("tiny")
+    gpu = dict(device="cuda", dtype="bfloat16")
+    assert EngineConfig(**gpu).fp8_experts(fp8)
+    assert EngineConfig(device="cuda:1").fp8_experts(fp8)
+    assert not EngineConfig(**gpu).fp8_experts(plain)
+    assert not EngineConfig().fp8_experts(fp8)  # CPU
+    assert not EngineConfig(moe_gemm="grouped_mm", **gpu).fp8_experts(fp8)
+    assert not EngineConfig(**gpu).fp8_experts(_fp8_cfg((128, 96)))
+    assert not EngineConfig(expert_dtype="model", **gpu).fp8_experts(fp8)
+    assert EngineConfig(expert_dtype="fp8_e4m3").fp8_experts(plain)  # quantized at start, any device
+
+
+def test_expert_activations_resolve_against_the_experts():
+    from engine.config import ConfigError
+    from engine.model_runner import expert_activations
+    cfg = lambda a, d="auto": EngineConfig(expert_dtype=d, expert_activations=a)  # noqa: E731
+    assert expert_activations(cfg("auto"), (128, 128)) == "auto"
+    assert expert_activations(cfg("fp8_e4m3"), (128, 128)) == "fp8_e4m3"
+    assert expert_activations(cfg("model"), (128, 128)) == "model"
+    assert expert_activations(cfg("auto"), None) == "model"  # 16-bit experts
+    assert expert_activations(cfg("auto"), (128, 16)) == "model"  # narrower than one FP8 product's k
+    with pytest.raises(ConfigError, match="expert_activations 'fp8_e4m3'.*expert_dtype 'fp8_e4m3'"):
+        expert_activations(cfg("fp8_e4m3"), None)  # auto kept this checkpoint's experts 16-bit
+
+
+@torch.no_grad()
+def test_auto_activations_quantize_where_an_expert_gets_many_rows():
+    """expert_activations 'auto': FP8 inputs where the pairs take row tiles of 32 or more (17 rows
+    a slot), 16-bit ones in small decode batches; each equal to the layer in that mode."""
+    from kernels.moe_gemm import act_fp8_pays
+    fp8, _ = _moe_pair(block=(16, 32))
+    slots = fp8.w13.shape[0]
+    k = fp8.cfg.num_experts_per_tok
+    assert not act_fp8_pays(16 * slots, slots) and act_fp8_pays(17 * slots, slots)
+    fp8.activations = "auto"
+    assert not fp8.act_fp8(k) and fp8.act_fp8(40 * slots)
+    gen = torch.Generator().manual_seed(2)
+    for tokens, quantized in ((3, False), (40 * slots // k, True)):
+        x = torch.randn(tokens, fp8.cfg.hidden_size, generator=gen)
+        fp8.activations = "auto"
+        got = fp8(x)
+        fp8.activations = "fp8_e4m3" if quantized else "model"
+        assert torch.equal(got, fp8(x))
+        fp8.activations = "model" if quantized else "fp8_e4m3"
+        assert not torch.equal(got, fp8(x))
+    _, dense = _moe_pair(block=(16, 32))
+    dense.activations = "fp8_e4m3"
+    assert not dense.act_fp8(40 * slots)  # 16-bit experts: nothing to quantize beside
+
+
+def test_fp8_activations_with_16_bit_experts_fail_at_start():
+    from engine.config import ConfigError
+    from engine.model import DeepseekForCausalLM
+    model = DeepseekForCausalLM(_fp8_cfg(), device="cpu")  # an FP8 checkpoint's config; CPU: 'auto' keeps 16-bit
+    with pytest.raises(ConfigError, match="expert_activations 'fp8_e4m3'"):
+        LLMEngine(model, None, EngineConfig(block_size=4, expert_activations="fp8_e4m3"))
