@@ -23,6 +23,12 @@ _IGNORED_HF_KEYS = {
 }
 
 
+def fp8_block_cols_fit(cols: int) -> bool:
+    """Whether FP8 expert blocks this many columns wide fit the fused kernels: a k step stays
+    inside one block, so a power of two of at least one MMA's depth."""
+    return cols >= 16 and cols & (cols - 1) == 0
+
+
 class FP8Quantization(BaseModel):
     """`quantization_config` of DeepSeek's FP8 checkpoints: the Linear weights are float8 e4m3
     with one float32 scale per [rows, cols] block (`<name>.weight_scale_inv`, a multiplier
@@ -406,8 +412,7 @@ class EngineConfig(BaseModel):
         quant = model.quantization_config
         if quant is None or not self.device.startswith("cuda") or self.moe_gemm == "grouped_mm":
             return False
-        cols = quant.weight_block_size[1]
-        return cols >= 16 and cols & (cols - 1) == 0
+        return fp8_block_cols_fit(quant.weight_block_size[1])
 
     @field_validator("index_topk_pattern")
     @classmethod

@@ -17,7 +17,7 @@ from kernels.moe_gemm import AlignedPairs, act_fp8_pays, fused_experts, pick_con
 from kernels.routing import fused_route, gate_fused_ok, gate_norm_applies, gate_parts_norm_triton, gate_parts_triton
 from kernels.swiglu import silu_mul
 
-from .config import ConfigError, ModelConfig
+from .config import ConfigError, ModelConfig, fp8_block_cols_fit
 from .layers import MLP, DerivedWeight, NormInput
 from .streams import Branch
 
@@ -44,8 +44,7 @@ def expert_fp8_block(cfg: ModelConfig) -> tuple[int, int]:
     """The FP8 experts' block: the checkpoint's own (DeepSeek's FP8 releases: 128 x 128), else 128 x 128."""
     quant = cfg.quantization_config
     rows, cols = tuple(quant.weight_block_size) if quant is not None else (128, 128)
-    if cols < 16 or cols & (cols - 1):
-        # a kernel k step stays inside one block: a power of two of at least one MMA's depth
+    if not fp8_block_cols_fit(cols):
         raise ConfigError(f"expert_dtype 'fp8_e4m3': the checkpoint's weight_block_size [{rows}, {cols}] needs "
                           "cols a power of two >= 16")
     return rows, cols
