@@ -9,7 +9,10 @@ crosses the host. (Each torch call costs tens of microseconds of host time on a 
 the GPU waits: the path is one copy and one replay.) Batches pad up to the next captured size;
 padding rows write to the KV cache's scratch block and window ring. Their routed tokens do land in the MoE layers' per-slot load counts,
 as does the eager warm-up of each capture; those counts feed only the load balancer, which
-runs with expert parallelism, where decode steps are not captured.
+runs with expert parallelism, where padding rows are dropped before the experts (engine/ep.py).
+With expert parallelism the graph's shape is the group's (`shape`, engine/ep_step.py) and every
+rank captures it at the same step: NCCL wants a captured collective captured and replayed by
+all ranks together, so a capture that fails on one rank is dropped by all.
 """
 from __future__ import annotations
 
@@ -79,6 +82,11 @@ class DecodeGraphs:
     def covers(self, batch_size: int) -> bool:
         return batch_size <= self.sizes[-1]
 
+    def group_shape(self, rows: int, width: int, sparse: bool) -> tuple[int, int, bool]:
+        """(padded rows, padded block-table width, sparse) of the graph for a lockstep group's
+        step: its most rows and widest table over all ranks."""
+        return next(s for s in self.sizes if s >= rows), self._blocks_bucket(max(width, 1)), sparse
+
     def covers_chunk(self, rows: int) -> bool:
         return rows <= self.chunk_sizes[-1]
 
@@ -95,16 +103,24 @@ class DecodeGraphs:
             self.staging_host = self.staging.numpy()
         return self.staging_host
 
-    def run(self, batch, longest: int | None = None, ahead_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def run(self, batch, longest: int | None = None, ahead_ids: torch.Tensor | None = None,
+            shape: tuple[int, int, bool] | None = None) -> torch.Tensor:
         """Replay (capturing first if new) the graph of this decode step's shape; `longest`: the
         tokens of its longest sequence, when the caller has them. ahead_ids: the input tokens,
-        on the device, of a step launched ahead (ModelRunner.run_ahead); `longest` counts them."""
+        on the device, of a step launched ahead (ModelRunner.run_ahead); `longest` counts them.
+        shape: (rows, width, sparse) chosen by the caller (group_shape) instead of from this
+        batch, which may be empty then."""
         r = self.runner
         b, ahead = len(batch), int(ahead_ids is not None)
-        pad_b = next(s for s in self.sizes if s >= b)
-        pad_m = self._blocks_bucket(r.decode_width(batch, longest))
+        if shape is None:
+            pad_b = next(s for s in self.sizes if s >= b)
+            pad_m = self._blocks_bucket(r.decode_width(batch, longest))
+        else:
+            pad_b, pad_m, _ = shape
         nbytes = r.decode_input_bytes(pad_b, pad_m)[1]
         sparse = r.fill_decode_inputs(batch, self._host_buffer(nbytes), pad_b, pad_m, ahead)
+        if shape is not None:
+            sparse = shape[2]  # the group's: a short-context rank's top-k then keeps every entry
         fill_ids = (lambda static: static[:8 * b].view(torch.int64).copy_(ahead_ids)) if ahead else None
         return self._replay(("decode", pad_b, pad_m, sparse), nbytes, fill_ids,
                             lambda static: r.decode_forward(*r.decode_input_views(static, pad_b, pad_m), sparse))
@@ -138,6 +154,10 @@ class DecodeGraphs:
                 log.warning("CUDA graph capture failed for %s (%s); running it eagerly", key, e)
                 self.failed.add(key)
                 torch.cuda.synchronize()
+            lockstep = self.runner.ep
+            if lockstep is not None and not lockstep.all_agree(key in self.graphs):
+                self.graphs.pop(key, None)  # replayed by this rank alone, its collectives would hang
+                self.failed.add(key)
         if key in self.failed:
             static = torch.empty(nbytes, dtype=torch.uint8, device=self.runner.device)
             self._upload(static, nbytes)

@@ -3,9 +3,18 @@ migration (the EPLB's moving part).
 
 Each rank runs attention on its own requests (DP) and holds `slots_per_rank` physical expert
 slots; global slot s lives on rank s // slots_per_rank. A MoE layer gathers every rank's
-tokens, each rank applies the experts it holds, and a sum across ranks hands each rank its
-tokens' outputs back (all-gather + all-reduce: simple and exact; an all-to-all dispatch is
-the faster form for large groups).
+rows (one all-gather), each rank routes all of them itself and applies the experts it holds,
+and a reduce-scatter sums the ranks' partial outputs and hands each rank its own rows back
+(simple and exact; an all-to-all dispatch is the faster form for large groups).
+
+Every rank's rows are padded to one count the group agrees on once a step (`agree`: one
+all-gather of each rank's rows and step shape), so the MoE layers have fixed shapes: no
+count is read back to the host inside the forward, pairs of other ranks' slots are dropped
+by the expert kernels rather than compacted, and a decode step with its collectives can be
+captured in a CUDA graph. NCCL requires a captured collective to be captured, and replayed,
+by every rank together: the graph a step uses is named by group-wide values only (the
+agreed rows, block-table width and sparse flag), so all ranks capture and replay the same
+graphs at the same steps, an idle rank replaying its graph with padding rows only.
 
 The ranks run in lockstep: before every step they agree (one all-reduce) whether anyone has
 work, and a rank with nothing to do still runs an idle forward so that the MoE collectives
@@ -24,6 +33,11 @@ import torch
 import torch.distributed as dist
 
 from .moe import ExpertMap, MoE
+
+
+# Newer torch names the tensor forms of these collectives *_single (the old names warn).
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class PlanError(ValueError):
@@ -50,6 +64,15 @@ def validate_plan(phys2log: torch.Tensor, num_layers: int, num_slots: int, num_l
         if int(held.min()) == 0:
             missing = torch.nonzero(held == 0).flatten().tolist()
             raise PlanError(f"MoE layer {layer}: experts {missing[:8]} have no slot")
+
+
+@dataclass
+class GroupStep:
+    """What the ranks agreed for one step (ExpertParallel.agree)."""
+    rows: int       # most rows any rank computes: every rank's MoE rows are padded to it (or its graph size)
+    graph: bool     # every rank's step can replay a decode graph
+    width: int      # widest decode block table of any rank
+    sparse: bool    # any rank's decode step needs the indexer
 
 
 @dataclass
@@ -80,7 +103,11 @@ class ExpertParallel:
         self.spr = num_slots // world
         self.base = rank * self.spr
         self.phys2log = phys2log.clone().long()
-        self.maps = [ExpertMap(self.phys2log[layer], num_logical) for layer in range(num_layers)]
+        # Fixed-width maps, updated in place by a switch (captured graphs read these tensors).
+        self.max_replicas = num_slots - num_logical + 1
+        self.maps = [ExpertMap(self.phys2log[layer], num_logical, self.max_replicas) for layer in range(num_layers)]
+        self.rows = 0            # this step's MoE rows per rank (agree, then the runner's graph padding)
+        self.counts = None       # [world] real rows of each rank this step, on the forward's device
         self.group, self.migrate_group = group, migrate_group
         self.moes: list[MoE] = []
         self._staging = None
@@ -103,6 +130,9 @@ class ExpertParallel:
         self.device = moes[0].w13.device if moes else torch.device("cpu")
         for moe in moes:
             moe.ep = self
+        for m in self.maps:
+            m.to(self.device)
+        self.counts = torch.zeros(self.world, dtype=torch.long, device=self.device)
 
     def share_weights(self) -> None:
         """GPU ranks of one host: open every peer's expert weights through CUDA IPC once, so
@@ -140,32 +170,52 @@ class ExpertParallel:
             self._switch()
         return bool(flags[0])
 
-    # MoE --------------------------------------------------------------------------------
-    def moe_forward(self, moe: MoE, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        t, hidden = x.shape
-        k = self.moes[0].cfg.num_experts_per_tok if self.moes else ids.shape[1]
-        sizes = [torch.zeros(1, dtype=torch.long, device=x.device) for _ in range(self.world)]
-        dist.all_gather(sizes, torch.tensor([t], device=x.device), group=self.group)
-        sizes = [int(s) for s in sizes]
-        tmax = max(sizes)
-        if tmax == 0:
-            return x.new_zeros(0, hidden)
-        pad = tmax - t
-        xs = self._gather(torch.nn.functional.pad(x, (0, 0, 0, pad)))
-        ids_all = self._gather(torch.nn.functional.pad(ids.reshape(t, k), (0, 0, 0, pad)))
-        w_all = self._gather(torch.nn.functional.pad(weights.reshape(t, k).float(), (0, 0, 0, pad)))
-        valid = torch.cat([torch.arange(tmax, device=x.device) < n for n in sizes])
-        slots = self.maps[moe.layer_index].slots_for(ids_all)
-        local = (slots >= self.base) & (slots < self.base + self.spr) & valid[:, None]
-        pair = local.flatten().nonzero().flatten()
-        out = moe.expert_pairs(xs, pair // k, slots.flatten()[pair] - self.base, w_all.flatten()[pair])
-        dist.all_reduce(out, group=self.group)
-        return out[self.rank * tmax:self.rank * tmax + t]
+    def agree(self, rows: int, graph: bool = False, width: int = 0, sparse: bool = False) -> GroupStep:
+        """Called by every rank at the start of every forward, idle ones included (rows 0): one
+        all-gather of (rows, graph, width, sparse), and one read of it on the host, for the whole
+        step. Sets `rows` (the MoE rows of every rank, until the runner pads them to a graph's
+        size) and `counts` (each rank's real rows, which the MoE layers read on the device)."""
+        mine = torch.tensor([rows, int(graph), width, int(sparse)], dtype=torch.long, device=self.device)
+        every = torch.empty(self.world * 4, dtype=torch.long, device=self.device)  # gloo: concatenated as given
+        _all_gather(every, mine, group=self.group)
+        every = every.view(self.world, 4)
+        self.counts.copy_(every[:, 0])
+        host = every.tolist()
+        step = GroupStep(rows=max(r[0] for r in host), graph=all(r[1] for r in host),
+                         width=max(r[2] for r in host), sparse=any(r[3] for r in host))
+        self.rows = step.rows
+        return step
 
-    def _gather(self, t: torch.Tensor) -> torch.Tensor:
-        parts = [torch.empty_like(t) for _ in range(self.world)]
-        dist.all_gather(parts, t.contiguous(), group=self.group)
-        return torch.cat(parts)
+    def all_agree(self, ok: bool) -> bool:
+        """Whether every rank says ok (a captured graph: all ranks or none may use it)."""
+        flag = torch.tensor([int(ok)], dtype=torch.long, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(flag.item())
+
+    # MoE --------------------------------------------------------------------------------
+    def moe_forward(self, moe: MoE, x: torch.Tensor) -> torch.Tensor:
+        """This rank's rows x [t, H] (t <= rows) -> the sum of their routed experts, [t, H],
+        wherever the experts live. Fixed shapes throughout: capturable."""
+        t, hidden = x.shape
+        rows = self.rows
+        if t > rows:
+            raise RuntimeError(f"a MoE layer got {t} rows, more than the {rows} the group agreed on")
+        if t < rows:
+            x = torch.nn.functional.pad(x, (0, 0, 0, rows - t))
+        xs = x.new_empty(self.world * rows, hidden)
+        _all_gather(xs, x.contiguous(), group=self.group)
+        # Every rank routes the same gathered rows with the same kernels, so all agree on every
+        # pair's slot without a second collective.
+        ids, weights = moe.route_logical(xs)
+        slots = self.maps[moe.layer_index].slots_for(ids) - self.base
+        real = torch.arange(rows, device=xs.device)[None, :] < self.counts[:, None]
+        mine = (slots >= 0) & (slots < self.spr) & real.reshape(-1, 1)
+        slots = torch.where(mine, slots, -1)
+        # About rows * k of the group's pairs are this rank's when the load is balanced.
+        out = moe.expert_pairs(xs, None, slots.flatten(), weights.flatten(), live_pairs=rows * ids.shape[1])
+        summed = x.new_empty(rows, hidden)
+        _reduce_scatter(summed, out.contiguous(), group=self.group)
+        return summed[:t]
 
     def take_load(self) -> torch.Tensor:
         """Tokens per local slot per MoE layer since the last call: [layers, slots_per_rank]."""
@@ -340,5 +390,6 @@ class ExpertParallel:
                 t.copy_(staged)
             moe.local_phys2log = mig.phys2log[k, self.base:self.base + self.spr].tolist()
         self.phys2log = mig.phys2log.clone()
-        self.maps = [ExpertMap(self.phys2log[layer], self.num_logical) for layer in range(self.phys2log.shape[0])]
+        for layer, m in enumerate(self.maps):
+            m.update_(self.phys2log[layer])
         self.switches += 1

@@ -86,7 +86,7 @@ class LLMEngine:
         self.max_model_len = context_limit(model.cfg, cfg)
         self.runner = ModelRunner(model, cfg)
         if ep is not None:
-            self.runner.disable_graphs()
+            self.runner.attach_ep(ep)
         self.scheduler = Scheduler(model.cfg, cfg)
         self.requests: dict[str, Sequence] = {}
         self.eos_token_id = tokenizer.eos_token_id if tokenizer is not None else None
@@ -285,7 +285,7 @@ class LLMEngine:
             batch = self.scheduler.schedule()
             if not batch.seqs:
                 if self.ep is not None:  # the other ranks' MoE layers need this rank's collectives
-                    self.runner.run_idle()
+                    self.runner.run(batch)
                     self.num_steps += 1
                 return []
             cur = self._launch(batch)

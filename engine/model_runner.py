@@ -9,6 +9,7 @@ import torch
 from .attention import AttentionContext, build_masks
 from .cuda_graphs import DecodeGraphs
 from .decode_attention import build_decode_batch, build_token_batch
+from .ep_step import run_lockstep
 from .config import ConfigError, EngineConfig
 from .model import DeepseekForCausalLM
 from .moe import MoE, expert_fp8_block
@@ -114,9 +115,9 @@ class ModelRunner:
         for layer, scores in zip(model.model.layers, cfg.index_scoring_layers(model.cfg)):
             layer.self_attn.reuse_topk = not scores
         self.sampler = Sampler()
-        # Graphs only without expert parallelism: its collectives run on the host's word.
         self.graphs = (DecodeGraphs(self, cfg.cuda_graph_max_batch)
                        if cfg.cuda_graphs and self.device.type == "cuda" else None)
+        self.ep = None  # engine.ep.ExpertParallel: this runner is one rank of a lockstep group
 
     def set_overlap(self, on: bool) -> None:
         """Side-stream branches in decode graphs captured from now on (engine/streams.py)."""
@@ -125,9 +126,10 @@ class ModelRunner:
             if isinstance(layer.mlp, MoE):
                 layer.mlp.overlap = on
 
-    def disable_graphs(self) -> None:
-        """Expert parallelism attaches after construction; its steps cannot be replayed from graphs."""
-        self.graphs = None
+    def attach_ep(self, ep) -> None:
+        """Expert parallelism attaches after construction: every forward then starts with the
+        group's agreement on its shape (engine/ep_step.py)."""
+        self.ep = ep
 
     def _tensor(self, data, dtype=torch.long) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
@@ -200,9 +202,13 @@ class ModelRunner:
             ring.append(self.kv.scratch_window if seq.window_slot is None else seq.window_slot)
         n = len(last)
         ids[:n], pos[:n], slots[:n], wslots[:n] = last, where, write, ring
-        p_max = max(where, default=0)
-        g_max = p_max + 1 - (mc.sliding_window - 1 if mc.sliding_window else 0)
-        return bool(mc.index_topk) and g_max > mc.index_topk
+        return self.needs_sparse(max(where, default=0) + 1)
+
+    def needs_sparse(self, longest: int) -> bool:
+        """Whether a decode step whose longest sequence has this many tokens takes the indexer's
+        path: its global KV (all but the window's positions) outgrows index_topk."""
+        mc = self.model.cfg
+        return bool(mc.index_topk) and longest - (mc.sliding_window - 1 if mc.sliding_window else 0) > mc.index_topk
 
     def decode_inputs(self, batch: ScheduledBatch, pad_batch: int | None = None, pad_blocks: int | None = None,
                       ahead: int = 0):
@@ -219,7 +225,7 @@ class ModelRunner:
     def chunk_rows(self, batch: ScheduledBatch) -> int:
         """Tokens of a step that is not a decode step, when the chunk graphs take it (a kernel row
         per token, CUDA graphs): at most cuda_graph_max_chunk of them. 0 otherwise."""
-        if self.graphs is None or not self.cfg.decode_kernels:
+        if self.graphs is None or not self.cfg.decode_kernels or self.ep is not None:
             return 0
         total = sum(batch.num_tokens)
         return total if self.graphs.covers_chunk(total) else 0
@@ -446,16 +452,23 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[list[int], torch.Tensor | None]:
         """One forward over the batch. Returns the indices (into the batch) of the sequences
-        whose last known token was computed, and their next-token logits."""
+        whose last known token was computed, and their next-token logits. With expert
+        parallelism an empty batch still runs (the group's collectives need every rank)."""
+        if self.ep is not None:
+            return run_lockstep(self, batch)
         longest = self.decode_length(batch)
+        if longest and self.graphs is not None and self.graphs.covers(len(batch)):
+            self.model.model.rotary.ensure(longest)
+            return list(range(len(batch))), self.graphs.run(batch, longest)[:len(batch)]
+        return self.run_eager(batch, longest)
+
+    def run_eager(self, batch: ScheduledBatch, longest: int) -> tuple[list[int], torch.Tensor | None]:
+        """run() without decode graphs (chunk graphs still, where they take the step); `longest`:
+        decode_length(batch)."""
         if longest:
             b = len(batch)
             self.model.model.rotary.ensure(longest)
-            if self.graphs is not None and self.graphs.covers(b):
-                logits = self.graphs.run(batch, longest)
-            else:
-                logits = self.decode_forward(*self.decode_inputs(batch))
-            return list(range(b)), logits[:b]
+            return list(range(b)), self.decode_forward(*self.decode_inputs(batch))[:b]
         rows = self.chunk_rows(batch)
         if rows:
             for s in batch.new_window_slots:
@@ -492,10 +505,10 @@ class ModelRunner:
     @torch.inference_mode()
     def run_idle(self) -> None:
         """A forward with no tokens: only the MoE layers' collectives, in the same order as a
-        real forward (expert parallelism)."""
+        real forward (expert parallelism, eager steps)."""
         empty = torch.empty(0, self.model.cfg.hidden_size, device=self.device, dtype=self.dtype)
         for moe in self.model.moe_layers():
-            moe(empty)
+            self.ep.moe_forward(moe, empty)
 
     def sample(self, seqs, logits: torch.Tensor) -> torch.Tensor:
         """The next token of each sequence, on the device (not waited for)."""

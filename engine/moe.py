@@ -55,9 +55,11 @@ class ExpertMap:
 
     `phys2log[s]` is the logical expert held by slot s. A logical expert with several
     replicas spreads its tokens over them by token index, so a hot expert's load splits.
+    `max_replicas` fixes the width of `log2phys` whatever the placement, so that a new placement
+    can be copied into the same tensors (update_), which captured CUDA graphs keep reading.
     """
 
-    def __init__(self, phys2log: torch.Tensor, num_logical: int):
+    def __init__(self, phys2log: torch.Tensor, num_logical: int, max_replicas: int | None = None):
         phys2log = torch.as_tensor(phys2log, device="cpu").long()
         if phys2log.dim() != 1 or phys2log.min() < 0 or phys2log.max() >= num_logical:
             raise ValueError("phys2log must be a 1-D list of expert ids in range")
@@ -68,6 +70,10 @@ class ExpertMap:
         self.phys2log = phys2log
         self.num_replicas = held
         max_rep = int(held.max())
+        if max_replicas is not None:
+            if max_rep > max_replicas:
+                raise ValueError(f"an expert has {max_rep} slots, more than max_replicas {max_replicas}")
+            max_rep = max_replicas
         log2phys = torch.full((num_logical, max_rep), -1, dtype=torch.long, device="cpu")
         fill = [0] * num_logical
         for slot, e in enumerate(phys2log.tolist()):
@@ -78,6 +84,15 @@ class ExpertMap:
     @classmethod
     def identity(cls, num_experts: int) -> "ExpertMap":
         return cls(torch.arange(num_experts, device="cpu"), num_experts)
+
+    def update_(self, phys2log: torch.Tensor) -> None:
+        """Take a new placement in place (same slots, same experts, same max_replicas)."""
+        new = ExpertMap(phys2log, len(self.num_replicas), self.log2phys.shape[1])
+        for mine, theirs in ((self.phys2log, new.phys2log), (self.num_replicas, new.num_replicas),
+                             (self.log2phys, new.log2phys)):
+            if mine.shape != theirs.shape:
+                raise ValueError(f"a placement of shape {list(theirs.shape)} cannot replace {list(mine.shape)}")
+            mine.copy_(theirs)
 
     def to(self, device) -> "ExpertMap":
         self.phys2log = self.phys2log.to(device)
@@ -161,28 +176,40 @@ class MoE(nn.Module):
         logits = None
         if isinstance(x, NormInput):
             logits, x = gate_parts_norm_triton(x.x, x.residual, x.norm.weight, x.norm.eps, w, x.stream)
+        if self.ep is not None:
+            # Every rank routes the whole group's rows itself (engine/ep.py): no logits here.
+            shared = None if self.shared_experts is None else Branch(self.overlap, self.shared_experts, x)
+            out = self.ep.moe_forward(self, x)
+            return out if shared is None else out + shared.join()
         shared_slot = self._shared_slot(x)
         shared = None
         if self.shared_experts is not None and shared_slot is None:
             # The shared experts need nothing from the router: in a captured decode step they run
             # beside it and the routed experts, joined only where their output is added.
             shared = Branch(self.overlap, self.shared_experts, x)
-        if logits is None and gate_fused_ok(x):
-            # decode batches: partial fp32 logits in one launch, summed by the route kernel
-            logits = gate_parts_triton(x, w)
-        elif logits is None:
-            logits = F.linear(x.float(), self._gate_fp32.get([w], w.float))
+        if logits is None:
+            logits = self.router_logits(x)
         bias = self.gate.e_score_correction_bias
-        if self.ep is not None:
-            # Slots are the group's (ep.maps); each rank counts the pairs it computes.
-            ids, weights, _ = route(logits, bias, self.cfg, self._logical_map())
-            out = self.ep.moe_forward(self, x, ids, weights)
-            return out if shared is None else out + shared.join()
         align = self._align_in_router(x)
         routed = route(logits, bias, self.cfg, self.expert_map, self.slot_load, align)
         # The sum may come back in fp32: the decoder layer's next norm rounds it (add_rms_norm).
         return self.experts(x, routed[2], routed[1], add=None if shared is None else shared.join,
                             shared=shared_slot, fp32_out=True, aligned=routed[3] if align else None)
+
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """fp32 router logits [T, E], or for decode batches partial ones that the route kernel sums
+        (one launch)."""
+        w = self.gate.weight
+        if gate_fused_ok(x):
+            return gate_parts_triton(x, w)
+        return F.linear(x.float(), self._gate_fp32.get([w], w.float))
+
+    def route_logical(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logical expert ids, weights), each [T, k], of rows x: what expert parallelism maps to
+        the group's slots itself."""
+        ids, weights, _ = route(self.router_logits(x), self.gate.e_score_correction_bias, self.cfg,
+                                self._logical_map())
+        return ids, weights
 
     # block FP8 experts ------------------------------------------------------------------
     def quantize_experts(self, block: tuple[int, int], slots_at_once: int = 8) -> None:
@@ -221,8 +248,9 @@ class MoE(nn.Module):
 
     def takes_norm(self, x: torch.Tensor, residual: torch.Tensor | None, norm) -> bool:
         """Whether forward() can take its input's norm as a NormInput: one token, where the
-        router's partial logits run as a kernel (gate_parts_norm_triton)."""
-        return gate_norm_applies(x, residual, norm.weight, self.gate.weight)
+        router's partial logits run as a kernel (gate_parts_norm_triton). Not with expert
+        parallelism, which routes the gathered rows of the whole group instead."""
+        return self.ep is None and gate_norm_applies(x, residual, norm.weight, self.gate.weight)
 
     def _align_in_router(self, x: torch.Tensor) -> tuple[int, int] | None:
         """(num_slots, block_m) when the routing kernel should lay out the pairs for the expert
@@ -278,25 +306,35 @@ class MoE(nn.Module):
     def expert_pairs(self, x: torch.Tensor, token_of: torch.Tensor | None, slot_of: torch.Tensor,
                      weight_of: torch.Tensor, count: bool = True, add=None,
                      shared: tuple[torch.Tensor, torch.Tensor] | None = None, fp32_out: bool = False,
-                     aligned: AlignedPairs | None = None) -> torch.Tensor:
+                     aligned: AlignedPairs | None = None, live_pairs: int | None = None) -> torch.Tensor:
         """Sum over (token, local slot, weight) pairs of weight * expert(x[token]), as [T, H]
         (token_of None: token-major pairs, as kernels/moe_gemm.py takes them), plus `add` when
         given (the fused path adds it in the same launch that rounds the fp32 sum).
         Pairs are sorted by slot: one grouped GEMM per projection where torch has it (no host
-        sync, no per-expert launches), else one matmul pair per slot."""
+        sync, no per-expert launches), else one matmul pair per slot.
+        `live_pairs`: pairs of slot -1 are dropped (expert parallelism: another rank's), about this
+        many are not (see fused_experts); they are neither computed by the fused kernels nor counted."""
         fused = self._fused_ok(x)
-        act_fp8 = self.act_fp8(slot_of.numel())
+        act_fp8 = self.act_fp8(slot_of.numel() if live_pairs is None else live_pairs)
         if shared is not None and not fused:
             raise ValueError("a shared expert slot needs the fused kernels (see _shared_slot)")
-        if count or not fused:
-            # scatter_add, not bincount: bincount on CUDA reads the max back to the host (a sync per layer)
-            counts = torch.zeros(self.w13.shape[0], dtype=torch.long, device=x.device).scatter_add_(
-                0, slot_of, torch.ones_like(slot_of))
-            if count:
-                self.slot_load += counts
+        num_slots = self.w13.shape[0]
+        if count:
+            # scatter_add, not bincount: bincount on CUDA reads the max back to the host (a sync
+            # per layer); slot -1 counts into a bin in front that is cut off
+            self.slot_load += torch.zeros(num_slots + 1, dtype=torch.long, device=x.device).scatter_add_(
+                0, slot_of + 1, torch.ones_like(slot_of))[1:]
         if fused:
             return fused_experts(x, self.w13, self.w2, token_of, slot_of, weight_of, add=add, shared=shared,
-                                 fp32_out=fp32_out, aligned=aligned, scales=self.scales, act_fp8=act_fp8)
+                                 fp32_out=fp32_out, aligned=aligned, scales=self.scales, act_fp8=act_fp8,
+                                 live_pairs=live_pairs)
+        if live_pairs is not None:
+            # The paths below compute every pair: a dropped one as slot 0 weighing nothing (no
+            # compaction, which would read its size back to the host).
+            weight_of = torch.where(slot_of >= 0, weight_of, 0)
+            slot_of = slot_of.clamp(min=0)
+        counts = torch.zeros(num_slots, dtype=torch.long, device=x.device).scatter_add_(
+            0, slot_of, torch.ones_like(slot_of))
         order = slot_of.argsort(stable=True)
         token_of = token_major(token_of, x, slot_of)[order]
         xs = x[token_of]

@@ -13,6 +13,9 @@ products run on FP8 tensor cores, each k step's scaled by the row's and the colu
 token_of may be None
 when the pairs are token-major, k per token (p // k is the token): the router's layout, for
 which the kernels derive the token themselves instead of reading a tensor two launches built.
+A pair whose slot is -1 is dropped: expert parallelism hands every rank the whole group's
+pairs, fixed in number, and a rank computes only those of its own slots (no compaction, which
+would read a count back to the host).
 
 The Triton path sorts pairs by slot and pads every slot's rows to a whole row tile, so each
 tile of the padded layout belongs to exactly one slot and reads one expert's weights. All
@@ -69,6 +72,8 @@ def fused_experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
     fp32, the SwiGLU activation rounded to x's dtype between the projections (as the kernels store it).
     act_fp8: each projection's input through fake_quantize_act first."""
     token_of = token_major(token_of, x, slot_of)
+    kept = slot_of >= 0  # a host sync: acceptable for the reference
+    token_of, slot_of, weight_of = token_of[kept], slot_of[kept], weight_of[kept]
     num_slots = w13.shape[0]
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     if shared is not None:
@@ -143,22 +148,27 @@ def max_tiles(num_pairs: int, num_slots: int, block_m: int) -> int:
 
 def align_pairs_reference(slot_of: torch.Tensor, num_slots: int, block_m: int) -> AlignedPairs:
     """Sort pairs by slot (stably) into a layout where each slot's rows start at a multiple of
-    block_m. Plain tensor ops without host sync; sizes come from shapes only."""
+    block_m. Plain tensor ops without host sync; sizes come from shapes only. Pairs of slot -1
+    are dropped."""
     num_pairs = slot_of.numel()
     device = slot_of.device
-    counts = torch.zeros(num_slots, dtype=torch.long, device=device).scatter_add_(
-        0, slot_of, torch.ones_like(slot_of))
+    # slot -1 counts into an extra bin in front, sorts first and lands in a row past the layout
+    counts = torch.zeros(num_slots + 1, dtype=torch.long, device=device).scatter_add_(
+        0, slot_of + 1, torch.ones_like(slot_of))[1:]
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = padded.cumsum(0)
     padded_start = padded_end - padded
     start = counts.cumsum(0) - counts
     order = slot_of.argsort(stable=True)
     sorted_slot = slot_of[order]
-    rank_in_slot = torch.arange(num_pairs, device=device) - start[sorted_slot]
-    dest = padded_start[sorted_slot] + rank_in_slot
+    dropped = sorted_slot < 0
+    sorted_slot = sorted_slot.clamp(min=0)
+    rank_in_slot = torch.arange(num_pairs, device=device) - dropped.sum() - start[sorted_slot]
     num_tiles = max_tiles(num_pairs, num_slots, block_m)
-    row_pair = torch.full((num_tiles * block_m,), -1, dtype=torch.int32, device=device)
+    dest = torch.where(dropped, num_tiles * block_m, padded_start[sorted_slot] + rank_in_slot)
+    row_pair = torch.full((num_tiles * block_m + 1,), -1, dtype=torch.int32, device=device)
     row_pair.scatter_(0, dest, order.to(torch.int32))
+    row_pair = row_pair[:-1]
     tile_start = torch.arange(num_tiles, device=device) * block_m
     tile_slot = torch.searchsorted(padded_end, tile_start, right=True, out_int32=True)
     return AlignedPairs(row_pair, tile_slot, counts.to(torch.int32))
@@ -171,9 +181,9 @@ def _count_kernel(slot_ptr, counts_ptr, rank_ptr, num_pairs, BLOCK: tl.constexpr
     # The counter's old value is the pair's rank within its slot: no sort needed. The order
     # within a slot then varies from run to run, which no row's result depends on.
     pairs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = pairs < num_pairs
-    slot = tl.load(slot_ptr + pairs, mask=ok, other=0)
-    rank = tl.atomic_add(counts_ptr + slot, 1, mask=ok)
+    slot = tl.load(slot_ptr + pairs, mask=pairs < num_pairs, other=-1)
+    ok = slot >= 0  # slot -1: a dropped pair
+    rank = tl.atomic_add(counts_ptr + tl.maximum(slot, 0), 1, mask=ok)
     tl.store(rank_ptr + pairs, rank, mask=ok)
 
 
@@ -202,8 +212,9 @@ def _place_kernel(slot_ptr, rank_ptr, counts_ptr, padded_start_ptr, row_pair_ptr
     # marks those tiles' padding rows -1 (disjoint from the pairs' rows: no fill launch before).
     pid = tl.program_id(0)
     pairs = pid * BLOCK_P + tl.arange(0, BLOCK_P)
-    ok = pairs < num_pairs
-    slot = tl.load(slot_ptr + pairs, mask=ok, other=0)
+    slot = tl.load(slot_ptr + pairs, mask=pairs < num_pairs, other=-1)
+    ok = slot >= 0
+    slot = tl.maximum(slot, 0)
     rank = tl.load(rank_ptr + pairs, mask=ok, other=0)
     start = tl.load(padded_start_ptr + slot, mask=ok, other=0)
     tl.store(row_pair_ptr + start + rank, pairs, mask=ok)
@@ -243,8 +254,9 @@ def _align_one_kernel(slot_ptr, counts_ptr, padded_start_ptr, row_pair_ptr, tile
     tl.store(counts_ptr + idx, tl.zeros([BLOCK_S], dtype=tl.int32), mask=s_ok)
     tl.debug_barrier()
     pairs = tl.arange(0, BLOCK_P)
-    ok = pairs < num_pairs
-    slot = tl.load(slot_ptr + pairs, mask=ok, other=0)
+    slot = tl.load(slot_ptr + pairs, mask=pairs < num_pairs, other=-1)
+    ok = slot >= 0  # slot -1: a dropped pair
+    slot = tl.maximum(slot, 0)
     rank = tl.atomic_add(counts_ptr + slot, 1, mask=ok)  # the old value: the pair's rank in its slot
     tl.debug_barrier()
     counts = tl.load(counts_ptr + idx, mask=s_ok, other=0, cache_modifier=".cg")
@@ -538,10 +550,12 @@ def _down_kernel(act_ptr, w2_ptr, shared_w2_ptr, out_ptr, token_ptr, weight_ptr,
         tl.atomic_add(out_ptrs, acc, mask=is_pair[:, None] & col_ok[None, :])
 
 
-def _sum_pairs_kernel(rows_ptr, weight_ptr, add_ptr, out_ptr, H, num_pairs, PAIRS_PER_TOKEN: tl.constexpr,
-                      SHARED: tl.constexpr, HAS_ADD: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
+def _sum_pairs_kernel(rows_ptr, weight_ptr, slot_ptr, add_ptr, out_ptr, H, num_pairs, PAIRS_PER_TOKEN: tl.constexpr,
+                      SHARED: tl.constexpr, HAS_ADD: tl.constexpr, DROPS: tl.constexpr, BLOCK: tl.constexpr,
+                      PDL: tl.constexpr = 0):
     """out[t] = sum_j rows[t k + j] weight[t k + j] (+ rows[num_pairs + t], the shared expert) in
-    fp32, in j's order; with add, rounded to out's dtype, plus add, rounded again (as _round_add_kernel)."""
+    fp32, in j's order; with add, rounded to out's dtype, plus add, rounded again (as _round_add_kernel).
+    DROPS: pairs of slot -1 were never computed (their rows hold anything) and add nothing."""
     pdl_enter(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -550,7 +564,11 @@ def _sum_pairs_kernel(rows_ptr, weight_ptr, add_ptr, out_ptr, H, num_pairs, PAIR
     for j in tl.static_range(PAIRS_PER_TOKEN):
         pair = token * PAIRS_PER_TOKEN + j
         weight = tl.load(weight_ptr + pair).to(tl.float32)
-        acc += tl.load(rows_ptr + pair * H + cols, mask=ok, other=0.0).to(tl.float32) * weight
+        if DROPS:
+            if tl.load(slot_ptr + pair) >= 0:
+                acc += tl.load(rows_ptr + pair * H + cols, mask=ok, other=0.0).to(tl.float32) * weight
+        else:
+            acc += tl.load(rows_ptr + pair * H + cols, mask=ok, other=0.0).to(tl.float32) * weight
     if SHARED:
         acc += tl.load(rows_ptr + (num_pairs + token) * H + cols, mask=ok, other=0.0).to(tl.float32)
     DTYPE: tl.constexpr = out_ptr.dtype.element_ty
@@ -684,11 +702,12 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
                          config: MoEGemmConfig | None = None, add=None,
                          shared: tuple | None = None, fp32_out: bool = False,
                          aligned: AlignedPairs | None = None, scales: ExpertScales | None = None,
-                         act_fp8: bool = False) -> torch.Tensor:
+                         act_fp8: bool = False, live_pairs: int | None = None) -> torch.Tensor:
     """fused_experts through the two Triton kernels (no host sync; CUDA-graph capturable)."""
     num_tokens, hidden = x.shape
     num_slots, two_i, _ = w13.shape
     inter = two_i // 2
+    slot_of = slot_of.contiguous()
     num_pairs = slot_of.numel()
     pending, add = (add, None) if callable(add) else (None, add)
     if num_tokens == 0 or (num_pairs == 0 and shared is None):
@@ -699,7 +718,8 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     if shared is not None:
         shared = check_shared(shared, w13, w2, scales)
     k = pairs_per_token(num_tokens, num_pairs) if token_of is None and num_pairs else 0
-    cfg = config or pick_config(num_pairs, num_slots, w13.dtype, act_fp8)
+    drops = live_pairs is not None
+    cfg = config or pick_config(live_pairs if drops else num_pairs, num_slots, w13.dtype, act_fp8)
     pair_rows = cfg.pair_rows and k > 0
     if pair_rows:  # a row a pair (then one a token for the shared expert), each written once
         out = torch.empty(num_pairs + (num_tokens if shared is not None else 0), hidden, dtype=x.dtype,
@@ -790,9 +810,9 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
                              device=x.device)
         block = 1024
         _jit(_sum_pairs_kernel, "num_pairs")[(num_tokens, triton.cdiv(hidden, block))](
-            out, weight_of, summed if add is None else add.contiguous(), summed, hidden, num_pairs,
-            PAIRS_PER_TOKEN=k, SHARED=shared is not None, HAS_ADD=add is not None, BLOCK=block, num_warps=4,
-            **pdl_launch(out))
+            out, weight_of, slot_of, summed if add is None else add.contiguous(), summed, hidden, num_pairs,
+            PAIRS_PER_TOKEN=k, SHARED=shared is not None, HAS_ADD=add is not None, DROPS=drops, BLOCK=block,
+            num_warps=4, **pdl_launch(out))
         return summed
     if add is None:
         return out if fp32_out else out.to(x.dtype)
@@ -824,7 +844,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, token_of
                   slot_of: torch.Tensor, weight_of: torch.Tensor, add=None,
                   shared: tuple | None = None, fp32_out: bool = False,
                   aligned: AlignedPairs | None = None, scales: ExpertScales | None = None,
-                  act_fp8: bool = False) -> torch.Tensor:
+                  act_fp8: bool = False, live_pairs: int | None = None) -> torch.Tensor:
     """Routed experts over pairs: x [T, H], w13 [S, 2I, H], w2 [S, H, I], token_of / slot_of [P]
     int64 (token_of None: token-major pairs, P / T per token), weight_of [P] float -> [T, H] in
     x's dtype (see the module docstring for the sum).
@@ -840,10 +860,13 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, token_of
       called after the GEMMs are launched: a stream computing it meanwhile is waited for only then.
     - `aligned`: the pairs' layout already made (the routing kernel makes it for one token, with
       pick_config's block_m); otherwise the Triton path makes it (align_pairs).
+    - `live_pairs`: some pairs may have slot -1 and are dropped (expert parallelism: another
+      rank's), about this many are not; it picks the tiles in place of the pair count.
     Triton where it can run (CUDA, or CPU under TRITON_INTERPRET=1), the reference elsewhere."""
     if triton is not None and triton_ok(x):
         return fused_experts_triton(x, w13, w2, token_of, slot_of, weight_of, add=add, shared=shared,
-                                    fp32_out=fp32_out, aligned=aligned, scales=scales, act_fp8=act_fp8)
+                                    fp32_out=fp32_out, aligned=aligned, scales=scales, act_fp8=act_fp8,
+                                    live_pairs=live_pairs)
     out = fused_experts_reference(x, w13, w2, token_of, slot_of, weight_of, shared=shared, scales=scales,
                                   act_fp8=act_fp8)
     return out if add is None else out + (add() if callable(add) else add)

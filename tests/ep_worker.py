@@ -64,6 +64,7 @@ def run(rank, world, port, ckpt, results, scenario):
     try:
         prompts = prompts_for(rank)
         out["before"] = asyncio.run(generate_all(aengine, prompts, "before"))
+        out["load_before"] = ep.take_load().sum(dim=1)  # pairs this rank computed, per MoE layer
         moe = engine.runner.model.moe_layers()[0]
         out["slot0_before"], out["slot0_scale_before"] = slot0(moe)
         # Move every expert to the other rank: all of them must travel.

@@ -66,6 +66,17 @@ def test_outputs_identical_after_rebalance_and_experts_moved(migration_run, tiny
         assert out["phys2log_after"][0] == [4, 5, 6, 7, 0, 1, 2, 3]
 
 
+def test_load_counts_only_real_rows(migration_run, tiny_ckpt):
+    """The ranks' rows are padded to one count a step (rank 0 has two prompts, rank 1 one, of
+    other lengths), but the load statistics count each real token's k pairs exactly once, on
+    the rank holding the expert, and none for padding."""
+    cfg = ep_worker_cfg(tiny_ckpt)
+    tokens = sum(len(p) + ep_worker.GREEDY.max_tokens - 1 for rank in (0, 1) for p in ep_worker.prompts_for(rank))
+    per_layer = [a + b for a, b in zip(migration_run[0]["load_before"], migration_run[1]["load_before"])]
+    assert per_layer == [tokens * cfg.num_experts_per_tok] * len(per_layer)
+    assert all(min(out["load_before"]) > 0 for out in migration_run.values())  # both ranks computed
+
+
 def test_decode_keeps_stepping_while_staging(migration_run):
     for out in migration_run.values():
         assert out["staged"]["staged"] and out["staged"]["bytes"] > 0

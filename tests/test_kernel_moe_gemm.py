@@ -237,6 +237,33 @@ def test_arbitrary_pairs(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("pair_rows", [False, True])
+def test_dropped_pairs(device, dtype, pair_rows, monkeypatch):
+    """Pairs of slot -1 (another rank's, under expert parallelism) are neither computed nor
+    summed: the result is the kept pairs' alone, also where the pair rows of the dropped ones
+    hold garbage, and a token with no kept pair gets exactly zero."""
+    poison_empty(monkeypatch)
+    hidden, inter, num_slots, topk, num_tokens = 64, 32, 4, 3, 40
+    w13, w2 = make_weights(num_slots, hidden, inter, dtype, device, seed=51)
+    x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(52)).to(device, dtype)
+    token_of, slot_of, weight_of = make_routing(num_tokens, topk, list(range(num_slots)), device, seed=53)
+    drop = torch.rand(slot_of.shape, generator=torch.Generator().manual_seed(54)).to(device) < 0.5
+    drop[:topk] = True  # token 0: every pair elsewhere
+    dropped = torch.where(drop, -1, slot_of)
+    kept = ~drop
+    config = MoEGemmConfig(16, (32, 32, 4, 2), (32, 32, 4, 2), pair_rows=pair_rows)
+    got = fused_experts_triton(x, w13, w2, None, dropped, weight_of, config=config, live_pairs=int(kept.sum()))
+    want = fused_experts_reference(x, w13, w2, token_of[kept], slot_of[kept], weight_of[kept])
+    assert torch.isfinite(got).all() and (got[0] == 0).all()
+    torch.testing.assert_close(got.float(), want.float(), **TOLERANCE[dtype])
+    torch.testing.assert_close(fused_experts_reference(x, w13, w2, None, dropped, weight_of), want)
+    # the dispatcher takes them too, picking tiles by the live pairs
+    torch.testing.assert_close(fused_experts(x, w13, w2, None, dropped, weight_of, live_pairs=int(kept.sum())).float(),
+                               want.float(), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_no_pairs(device):
     w13, w2 = make_weights(4, 64, 32, torch.float32, device)
     x = torch.randn(3, 64).to(device)
@@ -248,12 +275,13 @@ def test_no_pairs(device):
 def assert_valid_layout(aligned, slot_of, num_slots, block_m):
     row_pair, tile_slot = aligned.row_pair.cpu(), aligned.tile_slot.cpu()
     slot_of = slot_of.cpu()
+    kept = slot_of >= 0  # slot -1: dropped, in no row
     assert tile_slot.numel() == max_tiles(slot_of.numel(), num_slots, block_m)
     assert row_pair.numel() == tile_slot.numel() * block_m
-    assert aligned.counts.cpu().tolist() == torch.bincount(slot_of, minlength=num_slots).tolist()
-    # Every pair appears exactly once; padding is -1.
+    assert aligned.counts.cpu().tolist() == torch.bincount(slot_of[kept], minlength=num_slots).tolist()
+    # Every kept pair appears exactly once; padding is -1.
     real = row_pair[row_pair >= 0]
-    assert sorted(real.tolist()) == list(range(slot_of.numel()))
+    assert sorted(real.tolist()) == kept.nonzero().flatten().tolist()
     assert ((row_pair >= 0) | (row_pair == -1)).all()
     # Each used tile holds rows of its own slot only, packed from its first row; slots ascend.
     rows_slot = torch.where(row_pair >= 0, slot_of[row_pair.clamp(min=0).long()], -1).view(-1, block_m)
@@ -267,7 +295,7 @@ def assert_valid_layout(aligned, slot_of, num_slots, block_m):
             assert (filled.diff() <= 0).all()  # padding only at the end of a slot's last tile
         else:
             assert members.numel() == 0
-    counts = torch.bincount(slot_of, minlength=num_slots)
+    counts = torch.bincount(slot_of[kept], minlength=num_slots)
     assert int(used.sum()) == int(((counts + block_m - 1) // block_m).sum())
     return real
 
@@ -276,6 +304,10 @@ ALIGN_CASES = [  # (num_slots, slot_of): uneven, with empty slots; many pairs; s
     (6, torch.tensor([5, 0, 5, 2, 5, 0, 2, 5] * 5)),
     (40, torch.randint(0, 40, (3000,), generator=torch.Generator().manual_seed(11)) // 2 * 2),
     (300, torch.randint(0, 300, (700,), generator=torch.Generator().manual_seed(12))),
+    # pairs of slot -1 are dropped (expert parallelism: another rank's): in one program and in three
+    (6, torch.tensor([5, -1, 0, 5, -1, -1, 2, 5] * 5)),
+    (40, torch.randint(-40, 40, (3000,), generator=torch.Generator().manual_seed(13)).clamp(min=-1)),
+    (8, torch.full((50,), -1)),
 ]
 
 

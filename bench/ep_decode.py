@@ -1,0 +1,125 @@
+"""Decode step time of one expert-parallel rank against the same model without expert parallelism.
+
+    python3 -m bench.ep_decode --preset bench --batches 1 16 64            # one GPU: a group of one NCCL rank
+    .venv/bin/python -m bench.ep_decode --preset tiny --device cpu --batches 4 --steps 5   # smoke run
+
+Modes, each on a fresh model in the same process, one after the other:
+- `plain`: the engine without expert parallelism (decode graphs as configured);
+- `ep`: the engine as rank 0 of a one-rank expert-parallel group (NCCL on GPU, gloo on CPU):
+  every step agrees on its shape and every MoE layer runs the all-gather, routing of the
+  gathered rows and reduce-scatter, replayed from decode graphs where the engine captures them;
+- `ep-eager`: the same with `cuda_graphs` off.
+With one rank the collectives move nothing between GPUs: what the `ep` rows show is the
+overhead of the expert-parallel step itself (agreement, collectives, fixed shapes) against
+`plain`. Reports the median and max decode step (ms) and decode tokens/s per mode and batch.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import socket
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from engine.checkpoint import load_weights, random_weights
+from engine.config import EngineConfig, preset
+from engine.ep import ExpertParallel, initial_placement
+from engine.llm_engine import LLMEngine
+from engine.model import DeepseekForCausalLM
+from engine.sampling import SamplingParams
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def build(cfg, device: str, dtype: torch.dtype, local_phys2log=None) -> DeepseekForCausalLM:
+    with torch.device(device):
+        model = DeepseekForCausalLM(cfg, device=device, local_phys2log=local_phys2log).to(dtype)
+    for moe in model.moe_layers():
+        moe.gate.float()
+    load_weights(model, random_weights(cfg, seed=0, device=device, dtype=dtype), progress=False)
+    return model.eval()
+
+
+def measure(engine: LLMEngine, ep, batch: int, prompt: int, steps: int, vocab: int, cuda: bool) -> dict:
+    g = torch.Generator().manual_seed(batch)
+    for i in range(batch):
+        engine.add_request(f"b{batch}-{i}", torch.randint(4, vocab, (prompt,), generator=g).tolist(),
+                           SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True))
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        if ep is not None:
+            ep.sync(True)
+        engine.step()
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    for _ in range(6):  # prefill, then the first decode steps (graph capture)
+        step()
+    times = [step() for _ in range(steps)]
+    for rid in list(engine.requests):
+        engine.abort_request(rid)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return {"p50_ms": round(1000 * statistics.median(times), 3), "max_ms": round(1000 * max(times), 3),
+            "tok_s": round(batch / statistics.median(times), 1)}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="bench")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--modes", nargs="+", default=["plain", "ep", "ep-eager"], choices=["plain", "ep", "ep-eager"])
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    cuda = args.device == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    cfg = preset(args.preset)
+    if "ep" in args.modes or "ep-eager" in args.modes:
+        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}",
+                                rank=0, world_size=1, **({"device_id": torch.device("cuda:0")} if cuda else {}))
+    layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    longest = args.prompt + args.steps + 16
+    report = {"preset": args.preset, "device": args.device, "prompt": args.prompt, "steps": args.steps, "rows": []}
+    for mode in args.modes:
+        ep = None
+        if mode != "plain":
+            ep = ExpertParallel(0, 1, initial_placement(layers, cfg.n_routed_experts, cfg.n_routed_experts),
+                                cfg.n_routed_experts, group=dist.group.WORLD)
+        model = build(cfg, args.device, dtype, ep.local_phys2log() if ep is not None else None)
+        engine = LLMEngine(model, None, EngineConfig(
+            device=args.device, dtype="bfloat16" if cuda else "float32", block_size=16,
+            max_num_seqs=max(args.batches), cuda_graphs=mode != "ep-eager", warmup=False,
+            num_blocks=max(args.batches) * (longest // 16 + 2) + 16,
+            max_num_batched_tokens=max(args.batches) * args.prompt), ep=ep)
+        for batch in args.batches:
+            row = {"mode": mode, "batch": batch, **measure(engine, ep, batch, args.prompt, args.steps,
+                                                            cfg.vocab_size, cuda)}
+            report["rows"].append(row)
+            print(json.dumps(row), flush=True)
+        del engine, model
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    print(json.dumps(report), flush=True)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(json.dumps(report) + "\n")
+
+
+if __name__ == "__main__":
+    main()

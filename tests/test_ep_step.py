@@ -1,0 +1,174 @@
+"""Expert-parallel steps of fixed shape: the group's agreement on each step, the choice between
+replaying a decode graph and running eagerly on every rank, expert maps updated in place, and
+(GPU) decode graphs with the MoE collectives inside them."""
+import socket
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine import ep as ep_module
+from engine.cuda_graphs import DecodeGraphs
+from engine.ep import ExpertParallel, initial_placement
+from engine.ep_step import run_lockstep
+from engine.moe import ExpertMap
+
+
+def test_expert_map_takes_a_new_placement_in_place():
+    m = ExpertMap(torch.tensor([0, 1, 2, 3, 0, 1]), 4, max_replicas=3)
+    tensors = (m.phys2log, m.num_replicas, m.log2phys)
+    assert m.log2phys.shape == (4, 3)
+    m.update_(torch.tensor([3, 3, 3, 0, 1, 2]))  # expert 3 in three slots now
+    assert all(a is b for a, b in zip(tensors, (m.phys2log, m.num_replicas, m.log2phys)))
+    assert m.num_replicas.tolist() == [1, 1, 1, 3]
+    assert m.log2phys[3].tolist() == [0, 1, 2]
+    # three tokens of expert 3 spread over its three slots, as a fresh map would send them
+    ids = torch.tensor([[3], [3], [3]])
+    assert m.slots_for(ids).flatten().tolist() == ExpertMap(torch.tensor([3, 3, 3, 0, 1, 2]), 4).slots_for(
+        ids).flatten().tolist() == [0, 1, 2]
+    with pytest.raises(ValueError, match="max_replicas"):
+        ExpertMap(torch.tensor([0, 0, 0, 0, 1, 2, 3]), 4, max_replicas=3)
+    with pytest.raises(ValueError, match="cannot replace"):
+        m.update_(torch.tensor([0, 1, 2, 3]))
+
+
+class Batch:
+    def __init__(self, rows: int, tokens: int = 1):
+        self.seqs = [object()] * rows
+        self.num_tokens = [tokens] * rows
+
+    def __len__(self):
+        return len(self.seqs)
+
+
+class Runner:
+    """ModelRunner's surface that run_lockstep uses, recording what it was asked to do."""
+
+    def __init__(self, ep, longest: int):
+        self.ep, self.longest, self.calls = ep, longest, []
+        graphs = SimpleNamespace(sizes=[1, 2, 4, 8, 16], _blocks_bucket=lambda m: max(16, m))
+        graphs.covers = lambda b: b <= 16
+        graphs.group_shape = lambda *a: DecodeGraphs.group_shape(graphs, *a)
+        graphs.run = lambda batch, longest, shape: self._record("graph", len(batch), shape)
+        self.graphs = graphs
+        self.model = SimpleNamespace(model=SimpleNamespace(rotary=SimpleNamespace(ensure=lambda n: None)))
+
+    def _record(self, *call):
+        self.calls.append(call + (self.ep.rows,))
+        return torch.zeros(16, 4)
+
+    def decode_length(self, batch):
+        return self.longest
+
+    def decode_width(self, batch, longest):
+        return (longest - 1) // 16 + 1
+
+    def needs_sparse(self, longest):
+        return longest > 1000
+
+    def run_idle(self):
+        self._record("idle")
+
+    def run_eager(self, batch, longest):
+        self._record("eager", len(batch))
+        return [], None
+
+
+@pytest.fixture
+def group_of_two(monkeypatch):
+    """Rank 0 of two, its peer's wish for the step set by the test (the all-gather faked)."""
+    peer = {}
+
+    def all_gather(out, mine, group=None):
+        out.copy_(torch.cat([mine, torch.tensor(peer["wish"], dtype=torch.long)]))
+    monkeypatch.setattr(ep_module, "_all_gather", all_gather)
+    ep = ExpertParallel(0, 2, initial_placement(1, 4, 4), 4)
+    ep.attach([])
+    return ep, peer
+
+
+@pytest.mark.parametrize("mine,peer,expect,counts", [
+    # (rows, longest) of this rank; the peer's (rows, graph, width, sparse); the call made, with the MoE rows
+    ((3, 40), (9, 1, 200, 0), ("graph", 3, (16, 200, False), 16), [3, 9]),
+    ((0, 0), (5, 1, 3, 1), ("graph", 0, (8, 16, True), 8), [0, 5]),        # idle: replays with padding rows only
+    ((3, 40), (0, 1, 0, 0), ("graph", 3, (4, 16, False), 4), [3, 0]),
+    ((0, 0), (300, 0, 0, 0), ("idle", 300), [0, 300]),                      # the peer prefills: all eager
+    ((3, 40), (300, 0, 0, 0), ("eager", 3, 300), [3, 300]),
+    ((20, 40), (2, 1, 3, 0), ("eager", 20, 20), [20, 2]),                   # past the largest graph
+    ((0, 0), (0, 1, 0, 0), None, [0, 0]),                                    # nobody has work
+])
+def test_the_group_replays_one_graph_or_runs_eagerly(group_of_two, mine, peer, expect, counts):
+    ep, wish = group_of_two
+    wish["wish"] = list(peer)
+    runner = Runner(ep, mine[1])
+    done, logits = run_lockstep(runner, Batch(mine[0]))
+    assert runner.calls == ([expect] if expect else [])
+    assert ep.counts.tolist() == counts
+    if expect and expect[0] == "graph":
+        assert done == list(range(mine[0])) and logits.shape[0] == mine[0]
+
+
+def test_moe_rows_past_the_agreement_are_refused(group_of_two):
+    ep, wish = group_of_two
+    wish["wish"] = [2, 0, 0, 0]
+    ep.agree(2)
+    with pytest.raises(RuntimeError, match="more than the 2 the group agreed on"):
+        ep.moe_forward(None, torch.zeros(3, 8))
+
+
+# ---------------------------------------------------------------- GPU
+
+def _port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (NCCL)")
+def test_gpu_decode_graphs_with_the_moe_collectives(tiny_ckpt):
+    """One NCCL rank: decode steps are captured with the all-gather and reduce-scatter inside,
+    give the tokens of the engine without expert parallelism, and a live re-placement (weights
+    and maps copied in place) leaves the captured graphs valid: same tokens, nothing re-captured."""
+    from engine.checkpoint import load_model
+    from engine.config import ModelConfig
+    from engine.tokenizer import Tokenizer
+
+    cfg = ModelConfig.from_file(tiny_ckpt)
+    engine_cfg = EngineConfig(device="cuda", dtype="float32", block_size=4, warmup=False)
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = [[5 + i, 17, 40 + 3 * i, 9] * (i + 1) for i in range(3)]
+    plain = LLMEngine.from_pretrained(tiny_ckpt, engine_cfg, progress=False)
+    want = [o.output_token_ids for o in plain.generate(prompts, greedy)]
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{_port()}", rank=0, world_size=1,
+                            device_id=torch.device("cuda:0"))
+    try:
+        migrate = dist.new_group(backend="gloo")
+        layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+        slots = cfg.n_routed_experts + 2
+        ep = ExpertParallel(0, 1, initial_placement(layers, cfg.n_routed_experts, slots), cfg.n_routed_experts,
+                            group=dist.group.WORLD, migrate_group=migrate)
+        model = load_model(tiny_ckpt, progress=False, local_phys2log=ep.local_phys2log(), device="cuda")
+        engine = LLMEngine(model, Tokenizer(tiny_ckpt), engine_cfg, ep=ep)
+        ep.share_weights()
+        got = [o.output_token_ids for o in engine.generate(prompts, greedy)]
+        assert got == want
+        captured = dict(engine.runner.graphs.graphs)
+        assert any(key[0] == "decode" for key in captured) and not engine.runner.graphs.failed
+        # every expert to another slot, two of them twice
+        new = torch.stack([torch.roll(torch.arange(slots) % cfg.n_routed_experts, 3) for _ in range(layers)])
+        ep.stage("p", new)
+        for _ in range(1000):  # the copies are enqueued at step boundaries (sync)
+            ep.sync(False)
+            if ep.pending.done.is_set():
+                break
+        assert ep.wait_staged("p", 10)["staged"]
+        ep.commit("p")
+        ep.sync(False)
+        assert ep.switches == 1 and ep.phys2log.tolist() == new.tolist()
+        again = [o.output_token_ids for o in engine.generate(prompts, greedy)]
+        assert again == want
+        assert all(engine.runner.graphs.graphs[key] is captured[key] for key in captured)
+    finally:
+        dist.destroy_process_group()
