@@ -132,7 +132,16 @@ class ExpertParallel:
             moe.ep = self
         for m in self.maps:
             m.to(self.device)
+        # Per layer, each logical expert's replicas as this rank's slots (-1: another rank's),
+        # which the routing kernel reads directly.
+        self.local_log2phys = [torch.empty_like(m.log2phys) for m in self.maps]
+        self._local_tables()
         self.counts = torch.zeros(self.world, dtype=torch.long, device=self.device)
+
+    def _local_tables(self) -> None:
+        for m, local in zip(self.maps, self.local_log2phys):
+            g = m.log2phys
+            local.copy_(torch.where((g >= self.base) & (g < self.base + self.spr), g - self.base, -1))
 
     def share_weights(self) -> None:
         """GPU ranks of one host: open every peer's expert weights through CUDA IPC once, so
@@ -205,14 +214,13 @@ class ExpertParallel:
         xs = x.new_empty(self.world * rows, hidden)
         _all_gather(xs, x.contiguous(), group=self.group)
         # Every rank routes the same gathered rows with the same kernels, so all agree on every
-        # pair's slot without a second collective.
-        ids, weights = moe.route_logical(xs)
-        slots = self.maps[moe.layer_index].slots_for(ids) - self.base
+        # pair's slot without a second collective; the map names this rank's slots only.
+        layer = moe.layer_index
+        weights, slots = moe.route_to(xs, self.local_log2phys[layer], self.maps[layer].num_replicas)
         real = torch.arange(rows, device=xs.device)[None, :] < self.counts[:, None]
-        mine = (slots >= 0) & (slots < self.spr) & real.reshape(-1, 1)
-        slots = torch.where(mine, slots, -1)
+        slots = torch.where(real.reshape(-1, 1), slots, -1)  # padding rows are nobody's
         # About rows * k of the group's pairs are this rank's when the load is balanced.
-        out = moe.expert_pairs(xs, None, slots.flatten(), weights.flatten(), live_pairs=rows * ids.shape[1])
+        out = moe.expert_pairs(xs, None, slots.flatten(), weights.flatten(), live_pairs=rows * slots.shape[1])
         summed = x.new_empty(rows, hidden)
         _reduce_scatter(summed, out.contiguous(), group=self.group)
         return summed[:t]
@@ -392,4 +400,5 @@ class ExpertParallel:
         self.phys2log = mig.phys2log.clone()
         for layer, m in enumerate(self.maps):
             m.update_(self.phys2log[layer])
+        self._local_tables()
         self.switches += 1

@@ -81,10 +81,6 @@ class ExpertMap:
             fill[e] += 1
         self.log2phys = log2phys
 
-    @classmethod
-    def identity(cls, num_experts: int) -> "ExpertMap":
-        return cls(torch.arange(num_experts, device="cpu"), num_experts)
-
     def update_(self, phys2log: torch.Tensor) -> None:
         """Take a new placement in place (same slots, same experts, same max_replicas)."""
         new = ExpertMap(phys2log, len(self.num_replicas), self.log2phys.shape[1])
@@ -157,7 +153,6 @@ class MoE(nn.Module):
         self.expert_map = ExpertMap(self.local_phys2log, cfg.n_routed_experts) \
             if local_phys2log is None else None
         self.ep = None
-        self._identity = None
         self.gemm = "auto"  # EngineConfig.moe_gemm, set by the model runner
         self.layer_index = -1  # position among the model's MoE layers, set by the model
         self.overlap = False  # EngineConfig.decode_overlap, set by the model runner
@@ -204,12 +199,14 @@ class MoE(nn.Module):
             return gate_parts_triton(x, w)
         return F.linear(x.float(), self._gate_fp32.get([w], w.float))
 
-    def route_logical(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logical expert ids, weights), each [T, k], of rows x: what expert parallelism maps to
-        the group's slots itself."""
-        ids, weights, _ = route(self.router_logits(x), self.gate.e_score_correction_bias, self.cfg,
-                                self._logical_map())
-        return ids, weights
+    def route_to(self, x: torch.Tensor, log2phys: torch.Tensor, num_replicas: torch.Tensor):
+        """(weights, slots), each [T, k], of rows x routed through a map of the caller's (expert
+        parallelism: this rank's slots, -1 for the others'), in one launch with the routing."""
+        cfg = self.cfg
+        _, weights, slots = fused_route(self.router_logits(x), self.gate.e_score_correction_bias, cfg.n_group,
+                                        cfg.topk_group, cfg.num_experts_per_tok, cfg.norm_topk_prob,
+                                        cfg.routed_scaling_factor, log2phys, num_replicas)
+        return weights, slots
 
     # block FP8 experts ------------------------------------------------------------------
     def quantize_experts(self, block: tuple[int, int], slots_at_once: int = 8) -> None:
@@ -285,11 +282,6 @@ class MoE(nn.Module):
         if (w13.dtype, w2.dtype) != (self.w13.dtype, self.w2.dtype):
             return None
         return w13, w2
-
-    def _logical_map(self) -> "ExpertMap":
-        if self._identity is None:
-            self._identity = ExpertMap.identity(self.cfg.n_routed_experts)
-        return self._identity
 
     def experts(self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor,
                 add=None, shared: tuple[torch.Tensor, torch.Tensor] | None = None,
