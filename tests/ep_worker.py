@@ -1,5 +1,7 @@
 """Body of one expert-parallel rank for tests/test_ep.py (run in a spawned process)."""
 import asyncio
+import contextlib
+import datetime
 import os
 import time
 
@@ -115,6 +117,10 @@ def run(rank, world, port, ckpt, results, scenario):
         # plain lists: tensors would travel as shared memory that dies with this process
         results.put({k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in out.items()})
         if scenario != "kill":
+            # The engines keep stepping in lockstep (idle) until both ranks are done: a rank that
+            # left first would fail its peer's next collective.
+            with contextlib.suppress(RuntimeError):
+                dist.monitored_barrier(group=ep.migrate_group, timeout=datetime.timedelta(seconds=60))
             aengine.shutdown()
             dist.destroy_process_group()
 
