@@ -106,8 +106,10 @@ class ExpertParallel:
         # Fixed-width maps, updated in place by a switch (captured graphs read these tensors).
         self.max_replicas = num_slots - num_logical + 1
         self.maps = [ExpertMap(self.phys2log[layer], num_logical, self.max_replicas) for layer in range(num_layers)]
-        self.rows = 0            # this step's MoE rows per rank (agree, then the runner's graph padding)
+        self.rows = 0            # this step's MoE rows per rank (set_rows: agree, then the runner's graph padding)
         self.counts = None       # [world] real rows of each rank this step, on the forward's device
+        self.real = None         # [world * rows, 1]: which gathered rows are real (set_rows), or None
+        self._real_rows = None   # its memory, for up to `reserve` rows
         self.group, self.migrate_group = group, migrate_group
         self.moes: list[MoE] = []
         self._staging = None
@@ -137,6 +139,22 @@ class ExpertParallel:
         self.local_log2phys = [torch.empty_like(m.log2phys) for m in self.maps]
         self._local_tables()
         self.counts = torch.zeros(self.world, dtype=torch.long, device=self.device)
+
+    def reserve(self, max_rows: int) -> None:
+        """Keep the real-row mask of steps up to max_rows rows (the largest decode graph) in one
+        buffer, filled once a step before the forward, which graphs read in place; larger
+        (eager) steps make theirs in every MoE layer."""
+        self._real_rows = torch.zeros(self.world * max_rows, dtype=torch.bool, device=self.device)
+        self._arange = torch.arange(max_rows, device=self.device)
+
+    def set_rows(self, rows: int) -> None:
+        """This step's MoE rows per rank: every rank pads its rows to this many."""
+        self.rows = rows
+        self.real = None
+        if self._real_rows is not None and rows * self.world <= self._real_rows.numel():
+            view = self._real_rows[:self.world * rows].view(self.world, rows)
+            torch.lt(self._arange[:rows][None, :], self.counts[:, None], out=view)
+            self.real = view.view(-1, 1)
 
     def _local_tables(self) -> None:
         for m, local in zip(self.maps, self.local_log2phys):
@@ -192,7 +210,7 @@ class ExpertParallel:
         host = every.tolist()
         step = GroupStep(rows=max(r[0] for r in host), graph=all(r[1] for r in host),
                          width=max(r[2] for r in host), sparse=any(r[3] for r in host))
-        self.rows = step.rows
+        self.set_rows(step.rows)
         return step
 
     def all_agree(self, ok: bool) -> bool:
@@ -217,8 +235,10 @@ class ExpertParallel:
         # pair's slot without a second collective; the map names this rank's slots only.
         layer = moe.layer_index
         weights, slots = moe.route_to(xs, self.local_log2phys[layer], self.maps[layer].num_replicas)
-        real = torch.arange(rows, device=xs.device)[None, :] < self.counts[:, None]
-        slots = torch.where(real.reshape(-1, 1), slots, -1)  # padding rows are nobody's
+        real = self.real
+        if real is None:
+            real = (torch.arange(rows, device=xs.device)[None, :] < self.counts[:, None]).view(-1, 1)
+        slots = torch.where(real, slots, -1)  # padding rows are nobody's
         # About rows * k of the group's pairs are this rank's when the load is balanced.
         out = moe.expert_pairs(xs, None, slots.flatten(), weights.flatten(), live_pairs=rows * slots.shape[1])
         summed = x.new_empty(rows, hidden)

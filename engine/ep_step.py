@@ -28,7 +28,7 @@ def run_lockstep(runner, batch) -> tuple[list[int], torch.Tensor | None]:
         if longest:
             runner.model.model.rotary.ensure(longest)
         shape = graphs.group_shape(step.rows, step.width, step.sparse)
-        ep.rows = shape[0]
+        ep.set_rows(shape[0])
         return list(range(b)), graphs.run(batch, longest or None, shape=shape)[:b]
     if b == 0:
         runner.run_idle()

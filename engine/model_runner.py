@@ -130,6 +130,8 @@ class ModelRunner:
         """Expert parallelism attaches after construction: every forward then starts with the
         group's agreement on its shape (engine/ep_step.py)."""
         self.ep = ep
+        if self.graphs is not None:
+            ep.reserve(self.graphs.sizes[-1])
 
     def _tensor(self, data, dtype=torch.long) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)

@@ -13,7 +13,7 @@ from torch import nn
 
 from kernels import triton_ok
 from kernels.fp8_blocks import ExpertScales, act_group, dequantize_experts, fake_quantize_act, quantize_experts
-from kernels.moe_gemm import AlignedPairs, act_fp8_pays, fused_experts, pick_config, token_major
+from kernels.moe_gemm import AlignedPairs, act_fp8_pays, align_pairs, fused_experts, pick_config, token_major
 from kernels.routing import fused_route, gate_fused_ok, gate_norm_applies, gate_parts_norm_triton, gate_parts_triton
 from kernels.swiglu import silu_mul
 
@@ -311,7 +311,13 @@ class MoE(nn.Module):
         if shared is not None and not fused:
             raise ValueError("a shared expert slot needs the fused kernels (see _shared_slot)")
         num_slots = self.w13.shape[0]
-        if count:
+        if count and fused and aligned is None:
+            # the pairs' layout holds their counts: one launch to add them
+            block_m = pick_config(slot_of.numel() if live_pairs is None else live_pairs, num_slots, self.w13.dtype,
+                                  act_fp8).block_m
+            aligned = align_pairs(slot_of, num_slots, block_m)
+            self.slot_load += aligned.counts
+        elif count:
             # scatter_add, not bincount: bincount on CUDA reads the max back to the host (a sync
             # per layer); slot -1 counts into a bin in front that is cut off
             self.slot_load += torch.zeros(num_slots + 1, dtype=torch.long, device=x.device).scatter_add_(

@@ -110,6 +110,24 @@ def test_the_group_replays_one_graph_or_runs_eagerly(group_of_two, mine, peer, e
         assert done == list(range(mine[0])) and logits.shape[0] == mine[0]
 
 
+def test_real_rows_mask_is_filled_in_place_each_step(group_of_two):
+    """Up to the reserved rows the mask of real gathered rows lives in one buffer (decode graphs
+    read it in place), refilled for every step's counts and padding; past them there is none
+    and the MoE layers make their own."""
+    ep, wish = group_of_two
+    ep.reserve(8)
+    wish["wish"] = [3, 1, 0, 0]
+    ep.agree(2)
+    first = ep.real
+    assert first.flatten().tolist() == [True, True, False, True, True, True]
+    ep.set_rows(4)  # padded to a graph's rows
+    assert ep.real.flatten().tolist() == [True, True, False, False] + [True, True, True, False]
+    assert ep.real.data_ptr() == first.data_ptr()
+    wish["wish"] = [20, 0, 0, 0]
+    ep.agree(1)
+    assert ep.rows == 20 and ep.real is None
+
+
 def test_moe_rows_past_the_agreement_are_refused(group_of_two):
     ep, wish = group_of_two
     wish["wish"] = [2, 0, 0, 0]
