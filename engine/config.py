@@ -343,7 +343,8 @@ class EngineConfig(BaseModel):
         True, description="steps where every sequence decodes one token use the paged decode kernels "
                           "(Triton on GPU, their torch references elsewhere) instead of the padded path")
     cuda_graphs: bool = Field(
-        True, description="capture decode steps in CUDA graphs (CUDA only, not with expert parallelism)")
+        True, description="capture decode steps in CUDA graphs (CUDA only; with expert parallelism every rank "
+                          "captures and replays the same graphs, engine/ep_step.py)")
     moe_gemm: Literal["auto", "triton", "grouped_mm"] = Field(
         "auto", description="routed-expert GEMMs on GPU: the fused Triton SwiGLU kernel (kernels/moe_gemm.py; "
                             "auto, measured faster on H200) or torch's grouped GEMM")
