@@ -67,6 +67,12 @@ def run(rank, world, port, ckpt, results, scenario):
         prompts = prompts_for(rank)
         out["before"] = asyncio.run(generate_all(aengine, prompts, "before"))
         out["load_before"] = ep.take_load().sum(dim=1)  # pairs this rank computed, per MoE layer
+        # Rank 0 alone decodes while rank 1 has nothing: rank 1's engine still steps with it
+        # (idle forwards that run the MoE layers' collectives).
+        steps0 = engine.num_steps
+        out["solo"] = asyncio.run(generate_all(aengine, prompts[:1] if rank == 0 else [], "solo"))
+        dist.monitored_barrier(group=ep.migrate_group, timeout=datetime.timedelta(seconds=60))
+        out["solo_steps"] = engine.num_steps - steps0
         moe = engine.runner.model.moe_layers()[0]
         out["slot0_before"], out["slot0_scale_before"] = slot0(moe)
         # Move every expert to the other rank: all of them must travel.

@@ -77,6 +77,15 @@ def test_load_counts_only_real_rows(migration_run, tiny_ckpt):
     assert all(min(out["load_before"]) > 0 for out in migration_run.values())  # both ranks computed
 
 
+def test_idle_rank_steps_with_the_busy_one(migration_run):
+    """While only rank 0 has a request, rank 1 runs idle forwards in lockstep (its MoE layers'
+    collectives), and rank 0's tokens are those it decoded beside rank 1's requests."""
+    busy, idle = migration_run[0], migration_run[1]
+    assert busy["solo"] == busy["before"][:1] and idle["solo"] == []
+    assert idle["solo_steps"] >= ep_worker.GREEDY.max_tokens - 1
+    assert idle["solo_steps"] == busy["solo_steps"]
+
+
 def test_decode_keeps_stepping_while_staging(migration_run):
     for out in migration_run.values():
         assert out["staged"]["staged"] and out["staged"]["bytes"] > 0
