@@ -622,9 +622,12 @@ def align_pairs_triton(slot_of: torch.Tensor, num_slots: int, block_m: int) -> A
     slot_of = slot_of.contiguous()
     if one_program:
         block_s = triton.next_power_of_2(num_slots)
+        # A tile block holds [BLOCK_T, BLOCK_S] and [BLOCK_T, BLOCK_M] values: few slots must not
+        # make the second huge (4096 x 128 at 2 slots took the GPU build past minutes).
+        block_t = max(16, min(8192 // block_s, 8192 // block_m))
         _jit(_align_one_kernel, "num_pairs", "num_tiles")[(1,)](
             slot_of, counts, padded_start, row_pair, tile_slot, num_pairs, num_slots, num_tiles,
-            BLOCK_M=block_m, BLOCK_P=ALIGN_ONE_PROGRAM_PAIRS, BLOCK_S=block_s, BLOCK_T=max(16, 8192 // block_s),
+            BLOCK_M=block_m, BLOCK_P=ALIGN_ONE_PROGRAM_PAIRS, BLOCK_S=block_s, BLOCK_T=block_t,
             num_warps=4, **pdl_launch(slot_of))
         return AlignedPairs(row_pair, tile_slot, counts)
     block_p, block_t, block_s = 1024, 64, 128
