@@ -183,7 +183,7 @@ class ModelRunner:
         Padded rows write to the scratch slot and ring and read block 0. ahead=1: each sequence's
         input token is still on the device (run_ahead), one past its last known token; its id
         here is 0."""
-        bs, mc = self.cfg.block_size, self.model.cfg
+        bs = self.cfg.block_size
         head, total = self.decode_input_bytes(rows, width)
         host[:total] = 0
         ids, pos, slots, wslots = host[:head].view(np.int64).reshape(4, -1)[:, :rows]
