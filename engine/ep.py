@@ -108,7 +108,7 @@ class ExpertParallel:
         self.maps = [ExpertMap(self.phys2log[layer], num_logical, self.max_replicas) for layer in range(num_layers)]
         self.rows = 0            # this step's MoE rows per rank (set_rows: agree, then the runner's graph padding)
         self.counts = None       # [world] real rows of each rank this step, on the forward's device
-        self.real = None         # [world * rows, 1]: which gathered rows are real (set_rows), or None
+        self.real = None         # [world * rows]: which gathered rows are real (set_rows), or None
         self._real_rows = None   # its memory, for up to `reserve` rows
         self.group, self.migrate_group = group, migrate_group
         self.moes: list[MoE] = []
@@ -154,7 +154,7 @@ class ExpertParallel:
         if self._real_rows is not None and rows * self.world <= self._real_rows.numel():
             view = self._real_rows[:self.world * rows].view(self.world, rows)
             torch.lt(self._arange[:rows][None, :], self.counts[:, None], out=view)
-            self.real = view.view(-1, 1)
+            self.real = view.view(-1)
 
     def _local_tables(self) -> None:
         for m, local in zip(self.maps, self.local_log2phys):
@@ -220,9 +220,10 @@ class ExpertParallel:
         return bool(flag.item())
 
     # MoE --------------------------------------------------------------------------------
-    def moe_forward(self, moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    def moe_forward(self, moe: MoE, x: torch.Tensor, shared: tuple | None = None) -> torch.Tensor:
         """This rank's rows x [t, H] (t <= rows) -> the sum of their routed experts, [t, H],
-        wherever the experts live. Fixed shapes throughout: capturable."""
+        wherever the experts live; with `shared` (MoE._shared_slot), plus their shared expert,
+        computed by this rank in the routed experts' launches. Fixed shapes throughout: capturable."""
         t, hidden = x.shape
         rows = self.rows
         if t > rows:
@@ -234,13 +235,15 @@ class ExpertParallel:
         # Every rank routes the same gathered rows with the same kernels, so all agree on every
         # pair's slot without a second collective; the map names this rank's slots only.
         layer = moe.layer_index
-        weights, slots = moe.route_to(xs, self.local_log2phys[layer], self.maps[layer].num_replicas)
         real = self.real
         if real is None:
-            real = (torch.arange(rows, device=xs.device)[None, :] < self.counts[:, None]).view(-1, 1)
-        slots = torch.where(real, slots, -1)  # padding rows are nobody's
-        # About rows * k of the group's pairs are this rank's when the load is balanced.
-        out = moe.expert_pairs(xs, None, slots.flatten(), weights.flatten(), live_pairs=rows * slots.shape[1])
+            real = (torch.arange(rows, device=xs.device)[None, :] < self.counts[:, None]).view(-1)
+        # padding rows are nobody's: slot -1, set by the routing launch
+        weights, slots = moe.route_to(xs, self.local_log2phys[layer], self.maps[layer].num_replicas, real)
+        # About rows * k of the group's pairs are this rank's when the load is balanced. The shared
+        # expert takes this rank's own rows, whose sums come back to it alone.
+        out = moe.expert_pairs(xs, None, slots.flatten(), weights.flatten(), live_pairs=rows * slots.shape[1],
+                               shared=shared, shared_rows=(self.rank * rows, (self.rank + 1) * rows))
         summed = x.new_empty(rows, hidden)
         _reduce_scatter(summed, out.contiguous(), group=self.group)
         return summed[:t]

@@ -171,17 +171,16 @@ class MoE(nn.Module):
         logits = None
         if isinstance(x, NormInput):
             logits, x = gate_parts_norm_triton(x.x, x.residual, x.norm.weight, x.norm.eps, w, x.stream)
-        if self.ep is not None:
-            # Every rank routes the whole group's rows itself (engine/ep.py): no logits here.
-            shared = None if self.shared_experts is None else Branch(self.overlap, self.shared_experts, x)
-            out = self.ep.moe_forward(self, x)
-            return out if shared is None else out + shared.join()
         shared_slot = self._shared_slot(x)
         shared = None
         if self.shared_experts is not None and shared_slot is None:
             # The shared experts need nothing from the router: in a captured decode step they run
             # beside it and the routed experts, joined only where their output is added.
             shared = Branch(self.overlap, self.shared_experts, x)
+        if self.ep is not None:
+            # Every rank routes the whole group's rows itself (engine/ep.py): no logits here.
+            out = self.ep.moe_forward(self, x, shared_slot)
+            return out if shared is None else out + shared.join()
         if logits is None:
             logits = self.router_logits(x)
         bias = self.gate.e_score_correction_bias
@@ -199,13 +198,15 @@ class MoE(nn.Module):
             return gate_parts_triton(x, w)
         return F.linear(x.float(), self._gate_fp32.get([w], w.float))
 
-    def route_to(self, x: torch.Tensor, log2phys: torch.Tensor, num_replicas: torch.Tensor):
+    def route_to(self, x: torch.Tensor, log2phys: torch.Tensor, num_replicas: torch.Tensor,
+                 real: torch.Tensor | None = None):
         """(weights, slots), each [T, k], of rows x routed through a map of the caller's (expert
-        parallelism: this rank's slots, -1 for the others'), in one launch with the routing."""
+        parallelism: this rank's slots, -1 for the others'), in one launch with the routing; rows
+        that are not `real` ([T] bools: padding) get slot -1 in the same launch."""
         cfg = self.cfg
         _, weights, slots = fused_route(self.router_logits(x), self.gate.e_score_correction_bias, cfg.n_group,
                                         cfg.topk_group, cfg.num_experts_per_tok, cfg.norm_topk_prob,
-                                        cfg.routed_scaling_factor, log2phys, num_replicas)
+                                        cfg.routed_scaling_factor, log2phys, num_replicas, real=real)
         return weights, slots
 
     # block FP8 experts ------------------------------------------------------------------
@@ -270,8 +271,9 @@ class MoE(nn.Module):
     def _shared_slot(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The shared expert's weights, for the fused kernels to compute as one more slot (its
         weight read in the routed experts' two launches, not in three launches of its own), where
-        they can: one shared expert of the routed experts' shape, no expert parallelism."""
-        if not self.fuse_shared or self.shared_experts is None or self.ep is not None or not self._fused_ok(x):
+        they can: one shared expert of the routed experts' shape. With expert parallelism each rank
+        computes it for its own rows only (fused_experts' shared_rows)."""
+        if not self.fuse_shared or self.shared_experts is None or not self._fused_ok(x):
             return None
         w13, w2 = self.shared_experts.expert_weights()
         if (w13.shape, w2.shape) != (self.w13.shape[1:], self.w2.shape[1:]):
@@ -298,14 +300,16 @@ class MoE(nn.Module):
     def expert_pairs(self, x: torch.Tensor, token_of: torch.Tensor | None, slot_of: torch.Tensor,
                      weight_of: torch.Tensor, count: bool = True, add=None,
                      shared: tuple[torch.Tensor, torch.Tensor] | None = None, fp32_out: bool = False,
-                     aligned: AlignedPairs | None = None, live_pairs: int | None = None) -> torch.Tensor:
+                     aligned: AlignedPairs | None = None, live_pairs: int | None = None,
+                     shared_rows: tuple[int, int] | None = None) -> torch.Tensor:
         """Sum over (token, local slot, weight) pairs of weight * expert(x[token]), as [T, H]
         (token_of None: token-major pairs, as kernels/moe_gemm.py takes them), plus `add` when
         given (the fused path adds it in the same launch that rounds the fp32 sum).
         Pairs are sorted by slot: one grouped GEMM per projection where torch has it (no host
         sync, no per-expert launches), else one matmul pair per slot.
         `live_pairs`: pairs of slot -1 are dropped (expert parallelism: another rank's), about this
-        many are not (see fused_experts); they are neither computed by the fused kernels nor counted."""
+        many are not (see fused_experts); they are neither computed by the fused kernels nor counted.
+        `shared_rows` (first, end): the tokens the `shared` slot takes (see fused_experts)."""
         fused = self._fused_ok(x)
         act_fp8 = self.act_fp8(slot_of.numel() if live_pairs is None else live_pairs)
         if shared is not None and not fused:
@@ -325,7 +329,7 @@ class MoE(nn.Module):
         if fused:
             return fused_experts(x, self.w13, self.w2, token_of, slot_of, weight_of, add=add, shared=shared,
                                  fp32_out=fp32_out, aligned=aligned, scales=self.scales, act_fp8=act_fp8,
-                                 live_pairs=live_pairs)
+                                 live_pairs=live_pairs, shared_rows=shared_rows)
         if live_pairs is not None:
             # The paths below compute every pair: a dropped one as slot 0 weighing nothing (no
             # compaction, which would read its size back to the host).

@@ -66,8 +66,9 @@ def token_major(token_of: torch.Tensor | None, x: torch.Tensor, slot_of: torch.T
 def fused_experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, token_of: torch.Tensor | None,
                             slot_of: torch.Tensor, weight_of: torch.Tensor,
                             shared: tuple | None = None, scales: ExpertScales | None = None,
-                            act_fp8: bool = False) -> torch.Tensor:
-    """The exact semantics: one matmul pair per slot (and for the shared expert, weight 1),
+                            act_fp8: bool = False, shared_rows: tuple[int, int] | None = None) -> torch.Tensor:
+    """The exact semantics: one matmul pair per slot (and for the shared expert, weight 1, on the
+    tokens of `shared_rows` (first, end) or all),
     weighted sum in fp32, output in x's dtype. FP8 weights: dequantized to fp32 and computed in
     fp32, the SwiGLU activation rounded to x's dtype between the projections (as the kernels store it).
     act_fp8: each projection's input through fake_quantize_act first."""
@@ -93,7 +94,8 @@ def fused_experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
         return F.linear(fake_quantize_act(act, group) if group else act, w_down)
 
     if shared is not None:
-        out += mlp(x, shared[0], shared[1]).float()
+        first, end = check_shared_rows(shared_rows, x.shape[0])
+        out[first:end] += mlp(x[first:end], shared[0], shared[1]).float()
     order = slot_of.argsort(stable=True)
     counts = torch.zeros(num_slots, dtype=torch.long, device=x.device).scatter_add_(
         0, slot_of, torch.ones_like(slot_of))
@@ -282,10 +284,11 @@ def _align_one_kernel(slot_ptr, counts_ptr, padded_start_ptr, row_pair_ptr, tile
         tl.store(row_pair_ptr + rows, tl.full((BLOCK_T, BLOCK_M), -1, tl.int32), mask=t_ok[:, None] & pad)
 
 
-def _tile_rows(token_ptr, row_pair_ptr, tile_slot_ptr, num_slots, num_tiles, num_tokens,
+def _tile_rows(token_ptr, row_pair_ptr, tile_slot_ptr, num_slots, num_tiles, shared_first, shared_end,
                BLOCK_M: tl.constexpr, PAIRS_PER_TOKEN: tl.constexpr, SHARED: tl.constexpr):
     """A tile's slot, whether it is one of the shared expert's tiles (after the routed ones: their
-    row j is token j, weight 1), its pairs (-1: none) and its rows' tokens."""
+    row j is token shared_first + j, weight 1, up to shared_end), its pairs (-1: none) and its
+    rows' tokens."""
     tile = tl.program_id(0)
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     routed = tile < num_tiles
@@ -299,9 +302,9 @@ def _tile_rows(token_ptr, row_pair_ptr, tile_slot_ptr, num_slots, num_tiles, num
         token = tl.load(token_ptr + pair, mask=is_pair, other=0).to(tl.int64)
     if SHARED:
         is_shared = tile >= num_tiles
-        shared_token = (tile - num_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
+        shared_token = shared_first + (tile - num_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
         token = tl.where(is_shared, shared_token, token).to(tl.int64)
-        is_pair = tl.where(is_shared, shared_token < num_tokens, is_pair)
+        is_pair = tl.where(is_shared, shared_token < shared_end, is_pair)
     else:
         is_shared = tile < 0
     skip = routed & (slot >= num_slots)
@@ -383,7 +386,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, GROUP: tl.constexpr,
 
 
 def _gate_up_kernel(x_ptr, w13_ptr, shared_w13_ptr, act_ptr, token_ptr, row_pair_ptr, tile_slot_ptr,
-                    H, I, num_slots, num_tiles, num_tokens, stride_xt, zero_ptr, zero_count, x_scale_ptr, act_scale_ptr,
+                    H, I, num_slots, num_tiles, shared_first, shared_end, stride_xt, zero_ptr, zero_count, x_scale_ptr, act_scale_ptr,
                     scale_ptr, shared_scale_ptr, scale_rows, scale_cols,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, PAIRS_PER_TOKEN: tl.constexpr,
@@ -400,7 +403,8 @@ def _gate_up_kernel(x_ptr, w13_ptr, shared_w13_ptr, act_ptr, token_ptr, row_pair
         idx = first + i + tl.arange(0, 256)
         tl.store(zero_ptr + idx, tl.zeros([256], dtype=tl.float32), mask=(idx < first + share) & (idx < zero_count))
     slot, is_shared, skip, rows, pair, is_pair, token = _tile_rows(
-        token_ptr, row_pair_ptr, tile_slot_ptr, num_slots, num_tiles, num_tokens, BLOCK_M, PAIRS_PER_TOKEN, SHARED)
+        token_ptr, row_pair_ptr, tile_slot_ptr, num_slots, num_tiles, shared_first, shared_end, BLOCK_M,
+        PAIRS_PER_TOKEN, SHARED)
     if skip:
         return
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -477,7 +481,7 @@ def _gate_up_kernel(x_ptr, w13_ptr, shared_w13_ptr, act_ptr, token_ptr, row_pair
 
 
 def _down_kernel(act_ptr, w2_ptr, shared_w2_ptr, out_ptr, token_ptr, weight_ptr, row_pair_ptr, tile_slot_ptr,
-                 H, I, num_slots, num_tiles, num_tokens, stride_ot, num_pairs, act_scale_ptr,
+                 H, I, num_slots, num_tiles, shared_first, shared_end, stride_ot, num_pairs, act_scale_ptr,
                  scale_ptr, shared_scale_ptr, scale_rows, scale_cols,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, PAIRS_PER_TOKEN: tl.constexpr,
@@ -488,7 +492,8 @@ def _down_kernel(act_ptr, w2_ptr, shared_w2_ptr, out_ptr, token_ptr, weight_ptr,
     # One program: BLOCK_M padded rows (one slot) x BLOCK_N hidden columns, added into fp32 out
     # (PAIR_ROWS: stored as each pair's own row of out, for _sum_pairs_kernel).
     slot, is_shared, skip, rows, pair, is_pair, token = _tile_rows(
-        token_ptr, row_pair_ptr, tile_slot_ptr, num_slots, num_tiles, num_tokens, BLOCK_M, PAIRS_PER_TOKEN, SHARED)
+        token_ptr, row_pair_ptr, tile_slot_ptr, num_slots, num_tiles, shared_first, shared_end, BLOCK_M,
+        PAIRS_PER_TOKEN, SHARED)
     if skip:
         return
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -550,11 +555,11 @@ def _down_kernel(act_ptr, w2_ptr, shared_w2_ptr, out_ptr, token_ptr, weight_ptr,
         tl.atomic_add(out_ptrs, acc, mask=is_pair[:, None] & col_ok[None, :])
 
 
-def _sum_pairs_kernel(rows_ptr, weight_ptr, slot_ptr, add_ptr, out_ptr, H, num_pairs, PAIRS_PER_TOKEN: tl.constexpr,
-                      SHARED: tl.constexpr, HAS_ADD: tl.constexpr, DROPS: tl.constexpr, BLOCK: tl.constexpr,
-                      PDL: tl.constexpr = 0):
-    """out[t] = sum_j rows[t k + j] weight[t k + j] (+ rows[num_pairs + t], the shared expert) in
-    fp32, in j's order; with add, rounded to out's dtype, plus add, rounded again (as _round_add_kernel).
+def _sum_pairs_kernel(rows_ptr, weight_ptr, slot_ptr, add_ptr, out_ptr, H, num_pairs, shared_first, shared_end,
+                      PAIRS_PER_TOKEN: tl.constexpr, SHARED: tl.constexpr, HAS_ADD: tl.constexpr,
+                      DROPS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
+    """out[t] = sum_j rows[t k + j] weight[t k + j] (+ rows[num_pairs + t], the shared expert, for
+    t in [shared_first, shared_end)) in fp32, in j's order; with add, rounded to out's dtype, plus add, rounded again (as _round_add_kernel).
     DROPS: pairs of slot -1 were never computed (their rows hold anything) and add nothing."""
     pdl_enter(PDL)
     token = tl.program_id(0).to(tl.int64)
@@ -570,7 +575,8 @@ def _sum_pairs_kernel(rows_ptr, weight_ptr, slot_ptr, add_ptr, out_ptr, H, num_p
         else:
             acc += tl.load(rows_ptr + pair * H + cols, mask=ok, other=0.0).to(tl.float32) * weight
     if SHARED:
-        acc += tl.load(rows_ptr + (num_pairs + token) * H + cols, mask=ok, other=0.0).to(tl.float32)
+        if (token >= shared_first) & (token < shared_end):
+            acc += tl.load(rows_ptr + (num_pairs + token) * H + cols, mask=ok, other=0.0).to(tl.float32)
     DTYPE: tl.constexpr = out_ptr.dtype.element_ty
     if HAS_ADD:
         a = cast_rne(acc, DTYPE).to(tl.float32)
@@ -705,7 +711,8 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
                          config: MoEGemmConfig | None = None, add=None,
                          shared: tuple | None = None, fp32_out: bool = False,
                          aligned: AlignedPairs | None = None, scales: ExpertScales | None = None,
-                         act_fp8: bool = False, live_pairs: int | None = None) -> torch.Tensor:
+                         act_fp8: bool = False, live_pairs: int | None = None,
+                         shared_rows: tuple[int, int] | None = None) -> torch.Tensor:
     """fused_experts through the two Triton kernels (no host sync; CUDA-graph capturable)."""
     num_tokens, hidden = x.shape
     num_slots, two_i, _ = w13.shape
@@ -713,7 +720,8 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     slot_of = slot_of.contiguous()
     num_pairs = slot_of.numel()
     pending, add = (add, None) if callable(add) else (None, add)
-    if num_tokens == 0 or (num_pairs == 0 and shared is None):
+    shared_first, shared_end = check_shared_rows(shared_rows, num_tokens)
+    if num_tokens == 0 or (num_pairs == 0 and (shared is None or shared_first == shared_end)):
         add = pending() if pending is not None else add
         return torch.zeros_like(x) if add is None else add.clone()
     check_expert_scales(w13, w2, scales)
@@ -735,8 +743,8 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
         raise ValueError(f"the pairs' layout has tiles of {aligned.row_pair.numel() // max(1, aligned.tile_slot.numel())} "
                          f"rows; these kernels take {cfg.block_m} (pick_config)")
     num_tiles = aligned.tile_slot.numel()
-    # The shared expert's rows follow the routed tiles, one per token (see _tile_rows).
-    tiles = num_tiles + (triton.cdiv(num_tokens, cfg.block_m) if shared is not None else 0)
+    # The shared expert's rows follow the routed tiles, one per token it takes (see _tile_rows).
+    tiles = num_tiles + (triton.cdiv(shared_end - shared_first, cfg.block_m) if shared is not None else 0)
     w13 = w13.contiguous()
     w2 = w2.contiguous()
     shared_w13, shared_w2, shared_scales = shared if shared is not None else (w13, w2, scales)  # read with SHARED
@@ -761,7 +769,7 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
             xw, xq, x_scale, hidden, xw.stride(0), GROUP=group, INTERPRETED=dot_fp32, num_warps=1, **pdl_launch(xw))
         xw = xq
         act_scale = torch.empty(act.shape[0], triton.cdiv(inter, group), dtype=torch.float32, device=x.device)
-    plain = ("num_tiles", "num_tokens", "zero_count")
+    plain = ("num_tiles", "shared_first", "shared_end", "zero_count")
     if scales is None:
         scaled = dict(scale_ptr=w13, shared_scale_ptr=w13, scale_rows=0, scale_cols=0)  # not read
         gate_up_scaled = down_scaled = scaled
@@ -782,7 +790,7 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
         block_n = group or block_n  # FP8 activations: a program's columns are one group of its output
         _jit(_gate_up_kernel, *plain)[(tiles, triton.cdiv(inter, block_n))](
             xw, w13, shared_w13, act, token_of, aligned.row_pair, aligned.tile_slot,
-            hidden, inter, num_slots, num_tiles, num_tokens, xw.stride(0), out, 0 if pair_rows else out.numel(),
+            hidden, inter, num_slots, num_tiles, shared_first, shared_end, xw.stride(0), out, 0 if pair_rows else out.numel(),
             x_scale, act_scale,
             **gate_up_scaled, ACT_DTYPE=_TL_DTYPES[compute],
             BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=fit_k(block_k), PRECISION=precision, DOT_FP32=dot_fp32,
@@ -791,7 +799,8 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
         block_n, block_k, warps, stages = cfg.down
         _jit(_down_kernel, *plain, "num_pairs")[(tiles, triton.cdiv(hidden, block_n))](
             act, w2, shared_w2, out, token_of, weight_of, aligned.row_pair, aligned.tile_slot,
-            hidden, inter, num_slots, num_tiles, num_tokens, out.stride(0), num_pairs, act_scale, **down_scaled,
+            hidden, inter, num_slots, num_tiles, shared_first, shared_end, out.stride(0), num_pairs, act_scale,
+            **down_scaled,
             BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=fit_k(block_k), PRECISION=precision, DOT_FP32=dot_fp32,
             PAIRS_PER_TOKEN=k, SHARED=shared is not None, DEQUANT_TILE=dequant_tile, ACT_FP8=bool(group),
             FP8_ACC=FP8_PRECISE_ACC or None, PAIR_ROWS=pair_rows, num_warps=warps, num_stages=stages,
@@ -812,8 +821,9 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
         summed = torch.empty(num_tokens, hidden, dtype=torch.float32 if fp32_out and add is None else x.dtype,
                              device=x.device)
         block = 1024
-        _jit(_sum_pairs_kernel, "num_pairs")[(num_tokens, triton.cdiv(hidden, block))](
+        _jit(_sum_pairs_kernel, "num_pairs", "shared_first", "shared_end")[(num_tokens, triton.cdiv(hidden, block))](
             out, weight_of, slot_of, summed if add is None else add.contiguous(), summed, hidden, num_pairs,
+            shared_first, shared_end,
             PAIRS_PER_TOKEN=k, SHARED=shared is not None, HAS_ADD=add is not None, DROPS=drops, BLOCK=block,
             num_warps=4, **pdl_launch(out))
         return summed
@@ -824,6 +834,16 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     _jit(_round_add_kernel, "n")[(triton.cdiv(out.numel(), block),)](
         out, add.contiguous(), summed, out.numel(), BLOCK=block, num_warps=4, **pdl_launch(out))
     return summed
+
+
+def check_shared_rows(shared_rows: tuple[int, int] | None, num_tokens: int) -> tuple[int, int]:
+    """(first, end) of the tokens the shared expert takes: all of them when None."""
+    if shared_rows is None:
+        return 0, num_tokens
+    first, end = (int(v) for v in shared_rows)
+    if not 0 <= first <= end <= num_tokens:
+        raise ValueError(f"shared_rows {tuple(shared_rows)} must lie within the {num_tokens} tokens")
+    return first, end
 
 
 def check_shared(shared: tuple, w13: torch.Tensor, w2: torch.Tensor,
@@ -847,13 +867,16 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, token_of
                   slot_of: torch.Tensor, weight_of: torch.Tensor, add=None,
                   shared: tuple | None = None, fp32_out: bool = False,
                   aligned: AlignedPairs | None = None, scales: ExpertScales | None = None,
-                  act_fp8: bool = False, live_pairs: int | None = None) -> torch.Tensor:
+                  act_fp8: bool = False, live_pairs: int | None = None,
+                  shared_rows: tuple[int, int] | None = None) -> torch.Tensor:
     """Routed experts over pairs: x [T, H], w13 [S, 2I, H], w2 [S, H, I], token_of / slot_of [P]
     int64 (token_of None: token-major pairs, P / T per token), weight_of [P] float -> [T, H] in
     x's dtype (see the module docstring for the sum).
     - `shared` (w13 [2I, H], w2 [H, I]): a shared expert every token passes through with weight 1,
       summed with the routed ones in fp32 (its weight read once, in the same two launches); with
       FP8 routed experts, FP8 itself with a third item, its ExpertScales.
+    - `shared_rows` (first, end): only these tokens pass through the shared expert (expert
+      parallelism: a rank's own rows among the group's gathered ones); all when None.
     - `scales`: w13 and w2 are block FP8 (kernels/fp8_blocks.py's layout).
     - `act_fp8` (with `scales`): the activations into both projections are FP8 too, per token per
       128 columns (fp8_blocks.quantize_act_groups), and the products run on FP8 tensor cores.
@@ -869,7 +892,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, token_of
     if triton is not None and triton_ok(x):
         return fused_experts_triton(x, w13, w2, token_of, slot_of, weight_of, add=add, shared=shared,
                                     fp32_out=fp32_out, aligned=aligned, scales=scales, act_fp8=act_fp8,
-                                    live_pairs=live_pairs)
+                                    live_pairs=live_pairs, shared_rows=shared_rows)
     out = fused_experts_reference(x, w13, w2, token_of, slot_of, weight_of, shared=shared, scales=scales,
-                                  act_fp8=act_fp8)
+                                  act_fp8=act_fp8, shared_rows=shared_rows)
     return out if add is None else out + (add() if callable(add) else add)

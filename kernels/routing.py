@@ -51,9 +51,15 @@ def _check(logits, bias, n_group, topk_group, top_k, log2phys, num_replicas, slo
         raise ValueError("slot_load must be a 1-D int64 tensor")
 
 
+def _check_real(real: torch.Tensor, t: int) -> None:
+    if real.numel() != t or real.dtype != torch.bool or not real.is_contiguous():
+        raise ValueError(f"real must be {t} bools (one a token row), got {list(real.shape)} {real.dtype}")
+
+
 def route_reference(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk_group: int, top_k: int,
                     norm_topk_prob: bool, scaling: float, log2phys: torch.Tensor, num_replicas: torch.Tensor,
-                    slot_load: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    slot_load: torch.Tensor | None = None,
+                    real: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The unfused torch sequence; see `fused_route` for the contract."""
     if logits.dim() == 3:  # parts of the logits (gate_parts_triton)
         logits = logits.sum(0)
@@ -75,8 +81,12 @@ def route_reference(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk
     # A replicated expert spreads its tokens over its replicas by token row.
     tok = torch.arange(t, device=ids.device)[:, None]
     slots = log2phys[ids, tok % num_replicas[ids]]
+    if real is not None:
+        _check_real(real, t)
+        slots = torch.where(real.view(t, 1).bool(), slots, -1)
     if slot_load is not None:
         flat = slots.flatten()
+        flat = flat[flat >= 0]  # -1: a slot of no one here
         slot_load.scatter_add_(0, flat, torch.ones_like(flat))
     return ids, weights, slots
 
@@ -150,14 +160,14 @@ if triton is not None:
         tl.store(out_ptr + part * E + experts, acc, mask=e_ok)
 
     @triton.jit(do_not_specialize=["stride_p"])
-    def _route_kernel(logits_ptr, bias_ptr, log2phys_ptr, num_replicas_ptr, slot_load_ptr,
+    def _route_kernel(logits_ptr, bias_ptr, log2phys_ptr, num_replicas_ptr, slot_load_ptr, real_ptr,
                       ids_ptr, weights_ptr, slots_ptr, row_pair_ptr, tile_slot_ptr, counts_ptr,
                       T, E, stride_t, stride_p, R, scaling, num_slots,
                       N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr,
                       TOP_K: tl.constexpr, NORM: tl.constexpr, COUNT: tl.constexpr, NUM_PARTS: tl.constexpr,
                       BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
                       BLOCK_K: tl.constexpr, ALIGN_M: tl.constexpr = 0, BLOCK_S: tl.constexpr = 16,
-                      PDL: tl.constexpr = 0):
+                      REAL: tl.constexpr = 0, PDL: tl.constexpr = 0):
         pdl_enter(PDL)
         rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         cols = tl.arange(0, BLOCK_E)
@@ -215,13 +225,16 @@ if triton is not None:
         nrep = tl.load(num_replicas_ptr + ids, mask=out_ok, other=1)
         replica = rows[:, None].to(tl.int64) % nrep
         slots = tl.load(log2phys_ptr + ids.to(tl.int64) * R + replica, mask=out_ok, other=0)
+        if REAL:  # padding rows (expert parallelism) are nobody's: slot -1
+            is_real = tl.load(real_ptr + rows, mask=row_ok, other=0) != 0
+            slots = tl.where(is_real[:, None], slots, -1)
 
         out = rows[:, None].to(tl.int64) * TOP_K + kcols[None, :]
         tl.store(ids_ptr + out, ids.to(tl.int64), mask=out_ok)
         tl.store(weights_ptr + out, weights, mask=out_ok)
         tl.store(slots_ptr + out, slots, mask=out_ok)
         if COUNT:
-            tl.atomic_add(slot_load_ptr + slots, tl.full([BLOCK_T, BLOCK_K], 1, tl.int64), mask=out_ok)
+            tl.atomic_add(slot_load_ptr + slots, tl.full([BLOCK_T, BLOCK_K], 1, tl.int64), mask=out_ok & (slots >= 0))
         if ALIGN_M > 0:
             # One token (one program): its pairs' layout for the expert kernels, as
             # kernels/moe_gemm.py align_pairs lays them out, without the alignment's launch. Its
@@ -261,7 +274,7 @@ def _launch_config(t: int, e: int) -> tuple[int, int]:
 def route_triton(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk_group: int, top_k: int,
                  norm_topk_prob: bool, scaling: float, log2phys: torch.Tensor, num_replicas: torch.Tensor,
                  slot_load: torch.Tensor | None = None,
-                 block_t: int | None = None, align: tuple[int, int] | None = None):
+                 block_t: int | None = None, align: tuple[int, int] | None = None, real: torch.Tensor | None = None):
     """The Triton kernel; see `fused_route` for the contract. `block_t` overrides the tokens per
     program. logits may also be [P, T, E]: parts of the logits, summed in order of P first.
     `align` (num_slots, block_m), for one token only: also return its pairs' layout for the
@@ -287,6 +300,8 @@ def route_triton(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk_gr
         aligned = (torch.empty(top_k * block_m, dtype=torch.int32, device=dev),
                    torch.empty(top_k, dtype=torch.int32, device=dev),
                    torch.empty(num_slots, dtype=torch.int32, device=dev))
+    if real is not None:
+        _check_real(real, t)
     if t == 0:
         return ids, weights, slots
     if parts.stride(2) != 1:
@@ -297,6 +312,7 @@ def route_triton(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk_gr
     _route_kernel[(triton.cdiv(t, block_t),)](
         parts, bias.contiguous(), log2phys.contiguous(), num_replicas.contiguous(),
         slot_load if slot_load is not None else slots,  # a dummy pointer when not counting
+        real if real is not None else slots,  # unread without
         ids, weights, slots, row_pair, tile_slot, counts,
         t, e, parts.stride(1), parts.stride(0), log2phys.shape[1], float(scaling),
         align[0] if align is not None else 0,
@@ -304,7 +320,7 @@ def route_triton(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk_gr
         TOP_K=top_k, NORM=bool(norm_topk_prob), COUNT=slot_load is not None, NUM_PARTS=parts.shape[0],
         BLOCK_T=block_t, BLOCK_E=_pow2(e), BLOCK_G=max(2, _pow2(n_group)), BLOCK_K=max(2, _pow2(top_k)),
         ALIGN_M=align[1] if align is not None else 0, BLOCK_S=min(1024, _pow2(align[0])) if align else 16,
-        num_warps=warps, **pdl_launch(parts))
+        REAL=real is not None, num_warps=warps, **pdl_launch(parts))
     if aligned is not None:
         return ids, weights, slots, aligned
     return ids, weights, slots
@@ -312,7 +328,8 @@ def route_triton(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk_gr
 
 def fused_route(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk_group: int, top_k: int,
                 norm_topk_prob: bool, scaling: float, log2phys: torch.Tensor, num_replicas: torch.Tensor,
-                slot_load: torch.Tensor | None = None, align: tuple[int, int] | None = None):
+                slot_load: torch.Tensor | None = None, align: tuple[int, int] | None = None,
+                real: torch.Tensor | None = None):
     """DeepSeek-V3 routing of router logits [T, E] (or [P, T, E] parts of them, summed over P) to
     (ids, weights, slots), each [T, top_k].
 
@@ -321,7 +338,11 @@ def fused_route(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk_gro
     ids: the top_k logical experts by choice among the eligible, in descending choice order.
     weights (fp32): scores at ids, divided by (their sum + 1e-20) if norm_topk_prob, times scaling.
     slots: log2phys[e, t % num_replicas[e]] for expert e of token row t.
-    slot_load [S] (int64), when given, is incremented by the number of (token, k) pairs per slot.
+    slots of -1 (a map's entry for no slot here) are returned as they are.
+    real [T] (bool), when given: the rows that are not real (expert parallelism's padding) get
+    slot -1 for all their pairs.
+    slot_load [S] (int64), when given, is incremented by the number of (token, k) pairs per slot
+    (slot -1 counts nowhere).
     align (num_slots, block_m), for one token: a fourth result, the pairs' layout for the expert
     kernels (row_pair, tile_slot, counts of kernels/moe_gemm.py AlignedPairs), so that they need
     no alignment launch of their own.
@@ -329,9 +350,9 @@ def fused_route(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk_gro
     """
     if triton is not None and triton_ok(logits):
         return route_triton(logits, bias, n_group, topk_group, top_k, norm_topk_prob, scaling, log2phys,
-                            num_replicas, slot_load, align=align)
+                            num_replicas, slot_load, align=align, real=real)
     routed = route_reference(logits, bias, n_group, topk_group, top_k, norm_topk_prob, scaling, log2phys,
-                             num_replicas, slot_load)
+                             num_replicas, slot_load, real)
     if align is None:
         return routed
     from .moe_gemm import align_pairs_reference

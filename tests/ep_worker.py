@@ -60,12 +60,18 @@ async def generate_all(aengine, prompts, tag):
 
 def run(rank, world, port, ckpt, results, scenario):
     # "migrate_fp8": the same migration with block-FP8 experts (their scales travel with them)
+    if scenario == "kernels":  # the Triton kernels (interpreted) in place of the torch references
+        os.environ["WIDEEP_CPU_KERNELS"] = "1"
     aengine = setup(rank, world, port, ckpt, fp8=scenario == "migrate_fp8")
     engine, ep = aengine.engine, aengine.engine.ep
     out = {"rank": rank}
     try:
         prompts = prompts_for(rank)
+        moe = engine.runner.model.moe_layers()[0]
+        out["shared_fused"] = moe._shared_slot(moe.w13.new_zeros(1, moe.w13.shape[-1])) is not None
         out["before"] = asyncio.run(generate_all(aengine, prompts, "before"))
+        if scenario == "kernels":
+            return
         out["load_before"] = ep.take_load().sum(dim=1)  # pairs this rank computed, per MoE layer
         # Rank 0 alone decodes while rank 1 has nothing: rank 1's engine still steps with it
         # (idle forwards that run the MoE layers' collectives).

@@ -49,6 +49,20 @@ def test_ep_matches_single_process(migration_run, tiny_ckpt):
         assert out["before"] == expect
 
 
+def test_ep_with_kernels_matches_single_process(tiny_ckpt, monkeypatch):
+    """The same through the Triton kernels (interpreted), where each rank computes the shared
+    expert for its own gathered rows in the routed experts' launches (fused_experts' shared_rows):
+    a rank that took another's rows would change both ranks' tokens."""
+    outs = _run(tiny_ckpt, "kernels", timeout=300)
+    monkeypatch.setenv("WIDEEP_CPU_KERNELS", "1")
+    single = LLMEngine.from_pretrained(tiny_ckpt, EngineConfig(block_size=4), progress=False)
+    for rank, out in outs.items():
+        assert "error" not in out, out.get("error")
+        assert out["shared_fused"]
+        expect = [o.output_token_ids for o in single.generate(ep_worker.prompts_for(rank), ep_worker.GREEDY)]
+        assert out["before"] == expect
+
+
 def test_outputs_identical_after_rebalance_and_experts_moved(migration_run, tiny_ckpt):
     experts = {}
     for name, t in random_weights(ep_worker_cfg(tiny_ckpt)):

@@ -264,6 +264,42 @@ def test_dropped_pairs(device, dtype, pair_rows, monkeypatch):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("pair_rows", [False, True])
+@pytest.mark.parametrize("first,end", [(16, 36), (0, 20), (20, 20)])
+def test_shared_expert_on_some_rows(device, dtype, pair_rows, first, end, monkeypatch):
+    """An expert-parallel rank computes the shared expert for its own rows of the gathered ones
+    (shared_rows) beside the routed pairs it holds (the others dropped): those rows get routed +
+    shared, the rest routed only, whatever the unused shared rows of the pair-row scratch hold."""
+    poison_empty(monkeypatch)
+    hidden, inter, num_slots, topk, num_tokens = 64, 32, 4, 3, 40
+    w13, w2 = make_weights(num_slots + 1, hidden, inter, dtype, device, seed=61)
+    shared = (w13[num_slots], w2[num_slots])
+    w13, w2 = w13[:num_slots], w2[:num_slots]
+    x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(62)).to(device, dtype)
+    token_of, slot_of, weight_of = make_routing(num_tokens, topk, list(range(num_slots)), device, seed=63)
+    drop = torch.rand(slot_of.shape, generator=torch.Generator().manual_seed(64)).to(device) < 0.5
+    dropped = torch.where(drop, -1, slot_of)
+    config = MoEGemmConfig(16, (32, 32, 4, 2), (32, 32, 4, 2), pair_rows=pair_rows)
+    got = fused_experts_triton(x, w13, w2, None, dropped, weight_of, config=config, live_pairs=int((~drop).sum()),
+                               shared=shared, shared_rows=(first, end))
+    routed = fused_experts_reference(x, w13, w2, None, dropped, weight_of)
+    want = routed.float().clone()
+    want[first:end] += fused_experts_reference(x[first:end], w13, w2, None, dropped[:0], weight_of[:0],
+                                               shared=shared).float()
+    torch.testing.assert_close(got.float(), want, **TOLERANCE[dtype])
+    torch.testing.assert_close(fused_experts_reference(x, w13, w2, None, dropped, weight_of, shared=shared,
+                                                       shared_rows=(first, end)).float(), want, **TOLERANCE[dtype])
+    if end > first:
+        assert (got[first:end].float() - routed[first:end].float()).abs().max() > 0.05  # really added
+    outside = torch.ones(num_tokens, dtype=torch.bool)
+    outside[first:end] = False
+    torch.testing.assert_close(got[outside].float(), routed[outside].float(), **TOLERANCE[dtype])
+    with pytest.raises(ValueError, match="shared_rows"):
+        fused_experts_triton(x, w13, w2, None, dropped, weight_of, shared=shared, shared_rows=(30, 50))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_no_pairs(device):
     w13, w2 = make_weights(4, 64, 32, torch.float32, device)
     x = torch.randn(3, 64).to(device)

@@ -161,6 +161,33 @@ def test_dispatcher_without_counts(device):
     torch.testing.assert_close(w, w_r, atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_padding_rows_and_other_ranks_slots(device):
+    """Expert parallelism: a rank's map names only its own slots (-1 for another rank's), and
+    rows that are not real (padding) get -1 for every pair, in the routing launch itself; the
+    count skips both. The ids and weights stay those of the plain routing."""
+    t, e = 6, 16
+    logits, bias = inputs(t, e, 11, device)
+    log2phys, num_replicas, num_slots = replicated_map(e, 4, 11)
+    local = torch.where(log2phys < num_slots // 2, log2phys, -1)  # this rank holds the first half
+    real = torch.tensor([True, True, False, True, False, False], device=device)
+    args = (4, 2, 4, True, 2.5, local.to(device), num_replicas.to(device))
+    load_t = torch.zeros(num_slots, dtype=torch.long, device=device)
+    load_r = load_t.clone()
+    ids_t, w_t, s_t = route_triton(logits, bias, *args, load_t, real=real)
+    ids_r, w_r, s_r = route_reference(logits, bias, *args, load_r, real)
+    ids_p, w_p, s_p = route_reference(logits, bias, *args)
+    assert torch.equal(ids_t, ids_r) and torch.equal(ids_t, ids_p) and torch.equal(s_t, s_r)
+    torch.testing.assert_close(w_t, w_p, atol=1e-6, rtol=0)
+    assert (s_t[~real] == -1).all()
+    assert torch.equal(s_t[real], s_p[real]) and (s_t[real] == -1).any() and (s_t[real] >= 0).any()
+    assert torch.equal(load_t, load_r) and int(load_t.sum()) == int((s_t >= 0).sum())
+    ids_d, _, s_d = fused_route(logits, bias, *args, real=real)
+    assert torch.equal(s_d, s_t) and torch.equal(ids_d, ids_t)
+    with pytest.raises(ValueError, match="real"):
+        route_triton(logits, bias, *args, real=real[:4])
+
+
 def test_rejects_impossible_shapes():
     log2phys, num_replicas = expert_map(list(range(8)), 8)
     logits, bias = torch.zeros(2, 8), torch.zeros(8)
