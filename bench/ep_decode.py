@@ -48,7 +48,7 @@ def build(cfg, device: str, dtype: torch.dtype, local_phys2log=None) -> Deepseek
     return model.eval()
 
 
-def measure(engine: LLMEngine, ep, batch: int, prompt: int, steps: int, vocab: int, cuda: bool) -> dict:
+def measure(engine: LLMEngine, batch: int, prompt: int, steps: int, vocab: int, cuda: bool) -> dict:
     g = torch.Generator().manual_seed(batch)
     for i in range(batch):
         engine.add_request(f"b{batch}-{i}", torch.randint(4, vocab, (prompt,), generator=g).tolist(),
@@ -56,8 +56,6 @@ def measure(engine: LLMEngine, ep, batch: int, prompt: int, steps: int, vocab: i
 
     def step() -> float:
         t0 = time.perf_counter()
-        if ep is not None:
-            ep.sync(True)
         engine.step()
         if cuda:
             torch.cuda.synchronize()
@@ -105,7 +103,7 @@ def main(argv=None):
             num_blocks=max(args.batches) * (longest // 16 + 2) + 16,
             max_num_batched_tokens=max(args.batches) * args.prompt), ep=ep)
         for batch in args.batches:
-            row = {"mode": mode, "batch": batch, **measure(engine, ep, batch, args.prompt, args.steps,
+            row = {"mode": mode, "batch": batch, **measure(engine, batch, args.prompt, args.steps,
                                                             cfg.vocab_size, cuda)}
             report["rows"].append(row)
             print(json.dumps(row), flush=True)

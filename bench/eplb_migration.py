@@ -105,7 +105,6 @@ def worker(rank: int, args, port: int, results):
 
     def step() -> float:
         t0 = time.perf_counter()
-        ep.sync(True)
         engine.step()
         if cuda:
             torch.cuda.synchronize()

@@ -125,10 +125,11 @@ class AsyncLLMEngine:
                 self._wake.clear()  # before looking for work, so a request added meanwhile is not missed
                 with self._lock:
                     busy = self.engine.has_unfinished_requests()
-                if self.lockstep is not None:
-                    busy = self.lockstep.sync(busy)
-                with self._lock:
-                    outputs = self.engine.step() if busy else []
+                    # A lockstep rank steps every time, work or not: its step's agreement (engine.ep)
+                    # tells every rank whether any of them has work.
+                    outputs = self.engine.step() if busy or self.lockstep is not None else []
+                    if self.lockstep is not None:
+                        busy = self.lockstep.busy
                     if not busy:
                         self.engine.housekeeping()
                 self._deliver_all([(out.request_id, out) for out in outputs])

@@ -16,9 +16,9 @@ by every rank together: the graph a step uses is named by group-wide values only
 agreed rows, block-table width and sparse flag), so all ranks capture and replay the same
 graphs at the same steps, an idle rank replaying its graph with padding rows only.
 
-The ranks run in lockstep: before every step they agree (one all-reduce) whether anyone has
-work, and a rank with nothing to do still runs an idle forward so that the MoE collectives
-match. The same all-reduce carries "I have staged and been told to commit plan P": the new
+The ranks run in lockstep: every rank steps every time, idle or not, and a rank with nothing
+to do still runs an idle forward whenever another rank has work, so that the MoE collectives
+match. The same all-gather carries "I have staged and been told to commit plan P": the new
 placement takes effect at the first step every rank reports it, so no rank can switch alone
 and dispatch is never inconsistent. Staging copies incoming experts on a background thread
 over a second process group while decode goes on with the old placement.
@@ -107,6 +107,7 @@ class ExpertParallel:
         self.max_replicas = num_slots - num_logical + 1
         self.maps = [ExpertMap(self.phys2log[layer], num_logical, self.max_replicas) for layer in range(num_layers)]
         self.rows = 0            # this step's MoE rows per rank (set_rows: agree, then the runner's graph padding)
+        self.busy = False        # whether any rank had a row at the last agreement
         self.counts = None       # [world] real rows of each rank this step, on the forward's device
         self.real = None         # [world * rows]: which gathered rows are real (set_rows), or None
         self._real_rows = None   # its memory, for up to `reserve` rows
@@ -182,34 +183,30 @@ class ExpertParallel:
         self._staging = [[torch.empty_like(t) for t in m.slot_tensors()] for m in self.moes]
 
     # lockstep ---------------------------------------------------------------------------
-    def sync(self, busy: bool) -> bool:
-        """Called by every rank before every step. Returns whether anyone has work; applies a
-        committed migration once every rank has staged and committed it."""
+    def agree(self, rows: int, graph: bool = False, width: int = 0, sparse: bool = False) -> GroupStep:
+        """Called by every rank at every step, idle ones included (rows 0): one all-gather of
+        (rows, graph, width, sparse, staged), and one read of it on the host, for the whole step.
+        Sets `rows` (the MoE rows of every rank, until the runner pads them to a graph's size),
+        `counts` (each rank's real rows, which the MoE layers read on the device) and `busy`
+        (whether any rank has a row: if not, nobody runs a forward). Applies a committed
+        migration, before this step's forward, once every rank has staged and committed it."""
         if self.peers is not None:
             self._advance()
         with self._lock:
             ready = self.pending is not None and self.pending.committed and self.pending.done.is_set() \
                 and self.pending.error is None
-        # on the forward group's device: NCCL reduces only GPU tensors
-        flags = torch.tensor([int(busy), -int(ready)], dtype=torch.long, device=self.device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
-        if int(flags[1]) == -1:  # the minimum of `ready` over ranks is 1
-            self._switch()
-        return bool(flags[0])
-
-    def agree(self, rows: int, graph: bool = False, width: int = 0, sparse: bool = False) -> GroupStep:
-        """Called by every rank at the start of every forward, idle ones included (rows 0): one
-        all-gather of (rows, graph, width, sparse), and one read of it on the host, for the whole
-        step. Sets `rows` (the MoE rows of every rank, until the runner pads them to a graph's
-        size) and `counts` (each rank's real rows, which the MoE layers read on the device)."""
-        mine = torch.tensor([rows, int(graph), width, int(sparse)], dtype=torch.long, device=self.device)
-        every = torch.empty(self.world * 4, dtype=torch.long, device=self.device)  # gloo: concatenated as given
+        # on the forward group's device: NCCL gathers only GPU tensors
+        mine = torch.tensor([rows, int(graph), width, int(sparse), int(ready)], dtype=torch.long, device=self.device)
+        every = torch.empty(self.world * 5, dtype=torch.long, device=self.device)  # gloo: concatenated as given
         _all_gather(every, mine, group=self.group)
-        every = every.view(self.world, 4)
+        every = every.view(self.world, 5)
         self.counts.copy_(every[:, 0])
         host = every.tolist()
+        if all(r[4] for r in host):
+            self._switch()
         step = GroupStep(rows=max(r[0] for r in host), graph=all(r[1] for r in host),
                          width=max(r[2] for r in host), sparse=any(r[3] for r in host))
+        self.busy = step.rows > 0
         self.set_rows(step.rows)
         return step
 

@@ -78,11 +78,12 @@ class Runner:
 
 @pytest.fixture
 def group_of_two(monkeypatch):
-    """Rank 0 of two, its peer's wish for the step set by the test (the all-gather faked)."""
-    peer = {}
+    """Rank 0 of two, its peer's wish for the step (rows, graph, width, sparse) and whether it has
+    staged a committed plan set by the test (the all-gather faked)."""
+    peer = {"staged": 0}
 
     def all_gather(out, mine, group=None):
-        out.copy_(torch.cat([mine, torch.tensor(peer["wish"], dtype=torch.long)]))
+        out.copy_(torch.cat([mine, torch.tensor(peer["wish"] + [peer["staged"]], dtype=torch.long)]))
     monkeypatch.setattr(ep_module, "_all_gather", all_gather)
     ep = ExpertParallel(0, 2, initial_placement(1, 4, 4), 4)
     ep.attach([])
@@ -108,6 +109,25 @@ def test_the_group_replays_one_graph_or_runs_eagerly(group_of_two, mine, peer, e
     assert ep.counts.tolist() == counts
     if expect and expect[0] == "graph":
         assert done == list(range(mine[0])) and logits.shape[0] == mine[0]
+
+
+def test_one_agreement_a_step_says_who_works_and_when_to_switch(group_of_two):
+    """The step's one all-gather also tells every rank whether anyone has work (an idle group
+    runs no forward) and switches a committed plan only at the step where every rank has it."""
+    ep, wish = group_of_two
+    wish["wish"] = [0, 1, 0, 0]
+    assert ep.agree(0).rows == 0 and not ep.busy
+    wish["wish"] = [2, 1, 16, 0]
+    assert ep.agree(0).rows == 2 and ep.busy
+    new = torch.tensor([[3, 2, 1, 0]])
+    ep.pending = ep_module.Migration("p", new, committed=True)
+    ep.pending.done.set()
+    ep.agree(1)  # staged here, not yet on the peer
+    assert ep.switches == 0 and ep.phys2log.tolist() == [[0, 1, 2, 3]]
+    wish["staged"] = 1
+    ep.agree(1)
+    assert ep.switches == 1 and ep.phys2log.tolist() == new.tolist() and ep.pending is None
+    assert ep.maps[0].log2phys[:, 0].tolist() == [3, 2, 1, 0]
 
 
 def test_real_rows_mask_is_filled_in_place_each_step(group_of_two):
@@ -177,13 +197,13 @@ def test_gpu_decode_graphs_with_the_moe_collectives(tiny_ckpt):
         # every expert to another slot, two of them twice
         new = torch.stack([torch.roll(torch.arange(slots) % cfg.n_routed_experts, 3) for _ in range(layers)])
         ep.stage("p", new)
-        for _ in range(1000):  # the copies are enqueued at step boundaries (sync)
-            ep.sync(False)
+        for _ in range(1000):  # the copies are enqueued at step boundaries (agree), idle ones too
+            engine.step()
             if ep.pending.done.is_set():
                 break
         assert ep.wait_staged("p", 10)["staged"]
         ep.commit("p")
-        ep.sync(False)
+        engine.step()
         assert ep.switches == 1 and ep.phys2log.tolist() == new.tolist()
         again = [o.output_token_ids for o in engine.generate(prompts, greedy)]
         assert again == want
