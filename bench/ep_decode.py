@@ -48,7 +48,8 @@ def build(cfg, device: str, dtype: torch.dtype, local_phys2log=None) -> Deepseek
     return model.eval()
 
 
-def measure(engine: LLMEngine, batch: int, prompt: int, steps: int, vocab: int, cuda: bool) -> dict:
+def measure(engine: LLMEngine, batch: int, prompt: int, steps: int, vocab: int, cuda: bool,
+            profile_path: str | None = None, title: str = "") -> dict:
     g = torch.Generator().manual_seed(batch)
     for i in range(batch):
         engine.add_request(f"b{batch}-{i}", torch.randint(4, vocab, (prompt,), generator=g).tolist(),
@@ -64,12 +65,40 @@ def measure(engine: LLMEngine, batch: int, prompt: int, steps: int, vocab: int, 
     for _ in range(6):  # prefill, then the first decode steps (graph capture)
         step()
     times = [step() for _ in range(steps)]
+    kernels = profile_step(engine, profile_path, title) if profile_path else None
     for rid in list(engine.requests):
         engine.abort_request(rid)
     while engine.has_unfinished_requests():
         engine.step()
-    return {"p50_ms": round(1000 * statistics.median(times), 3), "max_ms": round(1000 * max(times), 3),
-            "tok_s": round(batch / statistics.median(times), 1)}
+    row = {"p50_ms": round(1000 * statistics.median(times), 3), "max_ms": round(1000 * max(times), 3),
+           "tok_s": round(batch / statistics.median(times), 1)}
+    return row if kernels is None else {**row, "eager_kernels": kernels}
+
+
+def profile_step(engine: LLMEngine, path: str, title: str) -> int:
+    """Profile one whole decode step run eagerly (graphs hide their kernels from the profiler),
+    the agreement and sampling included; append its kernels by device time to `path` and return
+    how many it launched. Dependent launches are off for it (kernels/pdl.py)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from kernels import pdl
+    runner = engine.runner
+    graphs, runner.graphs = runner.graphs, None
+    mode, pdl.MODE = pdl.MODE, 0
+    try:
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if runner.device.type == "cuda" else [])
+        with profile(activities=acts) as prof:
+            engine.step()
+            if runner.device.type == "cuda":
+                torch.cuda.synchronize()
+    finally:
+        runner.graphs, pdl.MODE = graphs, mode
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by = "cuda_time_total" if kernels else "cpu_time_total"
+    with open(path, "a") as f:
+        f.write(f"## {title}: {len(kernels)} kernels, {sum(e.device_time for e in kernels) / 1e3:.3f} ms kernel time\n")
+        f.write(prof.key_averages().table(sort_by=by, row_limit=40, max_name_column_width=70) + "\n\n")
+    return len(kernels)
 
 
 def main(argv=None):
@@ -81,6 +110,8 @@ def main(argv=None):
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", default=None,
+                    help="append a kernel table of one eagerly run decode step per mode and batch to this file")
     args = ap.parse_args(argv)
     cuda = args.device == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -103,8 +134,8 @@ def main(argv=None):
             num_blocks=max(args.batches) * (longest // 16 + 2) + 16,
             max_num_batched_tokens=max(args.batches) * args.prompt), ep=ep)
         for batch in args.batches:
-            row = {"mode": mode, "batch": batch, **measure(engine, batch, args.prompt, args.steps,
-                                                            cfg.vocab_size, cuda)}
+            row = {"mode": mode, "batch": batch, **measure(engine, batch, args.prompt, args.steps, cfg.vocab_size,
+                                                            cuda, args.profile, f"{mode}, batch {batch}")}
             report["rows"].append(row)
             print(json.dumps(row), flush=True)
         del engine, model
