@@ -235,12 +235,12 @@ class ExpertParallel:
         real = self.real
         if real is None:
             real = (torch.arange(rows, device=xs.device)[None, :] < self.counts[:, None]).view(-1)
-        # padding rows are nobody's: slot -1, set by the routing launch
+        # padding rows are nobody's: slot -1, set by the routing launch, which also counts the load
         weights, slots = moe.route_to(xs, self.local_log2phys[layer], self.maps[layer].num_replicas, real)
         # About rows * k of the group's pairs are this rank's when the load is balanced. The shared
         # expert takes this rank's own rows, whose sums come back to it alone.
-        out = moe.expert_pairs(xs, None, slots.flatten(), weights.flatten(), live_pairs=rows * slots.shape[1],
-                               shared=shared, shared_rows=(self.rank * rows, (self.rank + 1) * rows))
+        out = moe.expert_pairs(xs, None, slots.flatten(), weights.flatten(), count=False,
+                               live_pairs=rows * slots.shape[1], shared=shared, shared_rows=(self.rank * rows, (self.rank + 1) * rows))
         summed = x.new_empty(rows, hidden)
         _reduce_scatter(summed, out.contiguous(), group=self.group)
         return summed[:t]

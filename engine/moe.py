@@ -202,11 +202,12 @@ class MoE(nn.Module):
                  real: torch.Tensor | None = None):
         """(weights, slots), each [T, k], of rows x routed through a map of the caller's (expert
         parallelism: this rank's slots, -1 for the others'), in one launch with the routing; rows
-        that are not `real` ([T] bools: padding) get slot -1 in the same launch."""
+        that are not `real` ([T] bools: padding) get slot -1 in the same launch, which also counts
+        the pairs of this rank's slots into slot_load."""
         cfg = self.cfg
         _, weights, slots = fused_route(self.router_logits(x), self.gate.e_score_correction_bias, cfg.n_group,
                                         cfg.topk_group, cfg.num_experts_per_tok, cfg.norm_topk_prob,
-                                        cfg.routed_scaling_factor, log2phys, num_replicas, real=real)
+                                        cfg.routed_scaling_factor, log2phys, num_replicas, self.slot_load, real=real)
         return weights, slots
 
     # block FP8 experts ------------------------------------------------------------------

@@ -70,11 +70,11 @@ def run(rank, world, port, ckpt, results, scenario):
         moe = engine.runner.model.moe_layers()[0]
         out["shared_fused"] = moe._shared_slot(moe.w13.new_zeros(1, moe.w13.shape[-1])) is not None
         out["before"] = asyncio.run(generate_all(aengine, prompts, "before"))
-        if scenario == "kernels":
-            return
         # Both ranks done: no forward of the other's still counting here (its idle forwards would).
         dist.monitored_barrier(group=ep.migrate_group, timeout=datetime.timedelta(seconds=60))
         out["load_before"] = ep.take_load().sum(dim=1)  # pairs this rank computed, per MoE layer
+        if scenario == "kernels":
+            return
         # Rank 0 alone decodes while rank 1 has nothing: rank 1's engine still steps with it
         # (idle forwards that run the MoE layers' collectives).
         steps0 = engine.num_steps

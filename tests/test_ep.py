@@ -52,8 +52,10 @@ def test_ep_matches_single_process(migration_run, tiny_ckpt):
 def test_ep_with_kernels_matches_single_process(tiny_ckpt, monkeypatch):
     """The same through the Triton kernels (interpreted), where each rank computes the shared
     expert for its own gathered rows in the routed experts' launches (fused_experts' shared_rows):
-    a rank that took another's rows would change both ranks' tokens."""
+    a rank that took another's rows would change both ranks' tokens. The routing launch counts
+    the load: each real token's k pairs once, none for padding."""
     outs = _run(tiny_ckpt, "kernels", timeout=300)
+    check_load_counts(outs, tiny_ckpt)
     monkeypatch.setenv("WIDEEP_CPU_KERNELS", "1")
     single = LLMEngine.from_pretrained(tiny_ckpt, EngineConfig(block_size=4), progress=False)
     for rank, out in outs.items():
@@ -84,11 +86,15 @@ def test_load_counts_only_real_rows(migration_run, tiny_ckpt):
     """The ranks' rows are padded to one count a step (rank 0 has two prompts, rank 1 one, of
     other lengths), but the load statistics count each real token's k pairs exactly once, on
     the rank holding the expert, and none for padding."""
-    cfg = ep_worker_cfg(tiny_ckpt)
+    check_load_counts(migration_run, tiny_ckpt)
+
+
+def check_load_counts(outs, ckpt):
+    cfg = ep_worker_cfg(ckpt)
     tokens = sum(len(p) + ep_worker.GREEDY.max_tokens - 1 for rank in (0, 1) for p in ep_worker.prompts_for(rank))
-    per_layer = [a + b for a, b in zip(migration_run[0]["load_before"], migration_run[1]["load_before"])]
+    per_layer = [a + b for a, b in zip(outs[0]["load_before"], outs[1]["load_before"])]
     assert per_layer == [tokens * cfg.num_experts_per_tok] * len(per_layer)
-    assert all(min(out["load_before"]) > 0 for out in migration_run.values())  # both ranks computed
+    assert all(min(out["load_before"]) > 0 for out in outs.values())  # both ranks computed
 
 
 def test_idle_rank_steps_with_the_busy_one(migration_run):
