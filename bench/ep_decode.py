@@ -11,7 +11,9 @@ Modes, each on a fresh model in the same process, one after the other:
 - `ep-eager`: the same with `cuda_graphs` off.
 With one rank the collectives move nothing between GPUs: what the `ep` rows show is the
 overhead of the expert-parallel step itself (agreement, collectives, fixed shapes) against
-`plain`. Reports the median and max decode step (ms) and decode tokens/s per mode and batch.
+`plain`. Reports the median and max decode step (ms) and decode tokens/s per mode and batch;
+with `--mixed N`, also the median of N steps in which a new prompt arrives beside the decoding
+batch (with expert parallelism such a step replays a chunk graph on every rank).
 """
 from __future__ import annotations
 
@@ -49,7 +51,7 @@ def build(cfg, device: str, dtype: torch.dtype, local_phys2log=None) -> Deepseek
 
 
 def measure(engine: LLMEngine, batch: int, prompt: int, steps: int, vocab: int, cuda: bool,
-            profile_path: str | None = None, title: str = "") -> dict:
+            profile_path: str | None = None, title: str = "", mixed: int = 0) -> dict:
     g = torch.Generator().manual_seed(batch)
     for i in range(batch):
         engine.add_request(f"b{batch}-{i}", torch.randint(4, vocab, (prompt,), generator=g).tolist(),
@@ -66,12 +68,21 @@ def measure(engine: LLMEngine, batch: int, prompt: int, steps: int, vocab: int, 
         step()
     times = [step() for _ in range(steps)]
     kernels = profile_step(engine, profile_path, title) if profile_path else None
+    # A prompt arriving while the batch decodes: its step computes the prompt beside the decodes.
+    arrivals = []
+    for i in range(mixed):
+        engine.add_request(f"b{batch}-new{i}", torch.randint(4, vocab, (prompt,), generator=g).tolist(),
+                           SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+        arrivals.append(step())
+        step()  # a decode step between arrivals
     for rid in list(engine.requests):
         engine.abort_request(rid)
     while engine.has_unfinished_requests():
         engine.step()
     row = {"p50_ms": round(1000 * statistics.median(times), 3), "max_ms": round(1000 * max(times), 3),
            "tok_s": round(batch / statistics.median(times), 1)}
+    if arrivals:
+        row["mixed_p50_ms"] = round(1000 * statistics.median(arrivals), 3)
     return row if kernels is None else {**row, "eager_kernels": kernels}
 
 
@@ -110,6 +121,8 @@ def main(argv=None):
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--mixed", type=int, default=0,
+                    help="then time this many steps in which a new prompt arrives beside the decoding batch")
     ap.add_argument("--profile", default=None,
                     help="append a kernel table of one eagerly run decode step per mode and batch to this file")
     args = ap.parse_args(argv)
@@ -130,12 +143,13 @@ def main(argv=None):
         model = build(cfg, args.device, dtype, ep.local_phys2log() if ep is not None else None)
         engine = LLMEngine(model, None, EngineConfig(
             device=args.device, dtype="bfloat16" if cuda else "float32", block_size=16,
-            max_num_seqs=max(args.batches), cuda_graphs=mode != "ep-eager", warmup=False,
-            num_blocks=max(args.batches) * (longest // 16 + 2) + 16,
-            max_num_batched_tokens=max(args.batches) * args.prompt), ep=ep)
+            max_num_seqs=max(args.batches) + args.mixed, cuda_graphs=mode != "ep-eager", warmup=False,
+            num_blocks=(max(args.batches) + args.mixed) * (longest // 16 + 2) + 16,
+            max_num_batched_tokens=(max(args.batches) + 1) * args.prompt), ep=ep)
         for batch in args.batches:
             row = {"mode": mode, "batch": batch, **measure(engine, batch, args.prompt, args.steps, cfg.vocab_size,
-                                                            cuda, args.profile, f"{mode}, batch {batch}")}
+                                                            cuda, args.profile, f"{mode}, batch {batch}",
+                                                            args.mixed)}
             report["rows"].append(row)
             print(json.dumps(row), flush=True)
         del engine, model

@@ -90,6 +90,11 @@ class DecodeGraphs:
     def covers_chunk(self, rows: int) -> bool:
         return rows <= self.chunk_sizes[-1]
 
+    def group_chunk_shape(self, rows: int, width: int, sparse: bool) -> tuple[int, int, bool]:
+        """(padded rows, padded block-table width, sparse) of the chunk graph for a lockstep
+        group's step: its most tokens and widest table over all ranks."""
+        return next(s for s in self.chunk_sizes if s >= rows), self._blocks_bucket(max(width, 1)), sparse
+
     @staticmethod
     def _blocks_bucket(num_blocks: int) -> int:
         return blocks_bucket(num_blocks)
@@ -125,16 +130,23 @@ class DecodeGraphs:
         return self._replay(("decode", pad_b, pad_m, sparse), nbytes, fill_ids,
                             lambda static: r.decode_forward(*r.decode_input_views(static, pad_b, pad_m), sparse))
 
-    def run_chunk(self, batch, rows: int) -> torch.Tensor:
+    def run_chunk(self, batch, rows: int, shape: tuple[int, int, bool] | None = None) -> torch.Tensor:
         """Replay (capturing first if new) the graph of a step of `rows` tokens, each a kernel row
         (ModelRunner.chunk_forward): prompt chunks, alone or beside decoding sequences. Returns
-        the logits of the sequences whose next token is due, in batch order."""
+        the logits of the sequences whose next token is due, in batch order. shape: (rows, width,
+        sparse) chosen by the caller (group_chunk_shape) instead of from this batch, which may be
+        empty then."""
         r = self.runner
-        pad_r = next(s for s in self.chunk_sizes if s >= rows)
-        longest = max(seq.num_computed_tokens + n for seq, n in zip(batch.seqs, batch.num_tokens))
-        pad_m = self._blocks_bucket(r.decode_width(batch, longest))
+        if shape is None:
+            pad_r = next(s for s in self.chunk_sizes if s >= rows)
+            longest = max(seq.num_computed_tokens + n for seq, n in zip(batch.seqs, batch.num_tokens))
+            pad_m = self._blocks_bucket(r.decode_width(batch, longest))
+        else:
+            pad_r, pad_m, _ = shape
         nbytes = r.chunk_input_bytes(pad_r, pad_m)[1]
         sparse, logit_rows = r.fill_chunk_inputs(batch, self._host_buffer(nbytes), pad_r, pad_m)
+        if shape is not None:
+            sparse = shape[2]  # the group's, as for decode graphs
         logits = self._replay(("chunk", pad_r, pad_m, sparse), nbytes, None,
                               lambda static: r.chunk_forward(*r.chunk_input_views(static, pad_r, pad_m), sparse),
                               keep=lambda: r.window_snapshot(batch))

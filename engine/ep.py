@@ -71,7 +71,8 @@ class GroupStep:
     """What the ranks agreed for one step (ExpertParallel.agree)."""
     rows: int       # most rows any rank computes: every rank's MoE rows are padded to it (or its graph size)
     graph: bool     # every rank's step can replay a decode graph
-    width: int      # widest decode block table of any rank
+    chunk: bool     # every rank's step can replay a chunk graph (a row per token: prompt chunks beside decodes)
+    width: int      # widest block table of any rank
     sparse: bool    # any rank's decode step needs the indexer
 
 
@@ -183,9 +184,10 @@ class ExpertParallel:
         self._staging = [[torch.empty_like(t) for t in m.slot_tensors()] for m in self.moes]
 
     # lockstep ---------------------------------------------------------------------------
-    def agree(self, rows: int, graph: bool = False, width: int = 0, sparse: bool = False) -> GroupStep:
+    def agree(self, rows: int, graph: bool = False, width: int = 0, sparse: bool = False,
+              chunk: bool = False) -> GroupStep:
         """Called by every rank at every step, idle ones included (rows 0): one all-gather of
-        (rows, graph, width, sparse, staged), and one read of it on the host, for the whole step.
+        (rows, graph, chunk, width, sparse, staged), and one read of it on the host, for the whole step.
         Sets `rows` (the MoE rows of every rank, until the runner pads them to a graph's size),
         `counts` (each rank's real rows, which the MoE layers read on the device) and `busy`
         (whether any rank has a row: if not, nobody runs a forward). Applies a committed
@@ -196,16 +198,17 @@ class ExpertParallel:
             ready = self.pending is not None and self.pending.committed and self.pending.done.is_set() \
                 and self.pending.error is None
         # on the forward group's device: NCCL gathers only GPU tensors
-        mine = torch.tensor([rows, int(graph), width, int(sparse), int(ready)], dtype=torch.long, device=self.device)
-        every = torch.empty(self.world * 5, dtype=torch.long, device=self.device)  # gloo: concatenated as given
+        mine = torch.tensor([rows, int(graph), int(chunk), width, int(sparse), int(ready)], dtype=torch.long,
+                            device=self.device)
+        every = torch.empty(self.world * 6, dtype=torch.long, device=self.device)  # gloo: concatenated as given
         _all_gather(every, mine, group=self.group)
-        every = every.view(self.world, 5)
+        every = every.view(self.world, 6)
         self.counts.copy_(every[:, 0])
         host = every.tolist()
-        if all(r[4] for r in host):
+        if all(r[5] for r in host):
             self._switch()
-        step = GroupStep(rows=max(r[0] for r in host), graph=all(r[1] for r in host),
-                         width=max(r[2] for r in host), sparse=any(r[3] for r in host))
+        step = GroupStep(rows=max(r[0] for r in host), graph=all(r[1] for r in host), chunk=all(r[2] for r in host),
+                         width=max(r[3] for r in host), sparse=any(r[4] for r in host))
         self.busy = step.rows > 0
         self.set_rows(step.rows)
         return step

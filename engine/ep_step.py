@@ -1,11 +1,13 @@
 """One forward of an expert-parallel rank: the group agrees on the step's shape, then every
-rank replays a decode graph of that shape, or every rank runs eagerly.
+rank replays a graph of that shape, or every rank runs eagerly.
 
 NCCL allows a captured collective only where every rank of the communicator captures it and
 replays it together, so the choice of graph is made from values all ranks share (engine/ep.py,
 `agree`): a rank with fewer sequences pads to the group's rows, an idle rank replays the
-same graph with padding rows only, and a step that any rank cannot replay (a prompt chunk,
-a batch past the largest graph) runs eagerly on all of them.
+same graph with padding rows only. A step in which every rank decodes replays a decode graph;
+one in which some rank computes a prompt chunk (a short prompt, the window replay after a KV
+handoff) replays a chunk graph on every rank, the decoding ranks' tokens each a row of it; a
+step that some rank cannot replay (a batch or chunk past the largest graph) runs eagerly on all.
 """
 from __future__ import annotations
 
@@ -18,10 +20,13 @@ def run_lockstep(runner, batch) -> tuple[list[int], torch.Tensor | None]:
     b = len(batch)
     longest = runner.decode_length(batch) if b else 0
     decode = b == 0 or longest > 0
+    rows = b if decode else sum(batch.num_tokens)
+    # tokens of the longest sequence once this step is done: its block table and sparse flag follow them
+    reach = longest or max((seq.num_computed_tokens + n for seq, n in zip(batch.seqs, batch.num_tokens)), default=0)
     graph = decode and graphs is not None and graphs.covers(b)
-    step = ep.agree(b if decode else sum(batch.num_tokens), graph,
-                    runner.decode_width(batch, longest) if longest else 0,
-                    longest > 0 and runner.needs_sparse(longest))
+    chunk = runner.chunk_graphs_take(rows)
+    step = ep.agree(rows, graph, runner.decode_width(batch, reach) if reach else 0,
+                    reach > 0 and runner.needs_sparse(reach), chunk)
     if step.rows == 0:  # nobody has a token to compute
         return [], None
     if step.graph:
@@ -30,6 +35,10 @@ def run_lockstep(runner, batch) -> tuple[list[int], torch.Tensor | None]:
         shape = graphs.group_shape(step.rows, step.width, step.sparse)
         ep.set_rows(shape[0])
         return list(range(b)), graphs.run(batch, longest or None, shape=shape)[:b]
+    if step.chunk:
+        shape = graphs.group_chunk_shape(step.rows, step.width, step.sparse)
+        ep.set_rows(shape[0])
+        return runner.run_chunk(batch, shape[0], shape)
     if b == 0:
         runner.run_idle()
         return [], None

@@ -131,7 +131,7 @@ class ModelRunner:
         group's agreement on its shape (engine/ep_step.py)."""
         self.ep = ep
         if self.graphs is not None:
-            ep.reserve(self.graphs.sizes[-1])
+            ep.reserve(max(self.graphs.sizes[-1], self.graphs.chunk_sizes[-1]))
 
     def _tensor(self, data, dtype=torch.long) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
@@ -227,10 +227,14 @@ class ModelRunner:
     def chunk_rows(self, batch: ScheduledBatch) -> int:
         """Tokens of a step that is not a decode step, when the chunk graphs take it (a kernel row
         per token, CUDA graphs): at most cuda_graph_max_chunk of them. 0 otherwise."""
-        if self.graphs is None or not self.cfg.decode_kernels or self.ep is not None:
+        if self.ep is not None:  # a lockstep group picks its chunk graphs together (engine/ep_step.py)
             return 0
         total = sum(batch.num_tokens)
-        return total if self.graphs.covers_chunk(total) else 0
+        return total if self.chunk_graphs_take(total) else 0
+
+    def chunk_graphs_take(self, rows: int) -> bool:
+        """Whether a chunk graph can take a step of this many tokens."""
+        return self.graphs is not None and self.cfg.decode_kernels and self.graphs.covers_chunk(rows)
 
     def chunk_logit_rows(self, rows: int) -> int:
         """Rows of a chunk step's logits: one per sequence whose next token is due, at most
@@ -473,14 +477,7 @@ class ModelRunner:
             return list(range(b)), self.decode_forward(*self.decode_inputs(batch))[:b]
         rows = self.chunk_rows(batch)
         if rows:
-            for s in batch.new_window_slots:
-                self.kv.window_pos[s] = -1
-            self.model.model.rotary.ensure(max(seq.num_computed_tokens + n
-                                               for seq, n in zip(batch.seqs, batch.num_tokens)))
-            logits = self.graphs.run_chunk(batch, rows)
-            done = [i for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens))
-                    if seq.num_computed_tokens + n == seq.num_tokens]
-            return done, (logits[:len(done)] if done else None)
+            return self.run_chunk(batch, rows)
         input_ids, ctx, logit_rows = self.prepare(batch)
         hidden = self.model(input_ids, ctx)
         if self.kv.window:
@@ -488,6 +485,20 @@ class ModelRunner:
         done = [i for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens))
                 if seq.num_computed_tokens + n == seq.num_tokens]
         return done, (self.model.compute_logits(hidden[logit_rows]) if done else None)
+
+    def run_chunk(self, batch: ScheduledBatch, rows: int,
+                  shape: tuple[int, int, bool] | None = None) -> tuple[list[int], torch.Tensor | None]:
+        """A step of `rows` tokens replayed from a chunk graph, each token a row; `shape`: the
+        graph's (rows, width, sparse) chosen by a lockstep group (the batch may be empty then)."""
+        for s in batch.new_window_slots:
+            self.kv.window_pos[s] = -1
+        if len(batch):
+            self.model.model.rotary.ensure(max(seq.num_computed_tokens + n
+                                               for seq, n in zip(batch.seqs, batch.num_tokens)))
+        logits = self.graphs.run_chunk(batch, rows, shape)
+        done = [i for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens))
+                if seq.num_computed_tokens + n == seq.num_tokens]
+        return done, (logits[:len(done)] if done else None)
 
     @torch.inference_mode()
     def run_ahead(self, batch: ScheduledBatch, input_ids: torch.Tensor) -> torch.Tensor:

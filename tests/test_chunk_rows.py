@@ -32,7 +32,8 @@ class EagerGraphs:
             ids[:len(batch)].copy_(ahead_ids)
         return r.decode_forward(ids, *rest)
 
-    def run_chunk(self, batch, rows):
+    def run_chunk(self, batch, rows, shape=None):
+        assert shape is None  # a lockstep group's shape: not without expert parallelism
         r = self.runner
         self.chunks.append(list(batch.num_tokens))
         pad_r = -(-rows // 4) * 4

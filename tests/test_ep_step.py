@@ -36,7 +36,7 @@ def test_expert_map_takes_a_new_placement_in_place():
 
 class Batch:
     def __init__(self, rows: int, tokens: int = 1):
-        self.seqs = [object()] * rows
+        self.seqs = [SimpleNamespace(num_computed_tokens=0)] * rows
         self.num_tokens = [tokens] * rows
 
     def __len__(self):
@@ -48,9 +48,11 @@ class Runner:
 
     def __init__(self, ep, longest: int):
         self.ep, self.longest, self.calls = ep, longest, []
-        graphs = SimpleNamespace(sizes=[1, 2, 4, 8, 16], _blocks_bucket=lambda m: max(16, m))
+        graphs = SimpleNamespace(sizes=[1, 2, 4, 8, 16], chunk_sizes=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512],
+                                 _blocks_bucket=lambda m: max(16, m))
         graphs.covers = lambda b: b <= 16
         graphs.group_shape = lambda *a: DecodeGraphs.group_shape(graphs, *a)
+        graphs.group_chunk_shape = lambda *a: DecodeGraphs.group_chunk_shape(graphs, *a)
         graphs.run = lambda batch, longest, shape: self._record("graph", len(batch), shape)
         self.graphs = graphs
         self.model = SimpleNamespace(model=SimpleNamespace(rotary=SimpleNamespace(ensure=lambda n: None)))
@@ -68,6 +70,13 @@ class Runner:
     def needs_sparse(self, longest):
         return longest > 1000
 
+    def chunk_graphs_take(self, rows):
+        return rows <= 512
+
+    def run_chunk(self, batch, rows, shape):
+        self._record("chunk", len(batch), shape)
+        return [], None
+
     def run_idle(self):
         self._record("idle")
 
@@ -78,8 +87,8 @@ class Runner:
 
 @pytest.fixture
 def group_of_two(monkeypatch):
-    """Rank 0 of two, its peer's wish for the step (rows, graph, width, sparse) and whether it has
-    staged a committed plan set by the test (the all-gather faked)."""
+    """Rank 0 of two, its peer's wish for the step (rows, graph, chunk, width, sparse) and whether it
+    has staged a committed plan set by the test (the all-gather faked)."""
     peer = {"staged": 0}
 
     def all_gather(out, mine, group=None):
@@ -91,20 +100,26 @@ def group_of_two(monkeypatch):
 
 
 @pytest.mark.parametrize("mine,peer,expect,counts", [
-    # (rows, longest) of this rank; the peer's (rows, graph, width, sparse); the call made, with the MoE rows
-    ((3, 40), (9, 1, 200, 0), ("graph", 3, (16, 200, False), 16), [3, 9]),
-    ((0, 0), (5, 1, 3, 1), ("graph", 0, (8, 16, True), 8), [0, 5]),        # idle: replays with padding rows only
-    ((3, 40), (0, 1, 0, 0), ("graph", 3, (4, 16, False), 4), [3, 0]),
-    ((0, 0), (300, 0, 0, 0), ("idle", 300), [0, 300]),                      # the peer prefills: all eager
-    ((3, 40), (300, 0, 0, 0), ("eager", 3, 300), [3, 300]),
-    ((20, 40), (2, 1, 3, 0), ("eager", 20, 20), [20, 2]),                   # past the largest graph
-    ((0, 0), (0, 1, 0, 0), None, [0, 0]),                                    # nobody has work
+    # (sequences, longest, tokens each) of this rank (longest 0: a prompt chunk); the peer's (rows,
+    # graph, chunk, width, sparse); the call made, with the MoE rows
+    ((3, 40, 1), (9, 1, 1, 200, 0), ("graph", 3, (16, 200, False), 16), [3, 9]),
+    ((0, 0, 1), (5, 1, 1, 3, 1), ("graph", 0, (8, 16, True), 8), [0, 5]),        # idle: padding rows only
+    ((3, 40, 1), (0, 1, 1, 0, 0), ("graph", 3, (4, 16, False), 4), [3, 0]),
+    # the peer computes a prompt chunk: every rank replays a chunk graph, decodes as its rows
+    ((0, 0, 1), (300, 0, 1, 0, 0), ("chunk", 0, (512, 16, False), 512), [0, 300]),
+    ((3, 40, 1), (300, 0, 1, 40, 1), ("chunk", 3, (512, 40, True), 512), [3, 300]),
+    ((2, 0, 100), (5, 1, 1, 3, 0), ("chunk", 2, (256, 16, False), 256), [200, 5]),  # this rank's chunk
+    ((20, 40, 1), (2, 1, 1, 3, 0), ("chunk", 20, (32, 16, False), 32), [20, 2]),    # past the decode graphs
+    # a chunk past the chunk graphs: every rank eager
+    ((0, 0, 1), (3000, 0, 0, 0, 0), ("idle", 3000), [0, 3000]),
+    ((3, 40, 1), (3000, 0, 0, 0, 0), ("eager", 3, 3000), [3, 3000]),
+    ((0, 0, 1), (0, 1, 1, 0, 0), None, [0, 0]),                                    # nobody has work
 ])
 def test_the_group_replays_one_graph_or_runs_eagerly(group_of_two, mine, peer, expect, counts):
     ep, wish = group_of_two
     wish["wish"] = list(peer)
     runner = Runner(ep, mine[1])
-    done, logits = run_lockstep(runner, Batch(mine[0]))
+    done, logits = run_lockstep(runner, Batch(mine[0], mine[2]))
     assert runner.calls == ([expect] if expect else [])
     assert ep.counts.tolist() == counts
     if expect and expect[0] == "graph":
@@ -115,9 +130,9 @@ def test_one_agreement_a_step_says_who_works_and_when_to_switch(group_of_two):
     """The step's one all-gather also tells every rank whether anyone has work (an idle group
     runs no forward) and switches a committed plan only at the step where every rank has it."""
     ep, wish = group_of_two
-    wish["wish"] = [0, 1, 0, 0]
+    wish["wish"] = [0, 1, 1, 0, 0]
     assert ep.agree(0).rows == 0 and not ep.busy
-    wish["wish"] = [2, 1, 16, 0]
+    wish["wish"] = [2, 1, 1, 16, 0]
     assert ep.agree(0).rows == 2 and ep.busy
     new = torch.tensor([[3, 2, 1, 0]])
     ep.pending = ep_module.Migration("p", new, committed=True)
@@ -136,21 +151,21 @@ def test_real_rows_mask_is_filled_in_place_each_step(group_of_two):
     and the MoE layers make their own."""
     ep, wish = group_of_two
     ep.reserve(8)
-    wish["wish"] = [3, 1, 0, 0]
+    wish["wish"] = [3, 1, 1, 0, 0]
     ep.agree(2)
     first = ep.real
     assert first.flatten().tolist() == [True, True, False, True, True, True]
     ep.set_rows(4)  # padded to a graph's rows
     assert ep.real.flatten().tolist() == [True, True, False, False] + [True, True, True, False]
     assert ep.real.data_ptr() == first.data_ptr()
-    wish["wish"] = [20, 0, 0, 0]
+    wish["wish"] = [20, 0, 0, 0, 0]
     ep.agree(1)
     assert ep.rows == 20 and ep.real is None
 
 
 def test_moe_rows_past_the_agreement_are_refused(group_of_two):
     ep, wish = group_of_two
-    wish["wish"] = [2, 0, 0, 0]
+    wish["wish"] = [2, 0, 0, 0, 0]
     ep.agree(2)
     with pytest.raises(RuntimeError, match="more than the 2 the group agreed on"):
         ep.moe_forward(None, torch.zeros(3, 8))
@@ -162,6 +177,20 @@ def _port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def staggered(engine, prompts, params, every=3):
+    """Greedy outputs of the prompts, one added every `every` steps while the others decode."""
+    waiting, final, step = list(enumerate(prompts)), {}, 0
+    while waiting or engine.has_unfinished_requests():
+        if waiting and step % every == 0:
+            i, prompt = waiting.pop(0)
+            engine.add_request(f"staggered-{i}", prompt, params)
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out.output_token_ids
+        step += 1
+    return [final[f"staggered-{i}"] for i in range(len(prompts))]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (NCCL)")
@@ -208,5 +237,11 @@ def test_gpu_decode_graphs_with_the_moe_collectives(tiny_ckpt):
         again = [o.output_token_ids for o in engine.generate(prompts, greedy)]
         assert again == want
         assert all(engine.runner.graphs.graphs[key] is captured[key] for key in captured)
+        # Prompts arriving while others decode: those steps replay chunk graphs (the decodes as
+        # rows of them) instead of running eagerly, with the same tokens.
+        eager = []
+        engine.runner.run_eager = lambda *a: eager.append(a)  # must not be called
+        assert staggered(engine, prompts, greedy) == want
+        assert eager == [] and any(key[0] == "chunk" for key in engine.runner.graphs.graphs)
     finally:
         dist.destroy_process_group()
