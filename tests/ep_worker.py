@@ -5,11 +5,13 @@ import datetime
 import os
 import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from engine import AsyncLLMEngine, EngineConfig, LLMEngine, SamplingParams
 from engine.async_engine import EngineDeadError
+from engine.cuda_graphs import DecodeGraphs
 from engine.ep import ExpertParallel, PlanError, initial_placement
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
@@ -18,6 +20,26 @@ GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 def prompts_for(rank):
     g = torch.Generator().manual_seed(100 + rank)
     return [torch.randint(4, 500, (n,), generator=g).tolist() for n in ((30, 7) if rank == 0 else (18,))]
+
+
+class EagerGroupGraphs(DecodeGraphs):
+    """DecodeGraphs whose graphs run eagerly (CPU): each step takes the decode or chunk graph path
+    and shape the group chose, with the same inputs, and the key it would replay is recorded."""
+
+    def __init__(self, runner, max_batch):
+        super().__init__(runner, max_batch)
+        self.keys = []
+
+    def _host_buffer(self, nbytes):
+        self.staging_host = np.zeros(nbytes, dtype=np.uint8)
+        return self.staging_host
+
+    def _replay(self, key, nbytes, fill, forward, keep=None):
+        self.keys.append(key)
+        static = torch.from_numpy(self.staging_host[:nbytes].copy())
+        if fill is not None:
+            fill(static)
+        return forward(static)
 
 
 def setup(rank, world, port, ckpt, fp8=False):
@@ -67,6 +89,9 @@ def run(rank, world, port, ckpt, results, scenario):
     out = {"rank": rank}
     try:
         prompts = prompts_for(rank)
+        if scenario == "graphs":
+            graphs_scenario(aengine, engine, ep, prompts, out)
+            return
         moe = engine.runner.model.moe_layers()[0]
         out["shared_fused"] = moe._shared_slot(moe.w13.new_zeros(1, moe.w13.shape[-1])) is not None
         out["before"] = asyncio.run(generate_all(aengine, prompts, "before"))
@@ -137,6 +162,30 @@ def run(rank, world, port, ckpt, results, scenario):
                 dist.monitored_barrier(group=ep.migrate_group, timeout=datetime.timedelta(seconds=60))
             aengine.shutdown()
             dist.destroy_process_group()
+
+
+def graphs_scenario(aengine, engine, ep, prompts, out):
+    """The group's choice of graph over steps where prompts arrive while others decode, each
+    rank's prompts at other times: every step's graph (run eagerly) is recorded."""
+    with aengine._lock:
+        graphs = engine.runner.graphs = EagerGroupGraphs(engine.runner, 4)
+        ep.reserve(max(graphs.sizes[-1], graphs.chunk_sizes[-1]))
+        eager = []
+        engine.runner.run_eager = lambda *a: eager.append(len(a[0])) or ([], None)
+
+    async def arrive(i, p):
+        await asyncio.sleep(0.15 * i + 0.1 * ep.rank)
+        tokens = []
+        async for o in aengine.generate(f"graphs-{i}", p, GREEDY):
+            tokens += o.new_token_ids
+        return tokens
+
+    async def all_of_them():
+        return await asyncio.gather(*(arrive(i, p) for i, p in enumerate(prompts)))
+    out["tokens"] = asyncio.run(all_of_them())
+    dist.monitored_barrier(group=ep.migrate_group, timeout=datetime.timedelta(seconds=60))
+    out["keys"] = [list(k) for k in graphs.keys]
+    out["eager"] = eager
 
 
 def survive_peer_loss(aengine, ep, moe, prompts, out):

@@ -65,6 +65,27 @@ def test_ep_with_kernels_matches_single_process(tiny_ckpt, monkeypatch):
         assert out["before"] == expect
 
 
+@pytest.mark.parametrize("ckpt_fixture", ["tiny_ckpt", "tiny_v4_ckpt"])
+def test_ranks_pick_the_same_graph_every_step(ckpt_fixture, request):
+    """Graphs run eagerly on 2 CPU ranks (tests/ep_worker.py EagerGroupGraphs), prompts arriving
+    on each rank at other times: at every step both ranks take the same graph (NCCL needs it on a
+    GPU), decode graphs while all decode, chunk graphs where some rank computes a prompt (the
+    other's decodes, or nothing, as its rows), never the eager path; and the tokens are those
+    of the single-process engine. V4.1 options too (window rings, the indexer)."""
+    ckpt = request.getfixturevalue(ckpt_fixture)
+    outs = _run(ckpt, "graphs")
+    single = LLMEngine.from_pretrained(ckpt, EngineConfig(block_size=4), progress=False)
+    for rank, out in outs.items():
+        assert "error" not in out, out.get("error")
+        expect = [o.output_token_ids for o in single.generate(ep_worker.prompts_for(rank), ep_worker.GREEDY)]
+        assert out["tokens"] == expect
+        assert out["eager"] == []
+    keys = outs[0]["keys"]
+    assert keys == outs[1]["keys"]
+    forms = {k[0] for k in keys}
+    assert forms == {"decode", "chunk"}, forms
+
+
 def test_outputs_identical_after_rebalance_and_experts_moved(migration_run, tiny_ckpt):
     experts = {}
     for name, t in random_weights(ep_worker_cfg(tiny_ckpt)):
