@@ -73,7 +73,7 @@ class GroupStep:
     graph: bool     # every rank's step can replay a decode graph
     chunk: bool     # every rank's step can replay a chunk graph (a row per token: prompt chunks beside decodes)
     width: int      # widest block table of any rank
-    sparse: bool    # any rank's decode step needs the indexer
+    sparse: bool    # any rank's step needs the indexer
 
 
 @dataclass
@@ -242,8 +242,9 @@ class ExpertParallel:
         weights, slots = moe.route_to(xs, self.local_log2phys[layer], self.maps[layer].num_replicas, real)
         # About rows * k of the group's pairs are this rank's when the load is balanced. The shared
         # expert takes this rank's own rows, whose sums come back to it alone.
+        own = (self.rank * rows, (self.rank + 1) * rows)
         out = moe.expert_pairs(xs, None, slots.flatten(), weights.flatten(), count=False,
-                               live_pairs=rows * slots.shape[1], shared=shared, shared_rows=(self.rank * rows, (self.rank + 1) * rows))
+                               live_pairs=rows * slots.shape[1], shared=shared, shared_rows=own)
         summed = x.new_empty(rows, hidden)
         _reduce_scatter(summed, out.contiguous(), group=self.group)
         return summed[:t]

@@ -286,7 +286,7 @@ class LLMEngine:
             if not batch.seqs:
                 if self.ep is not None:  # the other ranks' MoE layers need this rank's collectives
                     self.runner.run(batch)
-                    self.num_steps += self.ep.busy  # an idle forward, unless the whole group is idle
+                    self.num_steps += int(self.ep.busy)  # an idle forward, unless the whole group is idle
                 return []
             cur = self._launch(batch)
         rows = self._ahead_rows(cur)

@@ -386,7 +386,8 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, GROUP: tl.constexpr,
 
 
 def _gate_up_kernel(x_ptr, w13_ptr, shared_w13_ptr, act_ptr, token_ptr, row_pair_ptr, tile_slot_ptr,
-                    H, I, num_slots, num_tiles, shared_first, shared_end, stride_xt, zero_ptr, zero_count, x_scale_ptr, act_scale_ptr,
+                    H, I, num_slots, num_tiles, shared_first, shared_end, stride_xt, zero_ptr, zero_count,
+                    x_scale_ptr, act_scale_ptr,
                     scale_ptr, shared_scale_ptr, scale_rows, scale_cols,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, PAIRS_PER_TOKEN: tl.constexpr,
@@ -559,7 +560,8 @@ def _sum_pairs_kernel(rows_ptr, weight_ptr, slot_ptr, add_ptr, out_ptr, H, num_p
                       PAIRS_PER_TOKEN: tl.constexpr, SHARED: tl.constexpr, HAS_ADD: tl.constexpr,
                       DROPS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
     """out[t] = sum_j rows[t k + j] weight[t k + j] (+ rows[num_pairs + t], the shared expert, for
-    t in [shared_first, shared_end)) in fp32, in j's order; with add, rounded to out's dtype, plus add, rounded again (as _round_add_kernel).
+    t in [shared_first, shared_end)) in fp32, in j's order; with add, rounded to out's dtype, plus add,
+    rounded again (as _round_add_kernel).
     DROPS: pairs of slot -1 were never computed (their rows hold anything) and add nothing."""
     pdl_enter(PDL)
     token = tl.program_id(0).to(tl.int64)
@@ -790,7 +792,8 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
         block_n = group or block_n  # FP8 activations: a program's columns are one group of its output
         _jit(_gate_up_kernel, *plain)[(tiles, triton.cdiv(inter, block_n))](
             xw, w13, shared_w13, act, token_of, aligned.row_pair, aligned.tile_slot,
-            hidden, inter, num_slots, num_tiles, shared_first, shared_end, xw.stride(0), out, 0 if pair_rows else out.numel(),
+            hidden, inter, num_slots, num_tiles, shared_first, shared_end, xw.stride(0), out,
+            0 if pair_rows else out.numel(),
             x_scale, act_scale,
             **gate_up_scaled, ACT_DTYPE=_TL_DTYPES[compute],
             BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=fit_k(block_k), PRECISION=precision, DOT_FP32=dot_fp32,
