@@ -124,7 +124,8 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--out", default=None)
     ap.add_argument("--mixed", type=int, default=0,
-                    help="then time this many steps in which a new prompt arrives beside the decoding batch")
+                    help="then this many new prompts arrive one at a time beside the decoding batch: time the "
+                         "two steps after each")
     ap.add_argument("--profile", default=None,
                     help="append a kernel table of one eagerly run decode step per mode and batch to this file")
     args = ap.parse_args(argv)
