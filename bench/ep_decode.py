@@ -28,6 +28,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from bench.kernel_timing import write_kernel_table
 from engine.checkpoint import load_weights, random_weights
 from engine.config import EngineConfig, preset
 from engine.ep import ExpertParallel, initial_placement
@@ -106,12 +107,7 @@ def profile_step(engine: LLMEngine, path: str, title: str) -> int:
                 torch.cuda.synchronize()
     finally:
         runner.graphs, pdl.MODE = graphs, mode
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    by = "cuda_time_total" if kernels else "cpu_time_total"
-    with open(path, "a") as f:
-        f.write(f"## {title}: {len(kernels)} kernels, {sum(e.device_time for e in kernels) / 1e3:.3f} ms kernel time\n")
-        f.write(prof.key_averages().table(sort_by=by, row_limit=40, max_name_column_width=70) + "\n\n")
-    return len(kernels)
+    return write_kernel_table(prof, path, title, row_limit=40)
 
 
 def main(argv=None):

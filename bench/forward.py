@@ -29,6 +29,7 @@ import time
 import torch
 
 from bench.engine_vs_hf import build_ours
+from bench.kernel_timing import write_kernel_table
 from engine.config import EngineConfig, preset
 from engine.llm_engine import LLMEngine
 from engine import moe as moe_module
@@ -416,13 +417,7 @@ def profile_step(engine: LLMEngine, batch: ScheduledBatch, path: str, title: str
                 torch.cuda.synchronize()
     finally:
         r.graphs, pdl.MODE = graphs, mode
-    title += ", dependent launches off"
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    by = "cuda_time_total" if kernels else "cpu_time_total"
-    with open(path, "a") as f:
-        f.write(f"## {title}: {len(kernels)} kernels, {sum(e.device_time for e in kernels) / 1e3:.3f} ms kernel time\n")
-        f.write(prof.key_averages().table(sort_by=by, row_limit=45, max_name_column_width=70) + "\n\n")
-    return len(kernels)
+    return write_kernel_table(prof, path, title + ", dependent launches off")
 
 
 def main(argv=None):

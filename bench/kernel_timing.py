@@ -57,6 +57,17 @@ def graph_ms(fn, warmup: int, iters: int, repeat: int = 1) -> float | None:
     return time_ms(graph.replay, "cuda", warmup, iters) / repeat
 
 
+def write_kernel_table(prof, path: str, title: str, row_limit: int = 45) -> int:
+    """Append a torch profiler's kernels by device time (CPU ops where it saw none) to `path`
+    under a heading of `title`; returns how many kernels it saw."""
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by = "cuda_time_total" if kernels else "cpu_time_total"
+    with open(path, "a") as f:
+        f.write(f"## {title}: {len(kernels)} kernels, {sum(e.device_time for e in kernels) / 1e3:.3f} ms kernel time\n")
+        f.write(prof.key_averages().table(sort_by=by, row_limit=row_limit, max_name_column_width=70) + "\n\n")
+    return len(kernels)
+
+
 def markdown(rows: list[dict], cols: list[str] | None = None) -> str:
     cols = cols or list(dict.fromkeys(k for r in rows for k in r))
     fmt = lambda v: "-" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)  # noqa: E731
