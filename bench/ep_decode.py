@@ -6,12 +6,18 @@
 Modes, each on a fresh model in the same process, one after the other:
 - `plain`: the engine without expert parallelism (decode graphs as configured);
 - `ep`: the engine as rank 0 of a one-rank expert-parallel group (NCCL on GPU, gloo on CPU):
-  every step agrees on its shape and every MoE layer runs the all-gather, routing of the
-  gathered rows and reduce-scatter, replayed from decode graphs where the engine captures them;
-- `ep-eager`: the same with `cuda_graphs` off.
+  every step agrees on its shape over a host (gloo) group and every MoE layer runs the
+  all-gather, routing of the gathered rows and reduce-scatter, replayed from decode graphs where
+  the engine captures them; decode steps are launched ahead (async scheduling), as the decode
+  group's ranks run;
+- `ep-nccl`: the same with the agreement over the NCCL group, which waits for the GPU: no step
+  is launched ahead;
+- `ep-eager`: `ep` with `cuda_graphs` off.
 With one rank the collectives move nothing between GPUs: what the `ep` rows show is the
 overhead of the expert-parallel step itself (agreement, collectives, fixed shapes) against
-`plain`. Reports the median and max decode step (ms) and decode tokens/s per mode and batch;
+`plain`. Reports per mode and batch the median and max decode step (ms), each step timed up to
+the GPU's end of it (`p50_ms`: no overlap with the next step), and the mean step of a run of
+steps timed as a whole (`run_ms`, `tok_s`: what async scheduling gains shows here);
 with `--mixed N`, also the median over N new prompts, each arriving beside the decoding batch, of
 the two steps after it (one computes the prompt beside the decodes; with expert parallelism that
 step replays a chunk graph on every rank).
@@ -57,7 +63,7 @@ def measure(engine: LLMEngine, batch: int, prompt: int, steps: int, vocab: int, 
     g = torch.Generator().manual_seed(batch)
     for i in range(batch):
         engine.add_request(f"b{batch}-{i}", torch.randint(4, vocab, (prompt,), generator=g).tolist(),
-                           SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True))
+                           SamplingParams(max_tokens=2 * steps + 16, temperature=0, ignore_eos=True))
 
     def step() -> float:
         t0 = time.perf_counter()
@@ -69,6 +75,12 @@ def measure(engine: LLMEngine, batch: int, prompt: int, steps: int, vocab: int, 
     for _ in range(6):  # prefill, then the first decode steps (graph capture)
         step()
     times = [step() for _ in range(steps)]
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    if cuda:
+        torch.cuda.synchronize()
+    run = (time.perf_counter() - t0) / steps
     kernels = profile_step(engine, profile_path, title) if profile_path else None
     # A prompt arriving while the batch decodes: the two steps after it, one of which computes the
     # prompt beside the decodes (which one depends on async scheduling, which the plain engine has).
@@ -83,7 +95,7 @@ def measure(engine: LLMEngine, batch: int, prompt: int, steps: int, vocab: int, 
     while engine.has_unfinished_requests():
         engine.step()
     row = {"p50_ms": round(1000 * statistics.median(times), 3), "max_ms": round(1000 * max(times), 3),
-           "tok_s": round(batch / statistics.median(times), 1)}
+           "run_ms": round(1000 * run, 3), "tok_s": round(batch / run, 1)}
     if arrivals:
         row["mixed_2_steps_p50_ms"] = round(1000 * statistics.median(arrivals), 3)
     return row if kernels is None else {**row, "eager_kernels": kernels}
@@ -115,7 +127,8 @@ def main(argv=None):
     ap.add_argument("--preset", default="bench")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
-    ap.add_argument("--modes", nargs="+", default=["plain", "ep", "ep-eager"], choices=["plain", "ep", "ep-eager"])
+    ap.add_argument("--modes", nargs="+", default=["plain", "ep", "ep-nccl", "ep-eager"],
+                    choices=["plain", "ep", "ep-nccl", "ep-eager"])
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--out", default=None)
@@ -128,17 +141,20 @@ def main(argv=None):
     cuda = args.device == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     cfg = preset(args.preset)
-    if "ep" in args.modes or "ep-eager" in args.modes:
+    agree = None
+    if any(m != "plain" for m in args.modes):
         dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}",
                                 rank=0, world_size=1, **({"device_id": torch.device("cuda:0")} if cuda else {}))
+        agree = dist.new_group(backend="gloo") if cuda else None
     layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
-    longest = args.prompt + args.steps + 16
+    longest = args.prompt + 2 * args.steps + 24
     report = {"preset": args.preset, "device": args.device, "prompt": args.prompt, "steps": args.steps, "rows": []}
     for mode in args.modes:
         ep = None
         if mode != "plain":
             ep = ExpertParallel(0, 1, initial_placement(layers, cfg.n_routed_experts, cfg.n_routed_experts),
-                                cfg.n_routed_experts, group=dist.group.WORLD)
+                                cfg.n_routed_experts, group=dist.group.WORLD,
+                                agree_group=None if mode == "ep-nccl" else agree)
         model = build(cfg, args.device, dtype, ep.local_phys2log() if ep is not None else None)
         engine = LLMEngine(model, None, EngineConfig(
             device=args.device, dtype="bfloat16" if cuda else "float32", block_size=16,

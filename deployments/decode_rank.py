@@ -203,7 +203,9 @@ def _join_expert_parallel(rank: int, ep: dict, model_path: str):
                             world_size=ep["world"], timeout=timedelta(seconds=ep.get("timeout_s", 120)))
     # staging traffic runs on its own group so it never queues behind the forward's collectives
     migrate = dist.new_group(backend="gloo")
+    # the step's agreement on the host, so a rank can launch a step while the one before runs
+    agree = dist.new_group(backend="gloo") if ep["backend"] == "nccl" else None
     cfg = ModelConfig.from_file(model_path)
     layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
     return ExpertParallel(rank, ep["world"], initial_placement(layers, cfg.n_routed_experts, ep["num_slots"]),
-                          cfg.n_routed_experts, group=dist.group.WORLD, migrate_group=migrate)
+                          cfg.n_routed_experts, group=dist.group.WORLD, migrate_group=migrate, agree_group=agree)

@@ -126,16 +126,17 @@ class DecodeGraphs:
         sparse = r.fill_decode_inputs(batch, self._host_buffer(nbytes), pad_b, pad_m, ahead)
         if shape is not None:
             sparse = shape[2]  # the group's: a short-context rank's top-k then keeps every entry
-        fill_ids = (lambda static: static[:8 * b].view(torch.int64).copy_(ahead_ids)) if ahead else None
-        return self._replay(("decode", pad_b, pad_m, sparse), nbytes, fill_ids,
+        return self._replay(("decode", pad_b, pad_m, sparse), nbytes, self._ahead_fill(ahead_ids),
                             lambda static: r.decode_forward(*r.decode_input_views(static, pad_b, pad_m), sparse))
 
-    def run_chunk(self, batch, rows: int, shape: tuple[int, int, bool] | None = None) -> torch.Tensor:
+    def run_chunk(self, batch, rows: int, shape: tuple[int, int, bool] | None = None,
+                  ahead_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Replay (capturing first if new) the graph of a step of `rows` tokens, each a kernel row
         (ModelRunner.chunk_forward): prompt chunks, alone or beside decoding sequences. Returns
         the logits of the sequences whose next token is due, in batch order. shape: (rows, width,
         sparse) chosen by the caller (group_chunk_shape) instead of from this batch, which may be
-        empty then."""
+        empty then). ahead_ids: the input tokens, on the device, of a decode step launched ahead
+        (a row per sequence, as in run)."""
         r = self.runner
         if shape is None:
             pad_r = next(s for s in self.chunk_sizes if s >= rows)
@@ -144,13 +145,22 @@ class DecodeGraphs:
         else:
             pad_r, pad_m, _ = shape
         nbytes = r.chunk_input_bytes(pad_r, pad_m)[1]
-        sparse, logit_rows = r.fill_chunk_inputs(batch, self._host_buffer(nbytes), pad_r, pad_m)
+        ahead = int(ahead_ids is not None)
+        sparse, logit_rows = r.fill_chunk_inputs(batch, self._host_buffer(nbytes), pad_r, pad_m, ahead)
         if shape is not None:
             sparse = shape[2]  # the group's, as for decode graphs
-        logits = self._replay(("chunk", pad_r, pad_m, sparse), nbytes, None,
+        logits = self._replay(("chunk", pad_r, pad_m, sparse), nbytes, self._ahead_fill(ahead_ids),
                               lambda static: r.chunk_forward(*r.chunk_input_views(static, pad_r, pad_m), sparse),
                               keep=lambda: r.window_snapshot(batch))
         return logits[:len(logit_rows)]
+
+    @staticmethod
+    def _ahead_fill(ahead_ids: torch.Tensor | None):
+        """The ids of a step launched ahead into its uploaded inputs: both layouts start with the
+        int64 ids, a row per sequence."""
+        if ahead_ids is None:
+            return None
+        return lambda static: static[:8 * ahead_ids.numel()].view(torch.int64).copy_(ahead_ids)
 
     def _replay(self, key: tuple, nbytes: int, fill, forward, keep=None) -> torch.Tensor:
         """Upload the staged inputs into the graph of `key` (forward(static buffer) -> logits,

@@ -94,7 +94,11 @@ class Migration:
 
 class ExpertParallel:
     def __init__(self, rank: int, world: int, phys2log: torch.Tensor, num_logical: int,
-                 group=None, migrate_group=None):
+                 group=None, migrate_group=None, agree_group=None):
+        """group: the forward's collectives (NCCL on GPUs); migrate_group: staging traffic;
+        agree_group (a gloo group, GPU ranks): the step's agreement on the host, off the GPU's
+        stream, so that a step can be agreed and launched while the one before still runs
+        (async scheduling). Without it a GPU group agrees over `group`, which waits for the GPU."""
         num_layers, num_slots = phys2log.shape
         if num_slots % world:
             raise PlanError(f"{num_slots} expert slots do not split evenly over {world} ranks")
@@ -112,7 +116,7 @@ class ExpertParallel:
         self.counts = None       # [world] real rows of each rank this step, on the forward's device
         self.real = None         # [world * rows]: which gathered rows are real (set_rows), or None
         self._real_rows = None   # its memory, for up to `reserve` rows
-        self.group, self.migrate_group = group, migrate_group
+        self.group, self.migrate_group, self.agree_group = group, migrate_group, agree_group
         self.moes: list[MoE] = []
         self._staging = None
         self._bulk = None
@@ -141,6 +145,12 @@ class ExpertParallel:
         self.local_log2phys = [torch.empty_like(m.log2phys) for m in self.maps]
         self._local_tables()
         self.counts = torch.zeros(self.world, dtype=torch.long, device=self.device)
+
+    @property
+    def host_agreement(self) -> bool:
+        """Whether the step's agreement leaves the GPU's stream alone: a host (gloo) group. Only
+        then can the next step be agreed while this one runs."""
+        return self.agree_group is not None or self.device.type == "cpu"
 
     def reserve(self, max_rows: int) -> None:
         """Keep the real-row mask of steps up to max_rows rows (the largest decode graph) in one
@@ -187,7 +197,8 @@ class ExpertParallel:
     def agree(self, rows: int, graph: bool = False, width: int = 0, sparse: bool = False,
               chunk: bool = False) -> GroupStep:
         """Called by every rank at every step, idle ones included (rows 0): one all-gather of
-        (rows, graph, chunk, width, sparse, staged), and one read of it on the host, for the whole step.
+        (rows, graph, chunk, width, sparse, staged), and one read of it on the host, for the whole
+        step (on the host group where there is one, `host_agreement`).
         Sets `rows` (the MoE rows of every rank, until the runner pads them to a graph's size),
         `counts` (each rank's real rows, which the MoE layers read on the device) and `busy`
         (whether any rank has a row: if not, nobody runs a forward). Applies a committed
@@ -197,14 +208,21 @@ class ExpertParallel:
         with self._lock:
             ready = self.pending is not None and self.pending.committed and self.pending.done.is_set() \
                 and self.pending.error is None
-        # on the forward group's device: NCCL gathers only GPU tensors
-        mine = torch.tensor([rows, int(graph), int(chunk), width, int(sparse), int(ready)], dtype=torch.long,
-                            device=self.device)
-        every = torch.empty(self.world * 6, dtype=torch.long, device=self.device)  # gloo: concatenated as given
-        _all_gather(every, mine, group=self.group)
-        every = every.view(self.world, 6)
-        self.counts.copy_(every[:, 0])
-        host = every.tolist()
+        mine = [rows, int(graph), int(chunk), width, int(sparse), int(ready)]
+        if self.host_agreement:
+            every = torch.empty(self.world * 6, dtype=torch.long)  # gloo: concatenated as given
+            _all_gather(every, torch.tensor(mine, dtype=torch.long), group=self.agree_group or self.group)
+            host = every.view(self.world, 6).tolist()
+            counts = torch.tensor([r[0] for r in host], dtype=torch.long)
+            # pinned: a pageable copy would wait for the step still running on the GPU
+            self.counts.copy_(counts.pin_memory() if self.device.type == "cuda" else counts, non_blocking=True)
+        else:
+            # on the forward group's device (NCCL gathers only GPU tensors); its read waits for the GPU
+            every = torch.empty(self.world * 6, dtype=torch.long, device=self.device)
+            _all_gather(every, torch.tensor(mine, dtype=torch.long, device=self.device), group=self.group)
+            every = every.view(self.world, 6)
+            self.counts.copy_(every[:, 0])
+            host = every.tolist()
         if all(r[5] for r in host):
             self._switch()
         step = GroupStep(rows=max(r[0] for r in host), graph=all(r[1] for r in host), chunk=all(r[2] for r in host),

@@ -93,8 +93,10 @@ class LLMEngine:
         self.num_steps = 0
         self._inflight: LaunchedStep | None = None
         cuda = self.runner.device.type == "cuda"
+        # A lockstep rank runs ahead only where its group agrees on the host: an agreement over
+        # the GPU's own collectives would wait for the step in flight.
         self._run_ahead = (cuda if cfg.async_scheduling is None else cfg.async_scheduling) and (
-            cfg.decode_kernels and ep is None)
+            cfg.decode_kernels and (ep is None or ep.host_agreement))
         # Pinned landing places of the sampled tokens of the (at most two) steps in flight.
         self._token_buffers = ([torch.empty(cfg.max_num_seqs, dtype=torch.long, pin_memory=True) for _ in range(2)]
                                if self._run_ahead and cuda else None)

@@ -261,14 +261,15 @@ class ModelRunner:
         table = buf[head:total].view(torch.int32).view(rows, width)
         return ids, pos, slots, table, wslots, starts, seq_of, ring_write, due
 
-    def fill_chunk_inputs(self, batch: ScheduledBatch, host: np.ndarray, rows: int, width: int
-                          ) -> tuple[bool, list[int]]:
+    def fill_chunk_inputs(self, batch: ScheduledBatch, host: np.ndarray, rows: int, width: int,
+                          ahead: int = 0) -> tuple[bool, list[int]]:
         """Write a chunk step's index tensors into `host` (laid out as chunk_input_bytes says);
         returns whether any row needs the sparse (indexer) path and the rows whose next token is
         due. Positions whose KV the prefix cache holds (a replayed window) write to the scratch
         slot; padded rows too, and they belong to a last, empty sequence. Only a sequence's last W
         positions of the step go into its window ring (rows of a chunk longer than the ring would
-        collide there); earlier rows, and padded ones, write to the scratch ring."""
+        collide there); earlier rows, and padded ones, write to the scratch ring. ahead=1: a decode
+        step launched ahead (run_ahead), whose input tokens are still on the device: id 0 here."""
         bs, mc, w = self.cfg.block_size, self.model.cfg, self.kv.window
         head, total = self.chunk_input_bytes(rows, width)
         host[:total] = 0
@@ -281,7 +282,7 @@ class ModelRunner:
         r, logit_rows, p_max = 0, [], 0
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             start, table = seq.num_computed_tokens, seq.block_table
-            ids[r:r + n] = seq.token_slice(start, start + n)
+            ids[r:r + n] = 0 if ahead else seq.token_slice(start, start + n)
             pos[r:r + n] = range(start, start + n)
             slots[r:r + n] = [table[p // bs] * bs + p % bs if p >= seq.num_cached_tokens else self.kv.scratch_slot
                               for p in range(start, start + n)]
@@ -294,7 +295,7 @@ class ModelRunner:
             tables[i, :len(t)] = t
             r += n
             p_max = max(p_max, start + n - 1)
-            if start + n == seq.num_tokens:
+            if start + n == seq.num_tokens + ahead:
                 logit_rows.append(r - 1)
         if len(logit_rows) > self.chunk_logit_rows(rows):
             raise ValueError(f"{len(logit_rows)} sequences due in a step; the engine runs {self.cfg.max_num_seqs} "
@@ -468,13 +469,17 @@ class ModelRunner:
             return list(range(len(batch))), self.graphs.run(batch, longest)[:len(batch)]
         return self.run_eager(batch, longest)
 
-    def run_eager(self, batch: ScheduledBatch, longest: int) -> tuple[list[int], torch.Tensor | None]:
+    def run_eager(self, batch: ScheduledBatch, longest: int, ahead_ids: torch.Tensor | None = None
+                  ) -> tuple[list[int], torch.Tensor | None]:
         """run() without decode graphs (chunk graphs still, where they take the step); `longest`:
-        decode_length(batch)."""
+        decode_length(batch), or with ahead_ids (run_ahead) the tokens one past the longest."""
         if longest:
             b = len(batch)
             self.model.model.rotary.ensure(longest)
-            return list(range(b)), self.decode_forward(*self.decode_inputs(batch))[:b]
+            ids, *rest = self.decode_inputs(batch, ahead=int(ahead_ids is not None))
+            if ahead_ids is not None:
+                ids[:b].copy_(ahead_ids)
+            return list(range(b)), self.decode_forward(ids, *rest)[:b]
         rows = self.chunk_rows(batch)
         if rows:
             return self.run_chunk(batch, rows)
@@ -486,18 +491,20 @@ class ModelRunner:
                 if seq.num_computed_tokens + n == seq.num_tokens]
         return done, (self.model.compute_logits(hidden[logit_rows]) if done else None)
 
-    def run_chunk(self, batch: ScheduledBatch, rows: int,
-                  shape: tuple[int, int, bool] | None = None) -> tuple[list[int], torch.Tensor | None]:
+    def run_chunk(self, batch: ScheduledBatch, rows: int, shape: tuple[int, int, bool] | None = None,
+                  ahead_ids: torch.Tensor | None = None) -> tuple[list[int], torch.Tensor | None]:
         """A step of `rows` tokens replayed from a chunk graph, each token a row; `shape`: the
-        graph's (rows, width, sparse) chosen by a lockstep group (the batch may be empty then)."""
+        graph's (rows, width, sparse) chosen by a lockstep group (the batch may be empty then);
+        ahead_ids: a decode step launched ahead (run_ahead), a row per sequence."""
         for s in batch.new_window_slots:
             self.kv.window_pos[s] = -1
+        ahead = int(ahead_ids is not None)
         if len(batch):
             self.model.model.rotary.ensure(max(seq.num_computed_tokens + n
                                                for seq, n in zip(batch.seqs, batch.num_tokens)))
-        logits = self.graphs.run_chunk(batch, rows, shape)
+        logits = self.graphs.run_chunk(batch, rows, shape, ahead_ids)
         done = [i for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens))
-                if seq.num_computed_tokens + n == seq.num_tokens]
+                if seq.num_computed_tokens + n == seq.num_tokens + ahead]
         return done, (logits[:len(done)] if done else None)
 
     @torch.inference_mode()
@@ -506,16 +513,15 @@ class ModelRunner:
         sequence's input token is `input_ids` (on the device, one per sequence, in batch order),
         at the position after its last known token, for which it holds a block. Returns the
         next-token logits of every sequence."""
+        if self.ep is not None:
+            return run_lockstep(self, batch, input_ids)[1]
         b = len(batch)
         longest = max(seq.num_tokens for seq in batch.seqs) + 1
         self.model.model.rotary.ensure(longest)
         if self.graphs is not None and self.graphs.covers(b):
             return self.graphs.run(batch, longest, input_ids)[:b]
-        ids, *rest = self.decode_inputs(batch, ahead=1)
-        ids[:b].copy_(input_ids)
-        return self.decode_forward(ids, *rest)[:b]
+        return self.run_eager(batch, longest, input_ids)[1]
 
-    @torch.inference_mode()
     def run_idle(self) -> None:
         """A forward with no tokens: only the MoE layers' collectives, in the same order as a
         real forward (expert parallelism, eager steps)."""

@@ -4,6 +4,7 @@ import contextlib
 import datetime
 import os
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -17,8 +18,8 @@ from engine.ep import ExpertParallel, PlanError, initial_placement
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 
 
-def prompts_for(rank):
-    g = torch.Generator().manual_seed(100 + rank)
+def prompts_for(rank, salt=0):
+    g = torch.Generator().manual_seed(100 + rank + 1000 * salt)
     return [torch.randint(4, 500, (n,), generator=g).tolist() for n in ((30, 7) if rank == 0 else (18,))]
 
 
@@ -29,6 +30,7 @@ class EagerGroupGraphs(DecodeGraphs):
     def __init__(self, runner, max_batch):
         super().__init__(runner, max_batch)
         self.keys = []
+        self.ahead = []  # the keys of steps launched ahead (their input ids written on the device)
 
     def _host_buffer(self, nbytes):
         self.staging_host = np.zeros(nbytes, dtype=np.uint8)
@@ -36,18 +38,21 @@ class EagerGroupGraphs(DecodeGraphs):
 
     def _replay(self, key, nbytes, fill, forward, keep=None):
         self.keys.append(key)
+        if fill is not None:
+            self.ahead.append(key)
         static = torch.from_numpy(self.staging_host[:nbytes].copy())
         if fill is not None:
             fill(static)
         return forward(static)
 
 
-def setup(rank, world, port, ckpt, fp8=False):
+def setup(rank, world, port, ckpt, fp8=False, serving_loop=True):
+    """The rank's engine, stepped by an AsyncLLMEngine's loop unless serving_loop is off."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     migrate = dist.new_group(backend="gloo")
     engine = LLMEngine(*_model_and_tok(ckpt, rank, world, migrate, fp8))
-    return AsyncLLMEngine(engine)
+    return AsyncLLMEngine(engine) if serving_loop else SimpleNamespace(engine=engine, shutdown=lambda: None)
 
 
 def engine_config(fp8=False):
@@ -84,13 +89,16 @@ def run(rank, world, port, ckpt, results, scenario):
     # "migrate_fp8": the same migration with block-FP8 experts (their scales travel with them)
     if scenario == "kernels":  # the Triton kernels (interpreted) in place of the torch references
         os.environ["WIDEEP_CPU_KERNELS"] = "1"
-    aengine = setup(rank, world, port, ckpt, fp8=scenario == "migrate_fp8")
+    aengine = setup(rank, world, port, ckpt, fp8=scenario == "migrate_fp8", serving_loop=scenario != "ahead")
     engine, ep = aengine.engine, aengine.engine.ep
     out = {"rank": rank}
     try:
         prompts = prompts_for(rank)
         if scenario == "graphs":
             graphs_scenario(aengine, engine, ep, prompts, out)
+            return
+        if scenario == "ahead":  # the engine is stepped here, not by a serving loop
+            ahead_scenario(engine, ep, out)
             return
         moe = engine.runner.model.moe_layers()[0]
         out["shared_fused"] = moe._shared_slot(moe.w13.new_zeros(1, moe.w13.shape[-1])) is not None
@@ -186,6 +194,42 @@ def graphs_scenario(aengine, engine, ep, prompts, out):
     dist.monitored_barrier(group=ep.migrate_group, timeout=datetime.timedelta(seconds=60))
     out["keys"] = [list(k) for k in graphs.keys]
     out["eager"] = eager
+
+
+def ahead_scenario(engine, ep, out):
+    """Async scheduling in lockstep (the agreement is on the host here, gloo): each rank steps its
+    engine itself, prompts added at fixed calls of step() (rank 1's while rank 0 decodes ahead),
+    once with graphs (run eagerly, keys recorded) and once without; the calls stop at the first
+    agreement that finds the group idle, which every rank sees at the same step."""
+    launched = []
+    run_ahead = engine.runner.run_ahead
+    engine.runner.run_ahead = lambda batch, ids: launched.append(len(batch)) or run_ahead(batch, ids)
+    engine._run_ahead = True
+    # call of step() -> prompt: rank 1's prompt meets the step rank 0 launched ahead of its first
+    # decode; neither rank is idle before call 3, where both start to look for the end
+    arrivals = {0: {0: 0, 2: 1}, 1: {1: 0}}[ep.rank]
+    for form in ("graphs", "eager"):
+        # other prompts the second time: a prefix-cache hit would replay a bounded window (V4.1 options)
+        prompts = prompts_for(ep.rank, salt=int(form == "eager"))
+        out[form + "_prompts"] = [prompts[i] for i in sorted(set(arrivals.values()))]
+        graphs = engine.runner.graphs = EagerGroupGraphs(engine.runner, 4) if form == "graphs" else None
+        if graphs is not None:
+            ep.reserve(max(graphs.sizes[-1], graphs.chunk_sizes[-1]))
+        tokens = {i: [] for i in range(len(prompts))}
+        calls, first = 0, len(launched)
+        while True:
+            if calls in arrivals:
+                engine.add_request(f"{form}-{arrivals[calls]}", prompts[arrivals[calls]], GREEDY)
+            for o in engine.step():
+                tokens[int(o.request_id.split("-")[1])] += o.new_token_ids
+            calls += 1
+            if calls > 3 and not ep.busy:
+                break
+        out[form] = [tokens[i] for i in sorted(tokens) if i in arrivals.values()]
+        out[form + "_ahead_steps"] = len(launched) - first
+        if graphs is not None:
+            out["keys"], out["ahead_keys"] = [list(k) for k in graphs.keys], [list(k) for k in graphs.ahead]
+    dist.monitored_barrier(group=ep.migrate_group, timeout=datetime.timedelta(seconds=60))
 
 
 def survive_peer_loss(aengine, ep, moe, prompts, out):

@@ -32,8 +32,9 @@ class EagerGraphs:
             ids[:len(batch)].copy_(ahead_ids)
         return r.decode_forward(ids, *rest)
 
-    def run_chunk(self, batch, rows, shape=None):
-        assert shape is None  # a lockstep group's shape: not without expert parallelism
+    def run_chunk(self, batch, rows, shape=None, ahead_ids=None):
+        # a lockstep group's shape, a step launched ahead as chunk rows: only with expert parallelism
+        assert shape is None and ahead_ids is None
         r = self.runner
         self.chunks.append(list(batch.num_tokens))
         pad_r = -(-rows // 4) * 4

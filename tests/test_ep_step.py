@@ -35,8 +35,8 @@ def test_expert_map_takes_a_new_placement_in_place():
 
 
 class Batch:
-    def __init__(self, rows: int, tokens: int = 1):
-        self.seqs = [SimpleNamespace(num_computed_tokens=0)] * rows
+    def __init__(self, rows: int, tokens: int = 1, known: int = 0):
+        self.seqs = [SimpleNamespace(num_computed_tokens=0, num_tokens=known)] * rows
         self.num_tokens = [tokens] * rows
 
     def __len__(self):
@@ -47,18 +47,20 @@ class Runner:
     """ModelRunner's surface that run_lockstep uses, recording what it was asked to do."""
 
     def __init__(self, ep, longest: int):
-        self.ep, self.longest, self.calls = ep, longest, []
+        self.ep, self.longest, self.calls, self.ahead_ids = ep, longest, [], []
         graphs = SimpleNamespace(sizes=[1, 2, 4, 8, 16], chunk_sizes=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512],
                                  _blocks_bucket=lambda m: max(16, m))
         graphs.covers = lambda b: b <= 16
         graphs.group_shape = lambda *a: DecodeGraphs.group_shape(graphs, *a)
         graphs.group_chunk_shape = lambda *a: DecodeGraphs.group_chunk_shape(graphs, *a)
-        graphs.run = lambda batch, longest, shape: self._record("graph", len(batch), shape)
+        graphs.run = lambda batch, longest, ahead_ids, shape: self._record("graph", len(batch), shape,
+                                                                           ahead_ids=ahead_ids)
         self.graphs = graphs
         self.model = SimpleNamespace(model=SimpleNamespace(rotary=SimpleNamespace(ensure=lambda n: None)))
 
-    def _record(self, *call):
+    def _record(self, *call, ahead_ids=None):
         self.calls.append(call + (self.ep.rows,))
+        self.ahead_ids.append(ahead_ids)
         return torch.zeros(16, 4)
 
     def decode_length(self, batch):
@@ -73,15 +75,15 @@ class Runner:
     def chunk_graphs_take(self, rows):
         return rows <= 512
 
-    def run_chunk(self, batch, rows, shape):
-        self._record("chunk", len(batch), shape)
+    def run_chunk(self, batch, rows, shape, ahead_ids):
+        self._record("chunk", len(batch), shape, ahead_ids=ahead_ids)
         return [], None
 
     def run_idle(self):
         self._record("idle")
 
-    def run_eager(self, batch, longest):
-        self._record("eager", len(batch))
+    def run_eager(self, batch, longest, ahead_ids):
+        self._record("eager", len(batch), ahead_ids=ahead_ids)
         return [], None
 
 
@@ -92,6 +94,7 @@ def group_of_two(monkeypatch):
     peer = {"staged": 0}
 
     def all_gather(out, mine, group=None):
+        peer["sent"] = mine.tolist()
         out.copy_(torch.cat([mine, torch.tensor(peer["wish"] + [peer["staged"]], dtype=torch.long)]))
     monkeypatch.setattr(ep_module, "_all_gather", all_gather)
     ep = ExpertParallel(0, 2, initial_placement(1, 4, 4), 4)
@@ -124,6 +127,26 @@ def test_the_group_replays_one_graph_or_runs_eagerly(group_of_two, mine, peer, e
     assert ep.counts.tolist() == counts
     if expect and expect[0] == "graph":
         assert done == list(range(mine[0])) and logits.shape[0] == mine[0]
+
+
+@pytest.mark.parametrize("peer,expect", [
+    ((2, 1, 1, 3, 0), ("graph", 3, (4, 16, False), 4)),
+    ((300, 0, 1, 0, 0), ("chunk", 3, (512, 16, False), 512)),  # the peer's prompt: a chunk graph
+    ((3000, 0, 0, 0, 0), ("eager", 3, 3000)),
+])
+def test_a_step_launched_ahead_takes_part_in_the_agreement(group_of_two, peer, expect):
+    """A decode step launched ahead (async scheduling) agrees like any other, its rows and width
+    one position past its sequences' known tokens, and whichever path the group picks gets its
+    input tokens, which are still on the device."""
+    ep, wish = group_of_two
+    wish["wish"] = list(peer)
+    runner = Runner(ep, 0)  # its last tokens are unknown: not a decode step by the host's count
+    ids = torch.tensor([7, 8, 9])
+    run_lockstep(runner, Batch(3, known=64), ahead_ids=ids)
+    assert runner.calls == [expect] and runner.ahead_ids == [ids]
+    # rows, graph, chunk, width (65 positions: 5 blocks of 16), sparse, staged
+    assert wish["sent"] == [3, 1, 1, 5, 0, 0]
+    assert ep.counts.tolist() == [3, peer[0]]
 
 
 def test_one_agreement_a_step_says_who_works_and_when_to_switch(group_of_two):
@@ -194,10 +217,13 @@ def staggered(engine, prompts, params, every=3):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (NCCL)")
-def test_gpu_decode_graphs_with_the_moe_collectives(tiny_ckpt):
+@pytest.mark.parametrize("host_agreement", [False, True])
+def test_gpu_decode_graphs_with_the_moe_collectives(tiny_ckpt, host_agreement):
     """One NCCL rank: decode steps are captured with the all-gather and reduce-scatter inside,
     give the tokens of the engine without expert parallelism, and a live re-placement (weights
-    and maps copied in place) leaves the captured graphs valid: same tokens, nothing re-captured."""
+    and maps copied in place) leaves the captured graphs valid: same tokens, nothing re-captured.
+    With the agreement on a host (gloo) group the engine runs decode steps ahead (async
+    scheduling), with the same tokens; over NCCL it cannot."""
     from engine.checkpoint import load_model
     from engine.config import ModelConfig
     from engine.tokenizer import Tokenizer
@@ -214,10 +240,14 @@ def test_gpu_decode_graphs_with_the_moe_collectives(tiny_ckpt):
         migrate = dist.new_group(backend="gloo")
         layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
         slots = cfg.n_routed_experts + 2
+        agree = dist.new_group(backend="gloo") if host_agreement else None
         ep = ExpertParallel(0, 1, initial_placement(layers, cfg.n_routed_experts, slots), cfg.n_routed_experts,
-                            group=dist.group.WORLD, migrate_group=migrate)
+                            group=dist.group.WORLD, migrate_group=migrate, agree_group=agree)
         model = load_model(tiny_ckpt, progress=False, local_phys2log=ep.local_phys2log(), device="cuda")
         engine = LLMEngine(model, Tokenizer(tiny_ckpt), engine_cfg, ep=ep)
+        assert engine._run_ahead == host_agreement
+        ahead, run_ahead = [], engine.runner.run_ahead
+        engine.runner.run_ahead = lambda batch, ids: ahead.append(len(batch)) or run_ahead(batch, ids)
         ep.share_weights()
         got = [o.output_token_ids for o in engine.generate(prompts, greedy)]
         assert got == want
@@ -243,5 +273,6 @@ def test_gpu_decode_graphs_with_the_moe_collectives(tiny_ckpt):
         engine.runner.run_eager = lambda *a: eager.append(a)  # must not be called
         assert staggered(engine, prompts, greedy) == want
         assert eager == [] and any(key[0] == "chunk" for key in engine.runner.graphs.graphs)
+        assert (len(ahead) > 10) == host_agreement
     finally:
         dist.destroy_process_group()
