@@ -12,7 +12,7 @@ t() { local s=$1; shift; local t0=$SECONDS; timeout "$s" "$@"; echo "rc=$? $((SE
 ARGS=${ARGS:---preset bench --batches 1 16 64 --steps 40}
 L=$OUT/logs; mkdir -p "$L"
 [ "${TESTS:-1}" = 0 ] || t 300 python3 -m pytest -q -p no:cacheprovider tests/test_ep_step.py tests/test_kernel_moe_gemm.py \
-  tests/test_kernel_routing.py tests/test_async_scheduling.py \
+  tests/test_kernel_routing.py tests/test_async_scheduling.py tests/test_chunk_rows.py \
   -k "gpu or (cuda and (dropped or shared or padding or pair_rows or align))" > "$L/tests.log" 2>&1
 for round in $(seq 1 "${ROUNDS:-2}"); do
   for mode in ep ep-nccl plain; do
