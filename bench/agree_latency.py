@@ -1,13 +1,14 @@
-"""Host time of one step's agreement in an expert-parallel group (ExpertParallel.agree over a
-gloo group, the decode group's ranks' form), for groups of several sizes on one host.
+"""Host time of one step's agreement in an expert-parallel group (ExpertParallel.agree on the
+host, engine/host_agreement.py), for groups of several sizes on one host, in both forms: `gloo`
+(an all-gather over a gloo group, any hosts) and `shm` (shared memory, one host).
 
     python3 -m bench.agree_latency --worlds 2 4 8 --iters 2000
 
 Each rank is a process that calls `agree` back to back, as lockstep ranks do once a step; the
 agreement is on the critical path of the host, not the GPU's, once steps run ahead (a step is
 agreed while the one before runs), so it matters where it exceeds the GPU's step. Reports the
-median, 90th percentile and max microseconds of rank 0's calls per group size. Needs a core
-per rank to mean anything.
+median, 90th percentile and max microseconds of rank 0's calls per form and group size. Needs
+a core per rank to mean anything.
 """
 from __future__ import annotations
 
@@ -25,18 +26,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank(rank: int, world: int, port: int, iters: int, results) -> None:
+def _rank(rank: int, world: int, port: int, iters: int, form: str, results) -> None:
     import torch
     import torch.distributed as dist
 
-    from engine.ep import ExpertParallel, initial_placement
+    from engine.ep import ExpertParallel, GroupStep, initial_placement
+    from engine.host_agreement import GlooExchange, host_exchange
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         agree = dist.new_group(backend="gloo")
+        exchange = (GlooExchange(agree, world) if form == "gloo" else
+                    host_exchange(rank, world, GroupStep.WIDTH, agree))
         ep = ExpertParallel(rank, world, initial_placement(1, world, world), world, group=dist.group.WORLD,
-                            agree_group=agree)
+                            exchange=exchange)
         ep.attach([])
         times = []
         for i in range(iters + 100):  # the first 100: connections warming up
@@ -50,18 +54,18 @@ def _rank(rank: int, world: int, port: int, iters: int, results) -> None:
         dist.destroy_process_group()
 
 
-def measure(world: int, iters: int) -> dict:
+def measure(world: int, iters: int, form: str) -> dict:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, iters, results)) for r in range(world)]
+    procs = [ctx.Process(target=_rank, args=(r, world, port, iters, form, results)) for r in range(world)]
     for p in procs:
         p.start()
     times = sorted(results.get(timeout=600))
     for p in procs:
         p.join(timeout=60)
     us = [1e6 * t for t in times]
-    return {"world": world, "iters": iters, "p50_us": round(statistics.median(us), 1),
+    return {"form": form, "world": world, "iters": iters, "p50_us": round(statistics.median(us), 1),
             "p90_us": round(us[int(0.9 * len(us))], 1), "max_us": round(us[-1], 1)}
 
 
@@ -69,9 +73,11 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--iters", type=int, default=2000)
+    ap.add_argument("--forms", nargs="+", default=["shm", "gloo"], choices=["shm", "gloo"])
     args = ap.parse_args(argv)
-    for world in args.worlds:
-        print(json.dumps(measure(world, args.iters)), flush=True)
+    for form in args.forms:
+        for world in args.worlds:
+            print(json.dumps(measure(world, args.iters, form)), flush=True)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@
 Modes, each on a fresh model in the same process, one after the other:
 - `plain`: the engine without expert parallelism (decode graphs as configured);
 - `ep`: the engine as rank 0 of a one-rank expert-parallel group (NCCL on GPU, gloo on CPU):
-  every step agrees on its shape over a host (gloo) group and every MoE layer runs the
+  every step agrees on its shape on the host (shared memory) and every MoE layer runs the
   all-gather, routing of the gathered rows and reduce-scatter, replayed from decode graphs where
   the engine captures them; decode steps are launched ahead (async scheduling), as the decode
   group's ranks run;
@@ -37,7 +37,8 @@ import torch.distributed as dist
 from bench.kernel_timing import write_kernel_table
 from engine.checkpoint import load_weights, random_weights
 from engine.config import EngineConfig, preset
-from engine.ep import ExpertParallel, initial_placement
+from engine.ep import ExpertParallel, GroupStep, initial_placement
+from engine.host_agreement import host_exchange
 from engine.llm_engine import LLMEngine
 from engine.model import DeepseekForCausalLM
 from engine.sampling import SamplingParams
@@ -141,11 +142,12 @@ def main(argv=None):
     cuda = args.device == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     cfg = preset(args.preset)
-    agree = None
+    exchange = None
     if any(m != "plain" for m in args.modes):
         dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}",
                                 rank=0, world_size=1, **({"device_id": torch.device("cuda:0")} if cuda else {}))
-        agree = dist.new_group(backend="gloo") if cuda else None
+        # as a decode group's ranks on one host agree (engine/host_agreement.py): shared memory
+        exchange = host_exchange(0, 1, GroupStep.WIDTH, dist.new_group(backend="gloo")) if cuda else None
     layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
     longest = args.prompt + 2 * args.steps + 24
     report = {"preset": args.preset, "device": args.device, "prompt": args.prompt, "steps": args.steps, "rows": []}
@@ -154,7 +156,7 @@ def main(argv=None):
         if mode != "plain":
             ep = ExpertParallel(0, 1, initial_placement(layers, cfg.n_routed_experts, cfg.n_routed_experts),
                                 cfg.n_routed_experts, group=dist.group.WORLD,
-                                agree_group=None if mode == "ep-nccl" else agree)
+                                exchange=None if mode == "ep-nccl" else exchange)
         model = build(cfg, args.device, dtype, ep.local_phys2log() if ep is not None else None)
         engine = LLMEngine(model, None, EngineConfig(
             device=args.device, dtype="bfloat16" if cuda else "float32", block_size=16,

@@ -197,15 +197,20 @@ def _join_expert_parallel(rank: int, ep: dict, model_path: str):
     import torch.distributed as dist
 
     from engine.config import ModelConfig
-    from engine.ep import ExpertParallel, initial_placement
+    from engine.ep import ExpertParallel, GroupStep, initial_placement
+    from engine.host_agreement import host_exchange
 
     dist.init_process_group(ep["backend"], init_method=f"tcp://{ep['addr']}:{ep['port']}", rank=rank,
                             world_size=ep["world"], timeout=timedelta(seconds=ep.get("timeout_s", 120)))
     # staging traffic runs on its own group so it never queues behind the forward's collectives
     migrate = dist.new_group(backend="gloo")
-    # the step's agreement on the host, so a rank can launch a step while the one before runs
-    agree = dist.new_group(backend="gloo") if ep["backend"] == "nccl" else None
+    # The step's agreement on the host, so a rank can launch a step while the one before runs:
+    # through shared memory when the group is on one host, else over a gloo group of its own.
+    exchange = None
+    if ep["backend"] == "nccl":
+        exchange = host_exchange(rank, ep["world"], GroupStep.WIDTH, dist.new_group(backend="gloo"),
+                                 timeout_s=ep.get("timeout_s", 120))
     cfg = ModelConfig.from_file(model_path)
     layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
     return ExpertParallel(rank, ep["world"], initial_placement(layers, cfg.n_routed_experts, ep["num_slots"]),
-                          cfg.n_routed_experts, group=dist.group.WORLD, migrate_group=migrate, agree_group=agree)
+                          cfg.n_routed_experts, group=dist.group.WORLD, migrate_group=migrate, exchange=exchange)

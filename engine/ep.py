@@ -32,11 +32,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from .host_agreement import GlooExchange, _all_gather
 from .moe import ExpertMap, MoE
 
 
 # Newer torch names the tensor forms of these collectives *_single (the old names warn).
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
@@ -69,6 +69,7 @@ def validate_plan(phys2log: torch.Tensor, num_layers: int, num_slots: int, num_l
 @dataclass
 class GroupStep:
     """What the ranks agreed for one step (ExpertParallel.agree)."""
+    WIDTH = 6       # values each rank hands in: these five, and whether it has staged a committed plan
     rows: int       # most rows any rank computes: every rank's MoE rows are padded to it (or its graph size)
     graph: bool     # every rank's step can replay a decode graph
     chunk: bool     # every rank's step can replay a chunk graph (a row per token: prompt chunks beside decodes)
@@ -94,11 +95,12 @@ class Migration:
 
 class ExpertParallel:
     def __init__(self, rank: int, world: int, phys2log: torch.Tensor, num_logical: int,
-                 group=None, migrate_group=None, agree_group=None):
+                 group=None, migrate_group=None, exchange=None):
         """group: the forward's collectives (NCCL on GPUs); migrate_group: staging traffic;
-        agree_group (a gloo group, GPU ranks): the step's agreement on the host, off the GPU's
-        stream, so that a step can be agreed and launched while the one before still runs
-        (async scheduling). Without it a GPU group agrees over `group`, which waits for the GPU."""
+        exchange (engine/host_agreement.py, GPU ranks): the step's agreement on the host, off the
+        GPU's stream, so that a step can be agreed and launched while the one before still runs
+        (async scheduling). Without it a GPU group agrees over `group`, which waits for the GPU;
+        a CPU group agrees over `group` itself (gloo)."""
         num_layers, num_slots = phys2log.shape
         if num_slots % world:
             raise PlanError(f"{num_slots} expert slots do not split evenly over {world} ranks")
@@ -116,7 +118,7 @@ class ExpertParallel:
         self.counts = None       # [world] real rows of each rank this step, on the forward's device
         self.real = None         # [world * rows]: which gathered rows are real (set_rows), or None
         self._real_rows = None   # its memory, for up to `reserve` rows
-        self.group, self.migrate_group, self.agree_group = group, migrate_group, agree_group
+        self.group, self.migrate_group, self.exchange = group, migrate_group, exchange
         self.moes: list[MoE] = []
         self._staging = None
         self._bulk = None
@@ -140,6 +142,8 @@ class ExpertParallel:
             moe.ep = self
         for m in self.maps:
             m.to(self.device)
+        if self.exchange is None and self.device.type == "cpu":
+            self.exchange = GlooExchange(self.group, self.world)
         # Per layer, each logical expert's replicas as this rank's slots (-1: another rank's),
         # which the routing kernel reads directly.
         self.local_log2phys = [torch.empty_like(m.log2phys) for m in self.maps]
@@ -148,9 +152,9 @@ class ExpertParallel:
 
     @property
     def host_agreement(self) -> bool:
-        """Whether the step's agreement leaves the GPU's stream alone: a host (gloo) group. Only
-        then can the next step be agreed while this one runs."""
-        return self.agree_group is not None or self.device.type == "cpu"
+        """Whether the step's agreement leaves the GPU's stream alone (a host exchange). Only then
+        can the next step be agreed while this one runs."""
+        return self.exchange is not None
 
     def reserve(self, max_rows: int) -> None:
         """Keep the real-row mask of steps up to max_rows rows (the largest decode graph) in one
@@ -209,18 +213,16 @@ class ExpertParallel:
             ready = self.pending is not None and self.pending.committed and self.pending.done.is_set() \
                 and self.pending.error is None
         mine = [rows, int(graph), int(chunk), width, int(sparse), int(ready)]
-        if self.host_agreement:
-            every = torch.empty(self.world * 6, dtype=torch.long)  # gloo: concatenated as given
-            _all_gather(every, torch.tensor(mine, dtype=torch.long), group=self.agree_group or self.group)
-            host = every.view(self.world, 6).tolist()
+        if self.exchange is not None:
+            host = self.exchange.exchange(mine)
             counts = torch.tensor([r[0] for r in host], dtype=torch.long)
             # pinned: a pageable copy would wait for the step still running on the GPU
             self.counts.copy_(counts.pin_memory() if self.device.type == "cuda" else counts, non_blocking=True)
         else:
             # on the forward group's device (NCCL gathers only GPU tensors); its read waits for the GPU
-            every = torch.empty(self.world * 6, dtype=torch.long, device=self.device)
+            every = torch.empty(self.world * len(mine), dtype=torch.long, device=self.device)
             _all_gather(every, torch.tensor(mine, dtype=torch.long, device=self.device), group=self.group)
-            every = every.view(self.world, 6)
+            every = every.view(self.world, len(mine))
             self.counts.copy_(every[:, 0])
             host = every.tolist()
         if all(r[5] for r in host):

@@ -13,7 +13,8 @@ import torch.distributed as dist
 from engine import AsyncLLMEngine, EngineConfig, LLMEngine, SamplingParams
 from engine.async_engine import EngineDeadError
 from engine.cuda_graphs import DecodeGraphs
-from engine.ep import ExpertParallel, PlanError, initial_placement
+from engine.ep import ExpertParallel, GroupStep, PlanError, initial_placement
+from engine.host_agreement import host_exchange
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 
@@ -46,12 +47,15 @@ class EagerGroupGraphs(DecodeGraphs):
         return forward(static)
 
 
-def setup(rank, world, port, ckpt, fp8=False, serving_loop=True):
-    """The rank's engine, stepped by an AsyncLLMEngine's loop unless serving_loop is off."""
+def setup(rank, world, port, ckpt, fp8=False, serving_loop=True, shm=False):
+    """The rank's engine, stepped by an AsyncLLMEngine's loop unless serving_loop is off; shm:
+    the ranks agree on each step through shared memory (as GPU ranks of one host do) rather than
+    over the gloo group."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     migrate = dist.new_group(backend="gloo")
-    engine = LLMEngine(*_model_and_tok(ckpt, rank, world, migrate, fp8))
+    exchange = host_exchange(rank, world, GroupStep.WIDTH, dist.new_group(backend="gloo")) if shm else None
+    engine = LLMEngine(*_model_and_tok(ckpt, rank, world, migrate, fp8, exchange))
     return AsyncLLMEngine(engine) if serving_loop else SimpleNamespace(engine=engine, shutdown=lambda: None)
 
 
@@ -64,14 +68,14 @@ def slot0(moe):
     return moe.w13.data[0].float().clone(), None if moe.scales is None else moe.scales.w13[0].clone()
 
 
-def _model_and_tok(ckpt, rank, world, migrate, fp8=False):
+def _model_and_tok(ckpt, rank, world, migrate, fp8=False, exchange=None):
     from engine.checkpoint import load_model
     from engine.config import ModelConfig
     from engine.tokenizer import Tokenizer
     cfg = ModelConfig.from_file(ckpt)
     moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
     ep = ExpertParallel(rank, world, initial_placement(moe_layers, cfg.n_routed_experts, cfg.n_routed_experts),
-                        cfg.n_routed_experts, group=dist.group.WORLD, migrate_group=migrate)
+                        cfg.n_routed_experts, group=dist.group.WORLD, migrate_group=migrate, exchange=exchange)
     model = load_model(ckpt, progress=False, local_phys2log=ep.local_phys2log())
     return model, Tokenizer(ckpt), engine_config(fp8), ep
 
@@ -89,7 +93,10 @@ def run(rank, world, port, ckpt, results, scenario):
     # "migrate_fp8": the same migration with block-FP8 experts (their scales travel with them)
     if scenario == "kernels":  # the Triton kernels (interpreted) in place of the torch references
         os.environ["WIDEEP_CPU_KERNELS"] = "1"
-    aengine = setup(rank, world, port, ckpt, fp8=scenario == "migrate_fp8", serving_loop=scenario != "ahead")
+    # "ahead_shm": the "ahead" scenario with the agreement through shared memory
+    ahead = scenario in ("ahead", "ahead_shm")
+    aengine = setup(rank, world, port, ckpt, fp8=scenario == "migrate_fp8", serving_loop=not ahead,
+                    shm=scenario == "ahead_shm")
     engine, ep = aengine.engine, aengine.engine.ep
     out = {"rank": rank}
     try:
@@ -97,7 +104,8 @@ def run(rank, world, port, ckpt, results, scenario):
         if scenario == "graphs":
             graphs_scenario(aengine, engine, ep, prompts, out)
             return
-        if scenario == "ahead":  # the engine is stepped here, not by a serving loop
+        if ahead:  # the engine is stepped here, not by a serving loop
+            out["exchange"] = type(ep.exchange).__name__
             ahead_scenario(engine, ep, out)
             return
         moe = engine.runner.model.moe_layers()[0]

@@ -87,18 +87,23 @@ def test_ranks_pick_the_same_graph_every_step(ckpt_fixture, request):
     assert forms == {"decode", "chunk"}, forms
 
 
-@pytest.mark.parametrize("ckpt_fixture", ["tiny_ckpt", "tiny_v4_ckpt"])
-def test_ranks_run_decode_steps_ahead(ckpt_fixture, request):
+@pytest.mark.parametrize("ckpt_fixture,scenario,exchange", [
+    ("tiny_ckpt", "ahead", "GlooExchange"), ("tiny_v4_ckpt", "ahead", "GlooExchange"),
+    ("tiny_ckpt", "ahead_shm", "ShmExchange"),
+])
+def test_ranks_run_decode_steps_ahead(ckpt_fixture, scenario, exchange, request):
     """Async scheduling in lockstep: each rank launches its next decode step before reading the
     tokens of the one before, agreeing on it over the host group. Rank 1's prompt arrives while
     rank 0's step ahead is being agreed, so that step replays a chunk graph with its input tokens
     written on the device. With graphs (run eagerly) and without: the single process's tokens,
-    the same graph on both ranks at every step, and steps launched ahead on both."""
+    the same graph on both ranks at every step, and steps launched ahead on both. The agreement
+    over gloo, and through shared memory (as the GPU ranks of one host agree)."""
     ckpt = request.getfixturevalue(ckpt_fixture)
-    outs = _run(ckpt, "ahead")
+    outs = _run(ckpt, scenario)
     single = LLMEngine.from_pretrained(ckpt, EngineConfig(block_size=4), progress=False)
     for rank, out in outs.items():
         assert "error" not in out, out.get("error")
+        assert out["exchange"] == exchange
         for form in ("graphs", "eager"):
             expect = single.generate(out[form + "_prompts"], ep_worker.GREEDY)
             assert out[form] == [o.output_token_ids for o in expect], form

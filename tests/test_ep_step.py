@@ -11,8 +11,9 @@ import torch.distributed as dist
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine import ep as ep_module
 from engine.cuda_graphs import DecodeGraphs
-from engine.ep import ExpertParallel, initial_placement
+from engine.ep import ExpertParallel, GroupStep, initial_placement
 from engine.ep_step import run_lockstep
+from engine.host_agreement import host_exchange
 from engine.moe import ExpertMap
 
 
@@ -88,16 +89,15 @@ class Runner:
 
 
 @pytest.fixture
-def group_of_two(monkeypatch):
+def group_of_two():
     """Rank 0 of two, its peer's wish for the step (rows, graph, chunk, width, sparse) and whether it
-    has staged a committed plan set by the test (the all-gather faked)."""
+    has staged a committed plan set by the test (the exchange faked)."""
     peer = {"staged": 0}
 
-    def all_gather(out, mine, group=None):
-        peer["sent"] = mine.tolist()
-        out.copy_(torch.cat([mine, torch.tensor(peer["wish"] + [peer["staged"]], dtype=torch.long)]))
-    monkeypatch.setattr(ep_module, "_all_gather", all_gather)
-    ep = ExpertParallel(0, 2, initial_placement(1, 4, 4), 4)
+    def exchange(values):
+        peer["sent"] = list(values)
+        return [list(values), peer["wish"] + [peer["staged"]]]
+    ep = ExpertParallel(0, 2, initial_placement(1, 4, 4), 4, exchange=SimpleNamespace(exchange=exchange))
     ep.attach([])
     return ep, peer
 
@@ -240,9 +240,9 @@ def test_gpu_decode_graphs_with_the_moe_collectives(tiny_ckpt, host_agreement):
         migrate = dist.new_group(backend="gloo")
         layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
         slots = cfg.n_routed_experts + 2
-        agree = dist.new_group(backend="gloo") if host_agreement else None
+        exchange = host_exchange(0, 1, GroupStep.WIDTH, dist.new_group(backend="gloo")) if host_agreement else None
         ep = ExpertParallel(0, 1, initial_placement(layers, cfg.n_routed_experts, slots), cfg.n_routed_experts,
-                            group=dist.group.WORLD, migrate_group=migrate, agree_group=agree)
+                            group=dist.group.WORLD, migrate_group=migrate, exchange=exchange)
         model = load_model(tiny_ckpt, progress=False, local_phys2log=ep.local_phys2log(), device="cuda")
         engine = LLMEngine(model, Tokenizer(tiny_ckpt), engine_cfg, ep=ep)
         assert engine._run_ahead == host_agreement

@@ -1,0 +1,132 @@
+"""The step's agreement of a lockstep group on the host, off the GPU's stream (engine/ep.py,
+`ExpertParallel.agree`): every rank hands in a few small integers and gets every rank's back.
+
+- `GlooExchange`: an all-gather over a gloo group; works across hosts, but its latency grows
+  with the group (a ring of loopback round trips: 0.19 ms at 2 ranks, 0.83 ms at 8 on one
+  host, bench/agree_latency.py), which lands on the host's critical path once a step.
+- `ShmExchange`: the ranks of one host, through a shared-memory block: each rank writes its
+  values into its own cache lines and spins until every rank's are there, microseconds.
+
+Each value of the shared block carries the step's tag in its high bits, so a reader never
+needs the writer's stores to arrive in order (weakly ordered CPUs included): an aligned
+8-byte store is seen whole or not at all. Two buffers per rank, by step parity: a rank can
+run at most one agreement ahead of the slowest (it cannot pass step k + 1 before every rank
+has written it, that is, finished reading step k), so it never overwrites what a slower
+rank is still reading.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import time
+import uuid
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+# Newer torch names the tensor form of the all-gather all_gather_single (the old name warns).
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_TAG_SHIFT = 40                 # values below 2**40; the step's tag above
+_TAG_MASK = (1 << 23) - 1       # tags wrap: ranks are never 2**23 steps apart
+_SLOT = 16                      # int64s per rank: its pid, then two buffers (128 bytes)
+
+
+class GlooExchange:
+    def __init__(self, group, world: int):
+        self.group, self.world = group, world
+
+    def exchange(self, values: list[int]) -> list[list[int]]:
+        every = torch.empty(self.world * len(values), dtype=torch.long)  # concatenated in rank order
+        _all_gather(every, torch.tensor(values, dtype=torch.long), group=self.group)
+        return every.view(self.world, len(values)).tolist()
+
+
+class ShmExchange:
+    """One rank's end of a shared block of `world` slots, a file under /dev/shm. Rank 0 makes it
+    (`create`), the others open it by path; the path can be unlinked once all have it mapped."""
+
+    def __init__(self, path: str, rank: int, world: int, width: int, create: bool, timeout_s: float = 120.0):
+        if 1 + 2 * width > _SLOT:
+            raise ValueError(f"a slot holds {(_SLOT - 1) // 2} values, not {width}")
+        self.path, self.rank, self.world, self.width, self.timeout_s = path, rank, world, width, timeout_s
+        nbytes = world * _SLOT * 8
+        fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, nbytes)  # zero-filled
+            self.map = mmap.mmap(fd, nbytes)
+        finally:
+            os.close(fd)
+        self.slots = np.ndarray((world, _SLOT), dtype=np.int64, buffer=self.map)
+        self.slots[rank, 0] = os.getpid()
+        self.step = 0
+
+    @property
+    def name(self) -> str:
+        return self.shm.name
+
+    def exchange(self, values: list[int]) -> list[list[int]]:
+        if len(values) != self.width or any(v < 0 or v >> _TAG_SHIFT for v in values):
+            raise ValueError(f"{self.width} values in 0..2**{_TAG_SHIFT} expected, got {values}")
+        self.step += 1
+        tag = (self.step & _TAG_MASK) << _TAG_SHIFT
+        first = 1 + (self.step % 2) * self.width
+        view = self.slots[:, first:first + self.width]
+        view[self.rank] = [tag | v for v in values]
+        self._wait(view, tag)
+        return (view & ((1 << _TAG_SHIFT) - 1)).tolist()
+
+    def _wait(self, view: np.ndarray, tag: int) -> None:
+        """Spin for about 0.2 ms, then poll every ~50 us, checking that the peers are alive."""
+        start = time.monotonic()
+        spins = 0
+        while ((view >> _TAG_SHIFT) != (tag >> _TAG_SHIFT)).any():
+            spins += 1
+            if spins < 200:
+                continue
+            time.sleep(5e-5)
+            if spins % 200 == 0:
+                waited = time.monotonic() - start
+                self._check_peers(view, tag, waited)
+
+    def _check_peers(self, view: np.ndarray, tag: int, waited: float) -> None:
+        late = [r for r in range(self.world) if (view[r] >> _TAG_SHIFT != tag >> _TAG_SHIFT).any()]
+        for r in late:
+            pid = int(self.slots[r, 0])
+            try:
+                if pid:
+                    os.kill(pid, 0)
+            except ProcessLookupError:
+                raise RuntimeError(f"rank {r} of the decode group (pid {pid}) is gone") from None
+            except PermissionError:
+                pass
+        if waited > self.timeout_s:
+            raise RuntimeError(f"ranks {late} of the decode group did not reach step {self.step} "
+                               f"in {self.timeout_s:.0f} s")
+
+    def unlink(self) -> None:
+        """Remove the file; the mapping stays until the last view of it is gone (closing the map
+        explicitly would leave numpy views pointing at unmapped memory)."""
+        os.unlink(self.path)
+
+
+def host_exchange(rank: int, world: int, width: int, gloo_group, timeout_s: float = 120.0):
+    """The fastest exchange the group can use: shared memory when every rank is on this host
+    (its name handed round over `gloo_group`), else the gloo group itself. Collective: every
+    rank calls it."""
+    from .shm_pool import SHM_DIR, host_id
+
+    hosts = [None] * world
+    dist.all_gather_object(hosts, host_id(), group=gloo_group)
+    if len(set(hosts)) > 1:
+        return GlooExchange(gloo_group, world)
+    path = [f"{SHM_DIR}/wideep-agree-{uuid.uuid4().hex}" if rank == 0 else None]
+    ex = ShmExchange(path[0], rank, world, width, create=True, timeout_s=timeout_s) if rank == 0 else None
+    dist.broadcast_object_list(path, src=0, group=gloo_group)
+    if rank != 0:
+        ex = ShmExchange(path[0], rank, world, width, create=False, timeout_s=timeout_s)
+    dist.barrier(group=gloo_group)
+    if rank == 0:
+        ex.unlink()  # every rank has it open: nothing left behind in /dev/shm, whatever happens next
+    return ex
