@@ -216,14 +216,26 @@ def staggered(engine, prompts, params, every=3):
     return [final[f"staggered-{i}"] for i in range(len(prompts))]
 
 
+class NoDecodeGraphPeer:
+    """A host exchange whose group has a rank that cannot replay decode graphs: every step takes
+    a chunk graph, steps launched ahead too (their input ids written into the chunk graph's)."""
+
+    def __init__(self, exchange):
+        self.inner = exchange
+
+    def exchange(self, values):
+        return self.inner.exchange([values[0], 0] + list(values[2:]))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (NCCL)")
-@pytest.mark.parametrize("host_agreement", [False, True])
-def test_gpu_decode_graphs_with_the_moe_collectives(tiny_ckpt, host_agreement):
+@pytest.mark.parametrize("agreement", ["nccl", "host", "host, chunk graphs only"])
+def test_gpu_decode_graphs_with_the_moe_collectives(tiny_ckpt, agreement):
     """One NCCL rank: decode steps are captured with the all-gather and reduce-scatter inside,
     give the tokens of the engine without expert parallelism, and a live re-placement (weights
     and maps copied in place) leaves the captured graphs valid: same tokens, nothing re-captured.
-    With the agreement on a host (gloo) group the engine runs decode steps ahead (async
-    scheduling), with the same tokens; over NCCL it cannot."""
+    With the agreement on the host the engine runs decode steps ahead (async scheduling), with
+    the same tokens, through decode graphs or, when the group cannot replay those, through chunk
+    graphs; over NCCL it cannot run ahead."""
     from engine.checkpoint import load_model
     from engine.config import ModelConfig
     from engine.tokenizer import Tokenizer
@@ -240,7 +252,10 @@ def test_gpu_decode_graphs_with_the_moe_collectives(tiny_ckpt, host_agreement):
         migrate = dist.new_group(backend="gloo")
         layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
         slots = cfg.n_routed_experts + 2
+        host_agreement = agreement != "nccl"
         exchange = host_exchange(0, 1, GroupStep.WIDTH, dist.new_group(backend="gloo")) if host_agreement else None
+        if agreement == "host, chunk graphs only":
+            exchange = NoDecodeGraphPeer(exchange)
         ep = ExpertParallel(0, 1, initial_placement(layers, cfg.n_routed_experts, slots), cfg.n_routed_experts,
                             group=dist.group.WORLD, migrate_group=migrate, exchange=exchange)
         model = load_model(tiny_ckpt, progress=False, local_phys2log=ep.local_phys2log(), device="cuda")
@@ -252,7 +267,8 @@ def test_gpu_decode_graphs_with_the_moe_collectives(tiny_ckpt, host_agreement):
         got = [o.output_token_ids for o in engine.generate(prompts, greedy)]
         assert got == want
         captured = dict(engine.runner.graphs.graphs)
-        assert any(key[0] == "decode" for key in captured) and not engine.runner.graphs.failed
+        forms = {key[0] for key in captured}
+        assert forms == ({"chunk"} if "only" in agreement else {"decode", "chunk"}) and not engine.runner.graphs.failed
         # every expert to another slot, two of them twice
         new = torch.stack([torch.roll(torch.arange(slots) % cfg.n_routed_experts, 3) for _ in range(layers)])
         ep.stage("p", new)
