@@ -23,13 +23,22 @@ class EngineMetrics:
         self.kv_bytes = metrics.Counter("wideep_kv_transfer_bytes", "KV bytes moved between prefill and decode", keys)
         self.pd = metrics.Counter("wideep_prefill_path_total", "Requests by prefill path (remote, local, fallback)",
                                   keys + ("path",))
-        self._last = {"prefix_hit_tokens": 0, "replayed_tokens": 0}
+        self.steps_ahead = metrics.Counter(
+            "wideep_steps_ahead", "Decode steps launched before the previous step's tokens were read back "
+            "(async scheduling)", keys)
+        self.group_wait = metrics.Counter(
+            "wideep_group_wait_seconds", "Time a decode-group rank waited for the others in the per-step "
+            "agreement (s): the ranks that wait least are the ones the group waits for", keys)
+        self._last = {"prefix_hit_tokens": 0, "replayed_tokens": 0, "steps_ahead": 0, "group_wait_s": 0.0}
 
     def observe_stats(self, stats: dict) -> None:
         self.running.set(stats["running"], self.tags)
         self.waiting.set(stats["waiting"], self.tags)
         self.kv_used.set(stats["kv_blocks_used"], self.tags)
-        for key, counter in (("prefix_hit_tokens", self.prefix_hit), ("replayed_tokens", self.replayed)):
+        for key, counter in (("prefix_hit_tokens", self.prefix_hit), ("replayed_tokens", self.replayed),
+                             ("steps_ahead", self.steps_ahead), ("group_wait_s", self.group_wait)):
+            if key not in stats:  # group_wait_s: expert-parallel ranks only
+                continue
             delta = stats[key] - self._last[key]
             if delta > 0:
                 counter.inc(delta, self.tags)

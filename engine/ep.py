@@ -115,6 +115,7 @@ class ExpertParallel:
         self.maps = [ExpertMap(self.phys2log[layer], num_logical, self.max_replicas) for layer in range(num_layers)]
         self.rows = 0            # this step's MoE rows per rank (set_rows: agree, then the runner's graph padding)
         self.busy = False        # whether any rank had a row at the last agreement
+        self.wait_s = 0.0        # time spent in agreements: waiting for slower ranks (and, over NCCL, the GPU)
         self.counts = None       # [world] real rows of each rank this step, on the forward's device
         self.real = None         # [world * rows]: which gathered rows are real (set_rows), or None
         self._real_rows = None   # its memory, for up to `reserve` rows
@@ -213,8 +214,10 @@ class ExpertParallel:
             ready = self.pending is not None and self.pending.committed and self.pending.done.is_set() \
                 and self.pending.error is None
         mine = [rows, int(graph), int(chunk), width, int(sparse), int(ready)]
+        start = time.perf_counter()
         if self.exchange is not None:
             host = self.exchange.exchange(mine)
+            self.wait_s += time.perf_counter() - start
             counts = torch.tensor([r[0] for r in host], dtype=torch.long)
             # pinned: a pageable copy would wait for the step still running on the GPU
             self.counts.copy_(counts.pin_memory() if self.device.type == "cuda" else counts, non_blocking=True)
@@ -225,6 +228,7 @@ class ExpertParallel:
             every = every.view(self.world, len(mine))
             self.counts.copy_(every[:, 0])
             host = every.tolist()
+            self.wait_s += time.perf_counter() - start
         if all(r[5] for r in host):
             self._switch()
         step = GroupStep(rows=max(r[0] for r in host), graph=all(r[1] for r in host), chunk=all(r[2] for r in host),

@@ -91,6 +91,7 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self.eos_token_id = tokenizer.eos_token_id if tokenizer is not None else None
         self.num_steps = 0
+        self.num_steps_ahead = 0  # of num_steps, those launched before the previous step's tokens were read
         self._inflight: LaunchedStep | None = None
         cuda = self.runner.device.type == "cuda"
         # A lockstep rank runs ahead only where its group agrees on the host: an agreement over
@@ -151,7 +152,7 @@ class LLMEngine:
                 indexer_warm_up(mc.index_topk, self.runner.device, max(cfg.max_num_seqs, chunk))
         s = self.scheduler
         s.prefix_hit_tokens = s.replayed_tokens = s.num_preemptions = 0
-        self.num_steps = 0
+        self.num_steps = self.num_steps_ahead = 0
         for moe in self.runner.model.moe_layers():
             moe.take_load()
 
@@ -372,6 +373,7 @@ class LLMEngine:
         seqs = [cur.batch.seqs[i] for i in rows]
         for seq in seqs:
             self.scheduler.blocks.grow(seq, seq.num_tokens + 1)
+        self.num_steps_ahead += 1
         ids = cur.tokens
         if len(rows) < len(cur.batch):
             ids = ids.index_select(0, host_to_device(ids.device, rows))
@@ -445,5 +447,7 @@ class LLMEngine:
             "prefix_hit_tokens": s.prefix_hit_tokens, "replayed_tokens": s.replayed_tokens,
             "awaiting_kv": len(s.awaiting_kv), "held_kv": len(s.held),
             "quarantined_blocks": sum(len(b) for _, b in s.quarantine),
-            "preemptions": s.num_preemptions, "steps": self.num_steps,
+            "preemptions": s.num_preemptions, "steps": self.num_steps, "steps_ahead": self.num_steps_ahead,
+            # expert parallelism: seconds this rank waited in the group's per-step agreement
+            **({"group_wait_s": self.ep.wait_s} if self.ep is not None else {}),
         }

@@ -237,6 +237,7 @@ def ahead_scenario(engine, ep, out):
         out[form + "_ahead_steps"] = len(launched) - first
         if graphs is not None:
             out["keys"], out["ahead_keys"] = [list(k) for k in graphs.keys], [list(k) for k in graphs.ahead]
+    out["stats"] = engine.stats()
     dist.monitored_barrier(group=ep.migrate_group, timeout=datetime.timedelta(seconds=60))
 
 

@@ -62,6 +62,7 @@ def test_running_ahead_gives_the_outputs_of_stepping_one_at_a_time(which, tiny_c
     # Every step after the one prefill ran ahead: the batch shrinking (by length, by a stop)
     # never sent the engine back to one step at a time.
     assert sync.ahead_steps == 0 and ahead.ahead_steps == ahead.num_steps - 1 == 11
+    assert (sync.stats()["steps_ahead"], ahead.stats()["steps_ahead"]) == (0, 11)  # what operators see
     # A second turn on the same prompts hits the prefix cache the first turn published.
     again = ahead.generate(prompts, params)
     assert _summary(again) == _summary(want)

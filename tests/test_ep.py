@@ -108,6 +108,9 @@ def test_ranks_run_decode_steps_ahead(ckpt_fixture, scenario, exchange, request)
             expect = single.generate(out[form + "_prompts"], ep_worker.GREEDY)
             assert out[form] == [o.output_token_ids for o in expect], form
         assert out["graphs_ahead_steps"] > 5 and out["eager_ahead_steps"] > 5
+        # counted for operators: steps ahead, and time spent waiting for the other rank
+        assert out["stats"]["steps_ahead"] == out["graphs_ahead_steps"] + out["eager_ahead_steps"]
+        assert out["stats"]["group_wait_s"] > 0
     assert outs[0]["keys"] == outs[1]["keys"]
     assert {k[0] for k in outs[0]["ahead_keys"]} == {"decode", "chunk"}, outs[0]["ahead_keys"]
 
