@@ -205,7 +205,7 @@ def _join_expert_parallel(rank: int, ep: dict, model_path: str):
     # staging traffic runs on its own group so it never queues behind the forward's collectives
     migrate = dist.new_group(backend="gloo")
     # The step's agreement on the host, so a rank can launch a step while the one before runs:
-    # through shared memory when the group is on one host, else over a gloo group of its own.
+    # through shared memory when the group is on one host (else None: over NCCL, a step at a time).
     exchange = None
     if ep["backend"] == "nccl":
         exchange = host_exchange(rank, ep["world"], GroupStep.WIDTH, dist.new_group(backend="gloo"),

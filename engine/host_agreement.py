@@ -1,11 +1,12 @@
 """The step's agreement of a lockstep group on the host, off the GPU's stream (engine/ep.py,
 `ExpertParallel.agree`): every rank hands in a few small integers and gets every rank's back.
 
-- `GlooExchange`: an all-gather over a gloo group; works across hosts, but its latency grows
-  with the group (a ring of loopback round trips: 0.19 ms at 2 ranks, 0.83 ms at 8 on one
-  host, bench/agree_latency.py), which lands on the host's critical path once a step.
 - `ShmExchange`: the ranks of one host, through a shared-memory block: each rank writes its
   values into its own cache lines and spins until every rank's are there, microseconds.
+- `GlooExchange`: an all-gather over a gloo group, the form of CPU groups (whose forward group
+  is gloo anyway). Its latency grows with the group (a ring of round trips: 0.19 ms at 2 ranks,
+  0.83 ms at 8 on one host, bench/agree_latency.py), so GPU ranks of several hosts (an NVL72
+  rack is 18 of them) keep the agreement over NCCL instead: host_exchange gives them none.
 
 Each value of the shared block carries the step's tag in its high bits, so a reader never
 needs the writer's stores to arrive in order (weakly ordered CPUs included): an aligned
@@ -112,15 +113,15 @@ class ShmExchange:
 
 
 def host_exchange(rank: int, world: int, width: int, gloo_group, timeout_s: float = 120.0):
-    """The fastest exchange the group can use: shared memory when every rank is on this host
-    (its name handed round over `gloo_group`), else the gloo group itself. Collective: every
-    rank calls it."""
+    """Shared memory when every rank is on this host (its name handed round over `gloo_group`),
+    else None: the group then agrees over its NCCL group, which waits for the GPU but not for a
+    ring of host round trips (see the module's note). Collective: every rank calls it."""
     from .shm_pool import SHM_DIR, host_id
 
     hosts = [None] * world
     dist.all_gather_object(hosts, host_id(), group=gloo_group)
     if len(set(hosts)) > 1:
-        return GlooExchange(gloo_group, world)
+        return None
     path = [f"{SHM_DIR}/wideep-agree-{uuid.uuid4().hex}" if rank == 0 else None]
     ex = ShmExchange(path[0], rank, world, width, create=True, timeout_s=timeout_s) if rank == 0 else None
     dist.broadcast_object_list(path, src=0, group=gloo_group)

@@ -112,18 +112,20 @@ def _setup_rank(rank, world, port, other_host, results):
         shm_pool.host_id = lambda: f"host-{rank}"
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        ex = host_exchange(rank, world, 6, dist.new_group(backend="gloo"))
-        got = [ex.exchange([rank, step, 0, 0, 0, 0]) for step in range(3)]
+        group = dist.new_group(backend="gloo")
+        ex = host_exchange(rank, world, 6, group)
+        got = [ex.exchange([rank, step, 0, 0, 0, 0]) for step in range(3)] if ex is not None else None
         path = getattr(ex, "path", None)
-        results.put((rank, type(ex).__name__, got, path is not None and os.path.exists(path)))
+        over_gloo = GlooExchange(group, world).exchange([rank, 9, 0, 0, 0, 1 << 50])  # CPU groups' form
+        results.put((rank, type(ex).__name__, got, path is not None and os.path.exists(path), over_gloo))
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("other_host,form", [(False, ShmExchange), (True, GlooExchange)])
+@pytest.mark.parametrize("other_host,form", [(False, "ShmExchange"), (True, "NoneType")])
 def test_the_group_picks_shared_memory_on_one_host(other_host, form):
     """Ranks of one host agree through shared memory, whose file is unlinked once all have it
-    open; ranks of several hosts over gloo. Same values either way."""
+    open; ranks of several hosts get no host exchange (their GPUs agree over NCCL)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _port()
@@ -134,7 +136,8 @@ def test_the_group_picks_shared_memory_on_one_host(other_host, form):
     for p in procs:
         p.join(timeout=10)
     for rank in range(2):
-        name, got, file_left = outs[rank]
-        assert name == form.__name__
-        assert got == [[[0, step, 0, 0, 0, 0], [1, step, 0, 0, 0, 0]] for step in range(3)]
-        assert not file_left
+        name, got, file_left, over_gloo = outs[rank]
+        assert name == form and not file_left
+        assert over_gloo == [[0, 9, 0, 0, 0, 1 << 50], [1, 9, 0, 0, 0, 1 << 50]]
+        if form == "ShmExchange":
+            assert got == [[[0, step, 0, 0, 0, 0], [1, step, 0, 0, 0, 0]] for step in range(3)]
