@@ -375,8 +375,8 @@ class EngineConfig(BaseModel):
                           "tokens stay on the device), so the host's work between steps overlaps the GPU's; a "
                           "request that stops on a token costs one discarded row of the step after. None: on "
                           "GPU only (on CPU the step ahead runs before the outputs return, a step of latency "
-                          "for nothing). With expert parallelism, where the group agrees on each step over a host "
-                          "(gloo) group: the decode group's ranks on GPUs do.")
+                          "for nothing). With expert parallelism, where the group agrees on each step on the host: "
+                          "GPU ranks of one host do (shared memory); a group across hosts steps one at a time.")
     warmup: bool = Field(
         True, description="on GPU, run a few short requests at start so kernel compilation and the first "
                           "CUDA graph capture do not delay the first users")
