@@ -6,17 +6,22 @@ from ray import serve
 from app.main import build_app
 
 
-@pytest.fixture(scope="module")
-def group(tiny_ckpt, tmp_path_factory):
+@pytest.fixture(scope="module", params=[None, True], ids=["one-step-at-a-time", "steps-ahead"])
+def group(tiny_ckpt, tmp_path_factory, request):
+    """The decode group; with async_scheduling on (the GPU default) each rank launches its next
+    decode step before reading this one's tokens, agreeing with the other rank on the host."""
     ray.init(num_cpus=2, include_dashboard=False, _temp_dir=str(tmp_path_factory.mktemp("ray")),
              logging_level="ERROR")
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": 0})
-        args = {"model": {"path": str(tiny_ckpt)}, "engine": {"block_size": 4, "num_blocks": 128},
+        args = {"model": {"path": str(tiny_ckpt)},
+                "engine": {"block_size": 4, "num_blocks": 128, "async_scheduling": request.param},
                 "decode": {"dp_size": 2}, "kv_transport": {"backend": "none"},
                 "eplb": {"enabled": True, "interval_s": 3600, "stage_timeout_s": 3}}
         serve.run(build_app(args), name="wideep", route_prefix="/", blocking=False)
-        yield serve.get_deployment_handle("DecodeGroup", app_name="wideep")
+        handle = serve.get_deployment_handle("DecodeGroup", app_name="wideep")
+        handle.async_scheduling = request.param
+        yield handle
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -63,3 +68,11 @@ def test_invalid_placements_are_refused(group):
         group.migrate_to.remote([[0] * 8] * 3).result()
     with pytest.raises(Exception, match="shape"):
         group.migrate_to.remote([[0, 1, 2, 3, 4, 5, 6, 7]]).result()
+
+
+def test_ranks_step_ahead_when_asked(group):
+    _generate(group, "ahead", PROMPT)
+    stats = group.stats.remote().result()
+    assert len(stats) == 2 and all(rank["group_wait_s"] >= 0 for rank in stats)
+    # the rank that served decoded ahead; the idle one had nothing to run ahead
+    assert (sum(rank["steps_ahead"] for rank in stats) > 0) == bool(group.async_scheduling), stats
