@@ -119,6 +119,8 @@ def run(rank, world, port, ckpt, results, scenario):
         # Rank 0 alone decodes while rank 1 has nothing: rank 1's engine still steps with it
         # (idle forwards that run the MoE layers' collectives).
         steps0 = engine.num_steps
+        # both ranks have counted before rank 0's request starts (its forwards count on both)
+        dist.monitored_barrier(group=ep.migrate_group, timeout=datetime.timedelta(seconds=60))
         out["solo"] = asyncio.run(generate_all(aengine, prompts[:1] if rank == 0 else [], "solo"))
         dist.monitored_barrier(group=ep.migrate_group, timeout=datetime.timedelta(seconds=60))
         out["solo_steps"] = engine.num_steps - steps0
