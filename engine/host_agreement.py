@@ -34,6 +34,8 @@ _SLOT = 16                      # int64s per rank: its pid, then two buffers (12
 
 
 class GlooExchange:
+    """The exchange as an all-gather over a gloo group (CPU groups)."""
+
     def __init__(self, group, world: int):
         self.group, self.world = group, world
 
@@ -62,10 +64,6 @@ class ShmExchange:
         self.slots = np.ndarray((world, _SLOT), dtype=np.int64, buffer=self.map)
         self.slots[rank, 0] = os.getpid()
         self.step = 0
-
-    @property
-    def name(self) -> str:
-        return self.shm.name
 
     def exchange(self, values: list[int]) -> list[list[int]]:
         if len(values) != self.width or any(v < 0 or v >> _TAG_SHIFT for v in values):
