@@ -105,10 +105,10 @@ def measure(engine: LLMEngine, batch: int, prompt: int, steps: int, vocab: int, 
 def profile_step(engine: LLMEngine, path: str, title: str) -> int:
     """Profile one whole decode step run eagerly (graphs hide their kernels from the profiler),
     the agreement and sampling included; append its kernels by device time to `path` and return
-    how many it launched. Dependent launches are off for it (kernels/pdl.py)."""
+    how many it launched. Dependent launches are off for it (wideep_kernels/pdl.py)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from kernels import pdl
+    from wideep_kernels import pdl
     runner = engine.runner
     graphs, runner.graphs = runner.graphs, None
     mode, pdl.MODE = pdl.MODE, 0

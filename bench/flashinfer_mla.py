@@ -30,7 +30,7 @@ import statistics
 
 import torch
 
-from kernels.mla_decode import _resolve_slots_kernel, mla_decode_reference, mla_decode_triton
+from wideep_kernels.mla_decode import _resolve_slots_kernel, mla_decode_reference, mla_decode_triton
 
 KV_LORA, ROPE, BLOCK = 512, 64, 64
 

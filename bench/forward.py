@@ -12,7 +12,7 @@ random global KV (and a full window ring), then the same decode step is replayed
 - roofline_ms: bytes the step must read (weights it touches + KV it reads) / copy bandwidth
   measured in the same run (a device-to-device copy reads and writes: 2 x bytes / time);
   roofline_pct = roofline_ms / forward_ms;
-- pdl: the kernels' programmatic dependent launch mode (kernels/pdl.py, WIDEEP_PDL; 0 = off);
+- pdl: the kernels' programmatic dependent launch mode (wideep_kernels/pdl.py, WIDEEP_PDL; 0 = off);
 - moe_share (--moe-share): 1 - forward time with every MoE layer replaced by a no-op / full.
 `--index-topk-freq 1 4 16` adds rows with the indexer scoring in every n-th layer only
 (EngineConfig.index_topk_freq); their roofline counts only the index keys those layers read.
@@ -37,7 +37,7 @@ from engine.moe import MoE
 from engine.sampling import SamplingParams
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence, Status
-from kernels import pdl
+from wideep_kernels import pdl
 
 
 EXPERT_ACTIVATIONS = {"fp8_w8a8": "fp8_e4m3", "fp8_w8a16": "model"}  # --expert-dtype -> expert_activations
@@ -252,9 +252,9 @@ def unfused_small():
     experts' output where that is separate) in launches of their own. Returns the undo."""
     from engine import layers as layers_module
     from engine import model as model_module
-    from kernels.rmsnorm import rms_norm
-    from kernels.rope import apply_rope
-    from kernels.swiglu import silu_mul_reference
+    from wideep_kernels.rmsnorm import rms_norm
+    from wideep_kernels.rope import apply_rope
+    from wideep_kernels.swiglu import silu_mul_reference
 
     def latent(kv, weight, eps, cos, sin, interleave):
         c = weight.shape[0]
@@ -299,7 +299,7 @@ def unfused_gate():
 def mla_gluon(on: bool):
     """Force the Gluon MLA decode split kernel on or off where it applies. Returns a function
     that applies the change (time_changed's form), which returns the undo."""
-    from kernels import mla_decode_gluon
+    from wideep_kernels import mla_decode_gluon
 
     def change():
         saved, mla_decode_gluon.GLUON_OVERRIDE = mla_decode_gluon.GLUON_OVERRIDE, on
@@ -313,7 +313,7 @@ def mla_gluon(on: bool):
 def mla_override(fields: dict):
     """The tuned MLA decode configuration with `fields` replaced (e.g. {"slots": true}), in
     time_changed's form: a table choice checked inside the whole step."""
-    from kernels import mla_decode
+    from wideep_kernels import mla_decode
 
     def change():
         real = mla_decode.tuned_config
@@ -334,7 +334,7 @@ def gate_parts(parts: int):
     time_changed's form."""
     import functools
 
-    from kernels.routing import gate_parts_triton
+    from wideep_kernels.routing import gate_parts_triton
 
     def change():
         real = moe_module.gate_parts_triton
@@ -362,7 +362,7 @@ def select_method(fused_max_width: int, programs: int | None = None):
     and by the radix passes, count and emit as separate launches above (torch.topk past 128K),
     in time_changed's form. `programs`: split rows over about this many programs in all
     (row_select.TARGET_PROGRAMS)."""
-    from kernels import indexer, row_select
+    from wideep_kernels import indexer, row_select
 
     def change():
         saved = indexer.FUSED_MAX_WIDTH, row_select.TARGET_PROGRAMS
@@ -401,7 +401,7 @@ def time_changed(engine: LLMEngine, batch: ScheduledBatch, iters: int, change) -
 def profile_step(engine: LLMEngine, batch: ScheduledBatch, path: str, title: str) -> int:
     """Profile one eager decode forward (graphs hide the kernels from the profiler): append
     the table of kernels by device time to `path`; returns how many kernels the step launched.
-    Dependent launches (kernels/pdl.py) are off for it: each kernel's time would include its
+    Dependent launches (wideep_kernels/pdl.py) are off for it: each kernel's time would include its
     wait for the one before."""
     from torch.profiler import ProfilerActivity, profile
     r = engine.runner

@@ -1,4 +1,4 @@
-"""The per-head decode projections of MLA (kernels/head_gemv.py) against the torch calls they
+"""The per-head decode projections of MLA (wideep_kernels/head_gemv.py) against the torch calls they
 replace (the batched GEMMs of cuBLAS), at the bench model's sizes (bf16): the query absorbed
 into the latent space (q_nope [T, 16, 128], a view of q [T, 16, 192], by kv_b_proj's key rows
 [16, 128, 512]) and the value up-projection (the latent output [T, 16, 512] by the value rows
@@ -23,7 +23,7 @@ HEADS, NOPE, ROPE, V, LORA = 16, 128, 64, 128, 512
 def run(device: str = "cuda", quick: bool = False) -> list[dict]:
     if device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels import triton
-    from kernels.head_gemv import head_gemv_triton
+    from wideep_kernels.head_gemv import head_gemv_triton
 
     dtype = torch.bfloat16
     g = torch.Generator().manual_seed(0)

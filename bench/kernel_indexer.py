@@ -8,7 +8,7 @@ process; the kernel's choice is checked against the reference's on those inputs:
 `agree` is the fraction of the reference's positions the kernel also chose, and `worst_gap`
 how far (in score) the kernel's weakest pick falls below the reference's k-th score, which
 stays ~0 when the only disagreements are near-ties rounded differently. select_<method>_ms
-time the selection alone by each method (kernels/indexer.py select_topk_triton), 16 calls in one CUDA
+time the selection alone by each method (wideep_kernels/indexer.py select_topk_triton), 16 calls in one CUDA
 graph on GPU, so that each call's launches and gaps count as they do in the decode step.
 
     python -m bench.kernel_indexer --device cuda --json bench/results/kernel_indexer.json
@@ -70,7 +70,7 @@ def compare(got: torch.Tensor, ref_pos: torch.Tensor, ref_scores: torch.Tensor) 
 def run(device: str = "cuda", quick: bool = False) -> list[dict]:
     if not device.startswith("cuda"):
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    from kernels.indexer import (
+    from wideep_kernels.indexer import (
         indexer_scores_reference, indexer_scores_triton, indexer_topk_reference, indexer_topk_triton,
         select_topk_triton)
 

@@ -45,7 +45,7 @@ def make_inputs(batch: int, context: int, device: str, heads: int, kv_lora: int,
 
 def quantize_in_chunks(kv: torch.Tensor, rows: int = 1 << 20):
     """Per-token FP8 of a large slab without a full-size fp32 temporary."""
-    from kernels.fp8_kv import FP8_DTYPE, quantize_kv
+    from wideep_kernels.fp8_kv import FP8_DTYPE, quantize_kv
     q8 = torch.empty(kv.shape, dtype=FP8_DTYPE, device=kv.device)
     scale = torch.empty(kv.shape[0], dtype=torch.float32, device=kv.device)
     for i in range(0, kv.shape[0], rows):
@@ -78,7 +78,7 @@ def cases(quick: bool):
 def run(device: str = "cuda", quick: bool = False) -> list[dict]:
     if not device.startswith("cuda"):
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    from kernels.mla_decode import mla_decode_reference, mla_decode_triton
+    from wideep_kernels.mla_decode import mla_decode_reference, mla_decode_triton
 
     if quick:
         heads, kv_lora, rope, block_size, iters, warmup = 4, 32, 8, 4, 3, 1

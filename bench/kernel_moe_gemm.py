@@ -78,7 +78,7 @@ def fused_experts_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tenso
 def run(device: str = "cuda", quick: bool = False) -> list[dict]:
     if device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first Triton launch
-    from kernels.moe_gemm import fused_experts_reference, fused_experts_triton, pick_config
+    from wideep_kernels.moe_gemm import fused_experts_reference, fused_experts_triton, pick_config
 
     cuda = device.startswith("cuda")
     dtype = torch.bfloat16 if cuda else torch.float32

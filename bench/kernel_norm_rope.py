@@ -55,8 +55,8 @@ def _error(out: torch.Tensor, ref: torch.Tensor) -> dict:
 def run(device: str = "cuda", quick: bool = False) -> list[dict]:
     if device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels import triton
-    from kernels.rmsnorm import rms_norm_reference, rms_norm_triton
-    from kernels.rope import apply_rope_reference, apply_rope_triton
+    from wideep_kernels.rmsnorm import rms_norm_reference, rms_norm_triton
+    from wideep_kernels.rope import apply_rope_reference, apply_rope_triton
 
     fns = {"norm": (rms_norm_reference, rms_norm_triton), "rope": (apply_rope_reference, apply_rope_triton)}
     cuda = device.startswith("cuda")

@@ -38,8 +38,8 @@ def _expert_map(seed: int) -> tuple[torch.Tensor, torch.Tensor, int]:
 
 def run(device: str = "cuda", quick: bool = False) -> list[dict]:
     if device == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before kernels.routing imports triton
-    from kernels.routing import route_reference, route_triton
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before wideep_kernels.routing imports triton
+    from wideep_kernels.routing import route_reference, route_triton
 
     cuda = device.startswith("cuda")
     token_counts = [4, 16] if quick else [16, 32, 64, 128, 256]

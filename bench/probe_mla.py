@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from bench.kernel_mla_decode import make_inputs
-from kernels import _unusable, mla_decode as mla
+from wideep_kernels import _unusable, mla_decode as mla
 
 HEADS, KV_LORA, ROPE, BLOCK, TOPK, WINDOW = 16, 512, 64, 64, 2048, 128
 
@@ -126,13 +126,13 @@ def main() -> None:
             continue
         ms = reps_ms(lambda: call(None))
         emit(dict(probe="tuned", batch=b, ms=round(ms, 4), tbs=round(gb / ms, 3)))
-        # heads as rows (kernels/mla_decode.py) with and without slots, and keys as rows
-        # (kernels/mla_decode_rows.py), whose Hopper MMAs want 64-key tiles or more
+        # heads as rows (wideep_kernels/mla_decode.py) with and without slots, and keys as rows
+        # (wideep_kernels/mla_decode_rows.py), whose Hopper MMAs want 64-key tiles or more
         space = [dict(block_n=n, num_warps=w, num_stages=st, waves=wv, slots=sl, keys_rows=kr)
                  for kr, n, w, st, wv, sl in itertools.product((False, True), (16, 32, 64), (4, 8), (2, 3),
                                                                (1, 2), (False, True))
                  if (n == 64 and st == 2 and sl if kr else True)]
-        # the Gluon form of keys as rows (kernels/mla_decode_gluon.py): 64-key tiles, slots
+        # the Gluon form of keys as rows (wideep_kernels/mla_decode_gluon.py): 64-key tiles, slots
         space += [dict(block_n=64, num_warps=w, num_stages=2, waves=wv, slots=True, keys_rows=True, gluon=True)
                   for w, wv in itertools.product((4, 8), (1, 2))]
         if args.configs is not None:

@@ -6,7 +6,7 @@ the down kernel's built-in one, then the down kernel's with the best gate-up sha
     python -m bench.probe_moe --json moe.jsonl
     python -m bench.probe_moe --prefill --json moe.jsonl   # chunk shapes: 512 and 2048 tokens, each swept
 
-`--fp8` quantizes the experts to block FP8 (128 x 128 blocks, kernels/fp8_blocks.py) and times the
+`--fp8` quantizes the experts to block FP8 (128 x 128 blocks, wideep_kernels/fp8_blocks.py) and times the
 kernels on them, with the 16-bit weights' built-in shapes timed in the same run beside them.
 
 `--prefill` sweeps wider tiles and the row tile itself (`--block-m`), at prompt-chunk sizes.
@@ -20,7 +20,7 @@ one GPU's share of the 256 experts over 8).
 `--kernels` also profiles the built-in shapes' call (eager, torch.profiler): each launch's GPU time,
 and how the tensor-core products of each Triton build were compiled (wgmma or mma.sync).
 
-`--gate` also times the router's partial-logits kernel (kernels/routing.py) by how many parts
+`--gate` also times the router's partial-logits kernel (wideep_kernels/routing.py) by how many parts
 it splits the hidden size into and its tokens, experts and warps a program, 16 calls a CUDA
 graph replay (`--gate-only`: that alone).
 """
@@ -34,8 +34,8 @@ import torch
 
 from bench.kernel_moe_gemm import BENCH_MODEL, DEEPSEEK_V3, make_inputs, relative_error
 from bench.kernel_timing import graph_ms
-from kernels.fp8_blocks import quantize_experts
-from kernels.moe_gemm import fused_experts_reference, fused_experts_triton, pick_config
+from wideep_kernels.fp8_blocks import quantize_experts
+from wideep_kernels.moe_gemm import fused_experts_reference, fused_experts_triton, pick_config
 
 SHAPES = [(n, w, s) for n in (32, 64, 128) for w in (64, 128, 256) for s in (4, 8) if n * w <= 128 * 128 or s == 8]
 # (BLOCK_N, BLOCK_K, num_warps) for compute-bound chunks: wider column tiles, shallower k steps
@@ -64,8 +64,8 @@ def main(argv=None) -> None:
     ap.add_argument("--gate-only", action="store_true", help="time the router's kernel alone")
     args = ap.parse_args(argv)
     if args.fp8_acc is not None:
-        import kernels.moe_gemm
-        kernels.moe_gemm.FP8_PRECISE_ACC = args.fp8_acc
+        import wideep_kernels.moe_gemm
+        wideep_kernels.moe_gemm.FP8_PRECISE_ACC = args.fp8_acc
     args.tokens = args.tokens or ([512, 2048] if args.prefill else [64, 16, 1])
     args.stages = args.stages or ([3, 4] if args.prefill else [3, 4, 5])
     if args.prefill and args.block_m is None:
@@ -180,7 +180,7 @@ def kernel_split(call, iters: int = 10) -> dict[str, float]:
 
 def mma_forms() -> dict[str, dict[str, int]]:
     """For each build of the two expert kernels: how many wgmma and mma.sync instructions its PTX has."""
-    import kernels.moe_gemm as mg
+    import wideep_kernels.moe_gemm as mg
     forms = {}
     for fn in (mg._gate_up_kernel, mg._down_kernel):
         plain = ("num_tiles", "num_tokens", "zero_count") + (("num_pairs",) if fn is mg._down_kernel else ())
@@ -193,7 +193,7 @@ def mma_forms() -> dict[str, dict[str, int]]:
 
 
 def gate_parts_times(token_counts: list[int], iters: int) -> list[dict]:
-    from kernels.routing import gate_parts_triton
+    from wideep_kernels.routing import gate_parts_triton
     rows = []
     w = torch.randn(BENCH_MODEL["slots"], BENCH_MODEL["hidden"], device="cuda")
     for tokens in token_counts:

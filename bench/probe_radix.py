@@ -13,9 +13,9 @@ import json
 
 import torch
 
-import kernels.radix_select
+import wideep_kernels.radix_select
 from bench.kernel_timing import graph_ms
-from kernels.indexer import kth_scores
+from wideep_kernels.indexer import kth_scores
 
 TOPK = 2048
 SHAPES = ((1, 8192), (16, 8192), (64, 8192), (16, 131072))
@@ -28,9 +28,9 @@ def main(argv=None) -> None:
     ap.add_argument("--shapes", nargs="+", default=None, help="BATCHxWIDTH rows to time instead of the decode shapes")
     ap.add_argument("--sparse", action="store_true",
                     help="time each choice with the last two passes' atomics for sparse blocks on and off "
-                         "(kernels/radix_select.py RADIX_SPARSE)")
+                         "(wideep_kernels/radix_select.py RADIX_SPARSE)")
     args = ap.parse_args(argv)
-    sparse_modes = (True, False) if args.sparse else (kernels.radix_select.RADIX_SPARSE,)
+    sparse_modes = (True, False) if args.sparse else (wideep_kernels.radix_select.RADIX_SPARSE,)
     shapes = [tuple(map(int, s.lower().split("x"))) for s in args.shapes] if args.shapes else SHAPES
     rows = []
     for batch, width in shapes:
@@ -41,7 +41,7 @@ def main(argv=None) -> None:
                 (512, 1024, 2048, 4096, 8192, 16384), (256, 512, 1024, 2048), (4, 8), sparse_modes):
             if span % block or span > max(width, 1024):
                 continue
-            kernels.radix_select.RADIX_SPARSE = sparse
+            wideep_kernels.radix_select.RADIX_SPARSE = sparse
             if not torch.equal(kth_scores(scores, TOPK, "radix", span, block, warps), want):
                 raise SystemExit(f"wrong k-th score: span {span} block {block} warps {warps} sparse {sparse}")
             ms = graph_ms(lambda: kth_scores(scores, TOPK, "radix", span, block, warps), 3, args.iters)

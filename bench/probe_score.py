@@ -1,7 +1,7 @@
 """The indexer's scoring kernel alone, launch choices side by side: bf16 and FP8 index keys, tiles,
 warps, tiles a program (`--loops`: each program scores that many tiles, the query loaded once),
 pipeline stages, the threshold select's group maxima written by the same launch (`--maxima`,
-kernels/index_score.py _score_launch), and FP8 keys scored in fp16 instead of bf16
+wideep_kernels/index_score.py _score_launch), and FP8 keys scored in fp16 instead of bf16
 (FP8_SCORES_IN_F16). Each call is captured 4 times in one CUDA graph
 (bench.kernel_timing.graph_ms); GB/s counts the keys (and scales) read. Every choice must give
 the one-tile-a-program bf16-widened scores (to 1e-5 of the largest; bf16 keys: exactly).
@@ -25,8 +25,8 @@ import torch
 
 from bench.kernel_indexer import BLOCK, DIM, make_inputs
 from bench.kernel_timing import graph_ms
-from kernels.index_score import _score_launch
-from kernels.wide_select import group_stride
+from wideep_kernels.index_score import _score_launch
+from wideep_kernels.wide_select import group_stride
 
 CHOICES = ["64:2", "64:4", "128:2", "128:4", "128:8", "256:4", "256:8"]
 TOPK = 2048

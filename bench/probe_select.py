@@ -8,7 +8,7 @@ in the decode step; every choice must pick the reference's positions.
     python -m bench.probe_select --json select.jsonl
 
 `--wide`: rows of 64K-512K positions, all live. The k-th score alone by torch.topk, the radix
-passes and the candidates above group maxima (kernels/wide_select.py), each checked equal to
+passes and the candidates above group maxima (wideep_kernels/wide_select.py), each checked equal to
 torch.topk's, then the whole selection (select_topk_triton) with each, checked against the
 reference's positions. `--dist` picks the scores: normal, trend (rising towards later
 positions) or tied (all but 16 a row equal: every row overflows the candidates, the worst case).
@@ -23,8 +23,8 @@ import json
 import torch
 
 from bench.kernel_timing import graph_ms
-from kernels.indexer import kth_scores, select_topk_reference, select_topk_triton
-from kernels.row_select import MAX_PARTS, select_rows
+from wideep_kernels.indexer import kth_scores, select_topk_reference, select_topk_triton
+from wideep_kernels.row_select import MAX_PARTS, select_rows
 
 TOPK = 2048
 BATCHES = (1, 16, 64)
@@ -45,7 +45,7 @@ def wide_scores(batch: int, width: int, dist: str, g: torch.Generator) -> torch.
 
 
 def wide_rows(widths, batches, dist: str, iters: int) -> list[dict]:
-    from kernels.wide_select import CAPACITY, threshold_passes
+    from wideep_kernels.wide_select import CAPACITY, threshold_passes
     rows = []
     for width in widths:
         for batch in batches:
@@ -83,11 +83,11 @@ def main(argv=None) -> None:
     ap.add_argument("--wide", action="store_true", help="instead: rows of 64K-512K positions (see above)")
     ap.add_argument("--dist", choices=("normal", "trend", "tied"), default="normal", help="--wide scores")
     ap.add_argument("--candidate-programs", type=int, default=None,
-                    help="--wide: programs of the candidates' launch (kernels/wide_select.py CANDIDATE_PROGRAMS)")
+                    help="--wide: programs of the candidates' launch (wideep_kernels/wide_select.py CANDIDATE_PROGRAMS)")
     args = ap.parse_args(argv)
     if args.candidate_programs:
-        import kernels.wide_select
-        kernels.wide_select.CANDIDATE_PROGRAMS = args.candidate_programs
+        import wideep_kernels.wide_select
+        wideep_kernels.wide_select.CANDIDATE_PROGRAMS = args.candidate_programs
     if args.wide and args.widths == list(WIDTHS):
         args.widths = list(WIDE_WIDTHS)
     rows = wide_rows(args.widths, args.batches, args.dist, args.iters) if args.wide else []

@@ -6,7 +6,7 @@ integer arguments divisible by 16, except those the kernel leaves unspecialised)
     python -m bench.sm90_builds                     # the engine's shape, each kernel form
     python -m bench.sm90_builds --json builds.jsonl
     python -m bench.sm90_builds --select             # the indexer's one-launch top-k select
-    python -m bench.sm90_builds --wide               # the wide rows' k-th score (kernels/wide_select.py)
+    python -m bench.sm90_builds --wide               # the wide rows' k-th score (wideep_kernels/wide_select.py)
 
 The figures depend on the Triton release: compare builds under the one the GPU runs.
 """
@@ -24,9 +24,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels.mla_decode import _split_kernel
-from kernels.mla_decode_gluon import _gluon_split_kernel
-from kernels.mla_decode_rows import _rows_split_kernel
+from wideep_kernels.mla_decode import _split_kernel
+from wideep_kernels.mla_decode_gluon import _gluon_split_kernel
+from wideep_kernels.mla_decode_rows import _rows_split_kernel
 
 HEADS, KV_LORA, ROPE = 16, 512, 64
 POINTER_TYPES = dict(q_ptr="*bf16", qr_ptr="*bf16", kv_ptr="*bf16", win_ptr="*bf16", fresh_ptr="*bf16",
@@ -36,7 +36,7 @@ POINTER_TYPES = dict(q_ptr="*bf16", qr_ptr="*bf16", kv_ptr="*bf16", win_ptr="*bf
 # (kernel, keys per tile, warps, stages): the tuned table's choices for the H200 and their neighbours
 BUILDS = [(_split_kernel, 32, 4, 2), (_split_kernel, 64, 8, 2), (_rows_split_kernel, 64, 4, 2),
           (_rows_split_kernel, 64, 8, 2)]
-# the Gluon form (kernels/mla_decode_gluon.py): its two buffers are written out, not a pipeliner's stages
+# the Gluon form (wideep_kernels/mla_decode_gluon.py): its two buffers are written out, not a pipeliner's stages
 GLUON_BUILDS = [(_gluon_split_kernel, 64, 4, 1), (_gluon_split_kernel, 64, 8, 1)]
 
 
@@ -81,8 +81,8 @@ def build(fn, block_n: int, warps: int, stages: int, fp8: bool = False) -> dict:
 
 
 def build_select(first: int, last: int) -> dict:
-    """The indexer's one-launch top-k select (kernels/row_select.py): phases first..last."""
-    from kernels.row_select import BLOCK, MAX_PARTS, _select_kernel
+    """The indexer's one-launch top-k select (wideep_kernels/row_select.py): phases first..last."""
+    from wideep_kernels.row_select import BLOCK, MAX_PARTS, _select_kernel
     fn = _select_kernel
     consts = dict(FIRST=first, LAST=last, BLOCK=BLOCK, PARTS=MAX_PARTS, FILL=1024)
     ptx = _launch_build(fn, consts, {"scores_ptr"}, 4)
@@ -114,14 +114,14 @@ def _launch_build(fn, consts: dict, fp32: set, warps: int) -> str:
 
 
 def build_wide() -> list[dict]:
-    """The wide rows' k-th score (kernels/wide_select.py): group maxima, candidates and each byte
+    """The wide rows' k-th score (wideep_kernels/wide_select.py): group maxima, candidates and each byte
     pass, with and without g_lens (with them the candidates keep their positions), the
     positions emitted from the candidates, the radix passes' sparse atomics, and the count and emit
     passes over whole rows and the one launch that replaces them, as launched on an H200
     (dependent launches on, integers specialised as the launcher does: pointers and the widths
     and strides it keeps)."""
-    from kernels import radix_select
-    from kernels import wide_select as ws
+    from wideep_kernels import radix_select
+    from wideep_kernels import wide_select as ws
     fp32 = {"scores_ptr", "m_ptr", "cand_ptr", "kth_ptr"}
     builds = []
     for lens in (False, True):

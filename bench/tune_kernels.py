@@ -1,5 +1,5 @@
 """Measure every candidate launch configuration of the MLA decode and indexer scoring kernels on
-this GPU and write the fastest per shape to kernels/tuned/<gpu name>.json (kernels/tuning.py).
+this GPU and write the fastest per shape to wideep_kernels/tuned/<gpu name>.json (wideep_kernels/tuning.py).
 
     python -m bench.tune_kernels                      # on the GPU to tune; prints a table
     python -m bench.tune_kernels --quick --dry-run    # fewer shapes, nothing written
@@ -23,18 +23,18 @@ import torch
 from bench.kernel_mla_decode import make_inputs as mla_inputs
 from bench.kernel_mla_decode import quantize_in_chunks
 from bench.kernel_timing import graph_ms
-from kernels import tuning
-from kernels.fp8_kv import quantize_kv
-from kernels.index_score import _score_launch, score_tune_key
-from kernels.mla_decode import mla_decode_triton, tune_key
+from wideep_kernels import tuning
+from wideep_kernels.fp8_kv import quantize_kv
+from wideep_kernels.index_score import _score_launch, score_tune_key
+from wideep_kernels.mla_decode import mla_decode_triton, tune_key
 
 HEADS, KV_LORA, ROPE, BLOCK, TOPK, WINDOW = 16, 512, 64, 64, 2048, 129
 MLA_SPACE = dict(block_n=(32, 64), num_warps=(4, 8), num_stages=(2, 3), waves=(1, 2, 4), min_tiles=(1, 2, 4))
-# Keys as rows (kernels/mla_decode_rows.py): 64-key tiles (Hopper MMAs want 64 rows; two stages
+# Keys as rows (wideep_kernels/mla_decode_rows.py): 64-key tiles (Hopper MMAs want 64 rows; two stages
 # of them fill shared memory), bf16 KV only (its FP8 builds spill about 0.9 KB a thread).
 MLA_ROWS_SPACE = dict(block_n=(64,), num_warps=(4, 8), num_stages=(2,), waves=(1, 2), min_tiles=(1, 4),
                       keys_rows=(True,))
-# The Gluon form of keys as rows (kernels/mla_decode_gluon.py), bf16 or FP8 KV; top-k positions
+# The Gluon form of keys as rows (wideep_kernels/mla_decode_gluon.py), bf16 or FP8 KV; top-k positions
 # resolved by their own launch first (slots) or inside the kernel.
 MLA_GLUON_SPACE = dict(MLA_ROWS_SPACE, gluon=(True,), slots=(True, False))
 SCORE_SPACE = dict(tile=(64, 128, 256, 512), num_warps=(2, 4, 8))

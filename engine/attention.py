@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kernels.fp8_kv import dequantize_kv, quantize_kv
+from wideep_kernels.fp8_kv import dequantize_kv, quantize_kv
 
 if TYPE_CHECKING:
     from .decode_attention import DecodeBatch
@@ -75,7 +75,7 @@ class AttentionContext:
 
     def direct_write(self, source: int, index_key: torch.Tensor | None) -> tuple | None:
         """(slots, latent slab, index_key, index slab[, index scales]) for the latent kernel to
-        write a decode step's global KV itself (kernels/latent.py, latent_and_query; it quantises
+        write a decode step's global KV itself (wideep_kernels/latent.py, latent_and_query; it quantises
         FP8 index keys), or None where write_global must: some rows not written, an FP8 latent
         cache, no indexer key."""
         if self.write_rows is not None or self.kv_scale is not None or index_key is None or self.index_keys is None:

@@ -19,7 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from kernels.fp8_blocks import dequantize_fp8_blocks, quantize_fp8_blocks, scale_shape
+from wideep_kernels.fp8_blocks import dequantize_fp8_blocks, quantize_fp8_blocks, scale_shape
 
 from .config import ConfigError, ModelConfig, preset
 from .fp8_weights import FP8_LINEAR, SCALE_SUFFIX

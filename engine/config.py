@@ -346,7 +346,7 @@ class EngineConfig(BaseModel):
         True, description="capture decode steps in CUDA graphs (CUDA only; with expert parallelism every rank "
                           "captures and replays the same graphs, engine/ep_step.py)")
     moe_gemm: Literal["auto", "triton", "grouped_mm"] = Field(
-        "auto", description="routed-expert GEMMs on GPU: the fused Triton SwiGLU kernel (kernels/moe_gemm.py; "
+        "auto", description="routed-expert GEMMs on GPU: the fused Triton SwiGLU kernel (wideep_kernels/moe_gemm.py; "
                             "auto, measured faster on H200) or torch's grouped GEMM")
     expert_dtype: Literal["auto", "model", "fp8_e4m3"] = Field(
         "auto", description="routed experts' weights: 'fp8_e4m3' stores them as block FP8 (one fp32 scale per "

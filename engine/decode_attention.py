@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.indexer import indexer_topk
-from kernels.mla_decode import mla_decode
+from wideep_kernels.indexer import indexer_topk
+from wideep_kernels.mla_decode import mla_decode
 
 
 @dataclass

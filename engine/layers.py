@@ -7,10 +7,10 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from kernels.gemv import linear
-from kernels.rmsnorm import add_rms_norm, rms_norm
-from kernels.rope import apply_rope
-from kernels.swiglu import silu_mul
+from wideep_kernels.gemv import linear
+from wideep_kernels.rmsnorm import add_rms_norm, rms_norm
+from wideep_kernels.rope import apply_rope
+from wideep_kernels.swiglu import silu_mul
 
 from .config import YarnRope
 
@@ -23,7 +23,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x); with a residual, (norm(x + residual), x + residual), the add in the same
-        launch. One fused kernel on GPU (kernels/rmsnorm.py); its reference is the expression
+        launch. One fused kernel on GPU (wideep_kernels/rmsnorm.py); its reference is the expression
         weight * rms_norm(x in fp32).to(x.dtype)."""
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
@@ -32,7 +32,7 @@ class RMSNorm(nn.Module):
 
 class NormInput(NamedTuple):
     """An RMSNorm left for the batch-1 kernel that reads its output: that kernel normalises the
-    row itself (kernels/gemv.py norm_gemv_triton, kernels/routing.py gate_parts_norm_triton), one
+    row itself (wideep_kernels/gemv.py norm_gemv_triton, wideep_kernels/routing.py gate_parts_norm_triton), one
     launch fewer a norm. Made only where the next layer said it takes it (`takes_norm`)."""
     x: torch.Tensor
     residual: torch.Tensor | None
@@ -127,7 +127,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = fused_linear(x, [self.gate_proj, self.up_proj], self._gate_up, split=False)
-        return self.down_proj(silu_mul(gate_up))  # one launch on GPU (kernels/swiglu.py)
+        return self.down_proj(silu_mul(gate_up))  # one launch on GPU (wideep_kernels/swiglu.py)
 
     def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate and up stacked [2I, H], down [H, I]): the layout of one routed-expert slot."""
@@ -143,7 +143,7 @@ class Rotary:
 
     With `yarn` (YaRN, every released DeepSeek config) the frequencies are stretched and the
     tables scaled (`YarnRope.table_scale`); every consumer (the q rope, the latent's rope key in
-    kernels/latent.py) reads these tables, so none computes YaRN itself. The softmax half of
+    wideep_kernels/latent.py) reads these tables, so none computes YaRN itself. The softmax half of
     YaRN is ModelConfig.softmax_scale.
     """
 
@@ -178,7 +178,7 @@ class Rotary:
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: [T, ..., dim] rotated by the [T, dim/2] tables (one fused kernel on GPU,
-        kernels/rope.py, whose reference defines the maths)."""
+        wideep_kernels/rope.py, whose reference defines the maths)."""
         return apply_rope(x, cos, sin, self.interleave)
 
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from kernels.indexer import warm_up as indexer_warm_up
-from kernels.mla_decode import warm_up as mla_warm_up
+from wideep_kernels.indexer import warm_up as indexer_warm_up
+from wideep_kernels.mla_decode import warm_up as mla_warm_up
 
 from .checkpoint import ensure_checkpoint, load_model
 from .config import EngineConfig, ModelConfig

@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.gemv import linear, norm_gemv_applies, norm_gemv_triton
-from kernels.head_gemv import head_gemv, head_gemv_applies, head_gemv_triton
-from kernels.latent import latent_and_query, norm_rope_latent
+from wideep_kernels.gemv import linear, norm_gemv_applies, norm_gemv_triton
+from wideep_kernels.head_gemv import head_gemv, head_gemv_applies, head_gemv_triton
+from wideep_kernels.latent import latent_and_query, norm_rope_latent
 
 from .attention import AttentionContext, attend, index_topk_mask
 from .config import ModelConfig
@@ -108,7 +108,7 @@ class MLAttention(nn.Module):
         latent = q_low = None
         written = False
         if self.has_latent:
-            # [norm(c_kv) | rope(k_rope)] in one launch on GPU (kernels/latent.py), with the
+            # [norm(c_kv) | rope(k_rope)] in one launch on GPU (wideep_kernels/latent.py), with the
             # query's low-rank norm and, at decode, a source layer's cache write in the same one
             norm = self.kv_a_layernorm
             if cfg.q_lora_rank is not None:

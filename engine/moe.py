@@ -11,11 +11,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import triton_ok
-from kernels.fp8_blocks import ExpertScales, act_group, dequantize_experts, fake_quantize_act, quantize_experts
-from kernels.moe_gemm import AlignedPairs, act_fp8_pays, align_pairs, fused_experts, pick_config, token_major
-from kernels.routing import fused_route, gate_fused_ok, gate_norm_applies, gate_parts_norm_triton, gate_parts_triton
-from kernels.swiglu import silu_mul
+from wideep_kernels import triton_ok
+from wideep_kernels.fp8_blocks import ExpertScales, act_group, dequantize_experts, fake_quantize_act, quantize_experts
+from wideep_kernels.moe_gemm import AlignedPairs, act_fp8_pays, align_pairs, fused_experts, pick_config, token_major
+from wideep_kernels.routing import fused_route, gate_fused_ok, gate_norm_applies, gate_parts_norm_triton, gate_parts_triton
+from wideep_kernels.swiglu import silu_mul
 
 from .config import ConfigError, ModelConfig, fp8_block_cols_fit
 from .layers import MLP, DerivedWeight, NormInput
@@ -31,7 +31,7 @@ def route(logits: torch.Tensor, bias: torch.Tensor, cfg: ModelConfig, expert_map
     Sigmoid scores; the correction bias steers the choice but not the weights; only the
     best `topk_group` groups (by the sum of their two best biased scores) are eligible.
     `slot_load` counts the routed tokens per slot (the balancer's statistics). One fused
-    kernel on GPU (kernels/routing.py).
+    kernel on GPU (wideep_kernels/routing.py).
     """
     if expert_map.log2phys.device != logits.device:
         expert_map.to(logits.device)
@@ -212,7 +212,7 @@ class MoE(nn.Module):
 
     # block FP8 experts ------------------------------------------------------------------
     def quantize_experts(self, block: tuple[int, int], slots_at_once: int = 8) -> None:
-        """Store the routed experts as block FP8 (kernels/fp8_blocks.py): one byte a weight plus
+        """Store the routed experts as block FP8 (wideep_kernels/fp8_blocks.py): one byte a weight plus
         one fp32 scale per block, computed by the fused kernels without a dequantized copy.
         A few slots at a time, so the fp32 working copy stays small beside the weights."""
         if self.fp8_block is not None:
@@ -304,7 +304,7 @@ class MoE(nn.Module):
                      aligned: AlignedPairs | None = None, live_pairs: int | None = None,
                      shared_rows: tuple[int, int] | None = None) -> torch.Tensor:
         """Sum over (token, local slot, weight) pairs of weight * expert(x[token]), as [T, H]
-        (token_of None: token-major pairs, as kernels/moe_gemm.py takes them), plus `add` when
+        (token_of None: token-major pairs, as wideep_kernels/moe_gemm.py takes them), plus `add` when
         given (the fused path adds it in the same launch that rounds the fp32 sum).
         Pairs are sorted by slot: one grouped GEMM per projection where torch has it (no host
         sync, no per-expert launches), else one matmul pair per slot.

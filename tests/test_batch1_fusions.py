@@ -14,10 +14,10 @@ from kernel_devices import DEVICES, gemv_close_to_exact as close_to_exact
 
 triton = pytest.importorskip("triton")
 
-from kernels.gemv import gemv_triton, norm_gemv_applies, norm_gemv_triton  # noqa: E402
-from kernels.moe_gemm import align_pairs_reference  # noqa: E402
-from kernels.rmsnorm import add_rms_norm_reference, rms_norm_reference  # noqa: E402
-from kernels.routing import (  # noqa: E402
+from wideep_kernels.gemv import gemv_triton, norm_gemv_applies, norm_gemv_triton  # noqa: E402
+from wideep_kernels.moe_gemm import align_pairs_reference  # noqa: E402
+from wideep_kernels.rmsnorm import add_rms_norm_reference, rms_norm_reference  # noqa: E402
+from wideep_kernels.routing import (  # noqa: E402
     gate_norm_applies,
     gate_parts_norm_triton,
     route_reference,
@@ -27,7 +27,7 @@ from kernels.routing import (  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def cpu_kernels(monkeypatch):
-    """CPU tensors take the (interpreted) kernels only when asked for (kernels.triton_ok)."""
+    """CPU tensors take the (interpreted) kernels only when asked for (wideep_kernels.triton_ok)."""
     monkeypatch.setenv("WIDEEP_CPU_KERNELS", "1")
 
 
@@ -143,7 +143,7 @@ def test_engine_with_and_without_the_batch1_folds(tiny_ckpt, tiny_v4_ckpt):
     of two takes none of them. Fresh process: the interpreter is chosen before triton's import."""
     code = textwrap.dedent(f"""
         import torch
-        import engine.model, engine.moe, kernels.moe_gemm
+        import engine.model, engine.moe, wideep_kernels.moe_gemm
         from engine.config import EngineConfig
         from engine.llm_engine import LLMEngine
         from engine.sampling import SamplingParams
@@ -158,9 +158,9 @@ def test_engine_with_and_without_the_batch1_folds(tiny_ckpt, tiny_v4_ckpt):
             setattr(mod, name, wrapped)
         count(engine.model, "norm_gemv_triton")
         count(engine.moe, "gate_parts_norm_triton")
-        count(kernels.moe_gemm, "align_pairs_triton")
-        import kernels.routing
-        count(kernels.routing, "route_triton")
+        count(wideep_kernels.moe_gemm, "align_pairs_triton")
+        import wideep_kernels.routing
+        count(wideep_kernels.routing, "route_triton")
         p = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(4, 500, (n,), generator=g).tolist() for n in (9, 21)]

@@ -36,7 +36,7 @@ def test_smoke_rows_per_sharing_choice(tmp_path, capsys):
 
 
 def test_profile_turns_dependent_launches_off_for_its_step_only(tmp_path, monkeypatch):
-    from kernels import pdl
+    from wideep_kernels import pdl
     from engine.model_runner import ModelRunner
     monkeypatch.setattr(pdl, "MODE", pdl.MODES["early"])
     modes, real = [], ModelRunner.decode_forward

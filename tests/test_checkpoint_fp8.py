@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 from engine import checkpoint
 from engine.checkpoint import CheckpointError, iter_checkpoint, load_model, write_random_checkpoint
 from engine.config import ConfigError, EngineConfig, ModelConfig, preset
-from kernels.fp8_blocks import dequantize_experts, dequantize_fp8_blocks, quantize_fp8_blocks
+from wideep_kernels.fp8_blocks import dequantize_experts, dequantize_fp8_blocks, quantize_fp8_blocks
 from engine.llm_engine import LLMEngine
 from engine.sampling import SamplingParams
 

@@ -115,11 +115,11 @@ def test_engine_with_triton_kernels_interpreted(tiny_v4_ckpt, kv_dtype, index_dt
         from engine.config import EngineConfig
         from engine.llm_engine import LLMEngine
         from engine.sampling import SamplingParams
-        import engine.moe, kernels.mla_decode, kernels.indexer, kernels.routing, kernels.swiglu, kernels.latent
+        import engine.moe, wideep_kernels.mla_decode, wideep_kernels.indexer, wideep_kernels.routing, wideep_kernels.swiglu, wideep_kernels.latent
         calls = {{}}
-        for mod, name in [(kernels.mla_decode, "mla_decode_triton"), (kernels.indexer, "indexer_topk_triton"),
-                          (kernels.routing, "route_triton"), (engine.moe, "gate_parts_triton"),
-                          (kernels.swiglu, "silu_mul_triton"), (kernels.latent, "latent_triton")]:
+        for mod, name in [(wideep_kernels.mla_decode, "mla_decode_triton"), (wideep_kernels.indexer, "indexer_topk_triton"),
+                          (wideep_kernels.routing, "route_triton"), (engine.moe, "gate_parts_triton"),
+                          (wideep_kernels.swiglu, "silu_mul_triton"), (wideep_kernels.latent, "latent_triton")]:
             fn = getattr(mod, name)
             def wrapped(*a, _fn=fn, _n=name, **k):
                 calls[_n] = calls.get(_n, 0) + 1
@@ -243,14 +243,14 @@ def test_graph_block_buckets_waste_at_most_a_quarter():
 
 
 def test_pdl_launches_are_plain_off_the_gpu(monkeypatch):
-    from kernels import pdl
+    from wideep_kernels import pdl
     monkeypatch.setattr(pdl, "MODE", pdl.MODES["early"])
     assert pdl.pdl_launch(torch.zeros(1)) == {}
 
 
 def test_pdl_mode_is_checked_at_import():
     env = dict(os.environ, WIDEEP_PDL="sometimes")
-    r = subprocess.run([sys.executable, "-c", "import kernels.pdl"], env=env, capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-c", "import wideep_kernels.pdl"], env=env, capture_output=True, text=True,
                        timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert r.returncode != 0 and "WIDEEP_PDL" in r.stderr and "early" in r.stderr, r.stderr[-2000:]
 
@@ -258,9 +258,9 @@ def test_pdl_mode_is_checked_at_import():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("mode", ["wait", "early"])
 def test_decode_graphs_with_dependent_launches_match_plain_ones(tiny_v4_ckpt, monkeypatch, mode):
-    """Programmatic dependent launch (kernels/pdl.py) in captured decode graphs, with the indexer on
+    """Programmatic dependent launch (wideep_kernels/pdl.py) in captured decode graphs, with the indexer on
     a side stream and the shared expert fused: the same tokens and logits as plain launches."""
-    from kernels import pdl
+    from wideep_kernels import pdl
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs sm_90 or later")
     prompts = _prompts([3, 30, 45, 1, 70])

@@ -4,7 +4,7 @@ import torch
 
 from bench.flashinfer_mla import (BLOCK, KV_LORA, flashinfer_indices, gathered_attention, make_case, make_ring,
                                   window_indices)
-from kernels.mla_decode import mla_decode_reference
+from wideep_kernels.mla_decode import mla_decode_reference
 
 
 def test_one_slot_pages_select_the_topk_keys():

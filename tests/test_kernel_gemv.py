@@ -1,4 +1,4 @@
-"""The batch-1 linear kernel (kernels/gemv.py) against exact products, and where its dispatcher
+"""The batch-1 linear kernel (wideep_kernels/gemv.py) against exact products, and where its dispatcher
 sends a call."""
 import pytest
 import torch
@@ -8,8 +8,8 @@ from kernel_devices import DEVICES, gemv_close_to_exact as close_to_exact
 
 triton = pytest.importorskip("triton")
 
-from kernels import gemv as gemv_module  # noqa: E402
-from kernels.gemv import MAX_K, gemv_triton, linear  # noqa: E402
+from wideep_kernels import gemv as gemv_module  # noqa: E402
+from wideep_kernels.gemv import MAX_K, gemv_triton, linear  # noqa: E402
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -61,7 +61,7 @@ def test_dispatcher_uses_the_kernel_only_where_it_applies(monkeypatch):
 def test_bench_model_shapes_in_a_cuda_graph():
     """The bench model's decode projections (K 2048 and 768) and its LM head, captured in a graph
     behind another kernel and replayed with new inputs."""
-    from kernels.rmsnorm import rms_norm
+    from wideep_kernels.rmsnorm import rms_norm
     g = torch.Generator(device="cuda").manual_seed(0)
     for n, k in ((1928, 2048), (3072, 768), (2048, 2048), (32000, 2048)):
         w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16)

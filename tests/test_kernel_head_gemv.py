@@ -1,4 +1,4 @@
-"""The per-head decode projections (kernels/head_gemv.py) against exact products, on the
+"""The per-head decode projections (wideep_kernels/head_gemv.py) against exact products, on the
 strided views the attention layer passes, and where the dispatcher sends a call."""
 import pytest
 import torch
@@ -7,8 +7,8 @@ from kernel_devices import DEVICES, MANTISSA_BITS
 
 triton = pytest.importorskip("triton")
 
-from kernels import head_gemv as head_gemv_module  # noqa: E402
-from kernels.head_gemv import MAX_ROWS, head_gemv, head_gemv_reference, head_gemv_triton  # noqa: E402
+from wideep_kernels import head_gemv as head_gemv_module  # noqa: E402
+from wideep_kernels.head_gemv import MAX_ROWS, head_gemv, head_gemv_reference, head_gemv_triton  # noqa: E402
 
 
 def close_to_exact(out, x, w):

@@ -8,7 +8,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from kernel_devices import poison_empty  # noqa: E402
-from kernels.indexer import (  # noqa: E402
+from wideep_kernels.indexer import (  # noqa: E402
     indexer_scores_reference,
     indexer_scores_triton,
     indexer_topk,
@@ -81,7 +81,7 @@ def test_topk_matches_reference(device, g_lens, block_size, topk):
 @pytest.mark.parametrize("method", ["fused", "radix"])
 def test_selection_workspace_is_cleared_by_the_scoring(device, method, monkeypatch):
     """The selection's workspace comes from torch.empty and is zeroed by the scoring launch."""
-    import kernels.indexer as mod
+    import wideep_kernels.indexer as mod
     if method == "radix":
         monkeypatch.setattr(mod, "FUSED_MAX_WIDTH", 0)
     assert mod.default_select(1024) == method
@@ -173,7 +173,7 @@ def test_negative_weights_order_negative_scores(device):
 def test_selection_with_many_ties_across_chunks(device, width, topk, chunk, method, monkeypatch):
     """Scores from a handful of values, so the k-th score is shared by positions in several
     chunks: exactly the latest of them must fill the places left."""
-    import kernels.indexer as mod
+    import wideep_kernels.indexer as mod
     # The emit sums the chunk counts 16 a step here, so 300 / 4 = 75 chunks take several steps
     # (the real 1024 a step only loops past 1M positions, too wide for the interpreter).
     monkeypatch.setattr(mod, "_EMIT_SUMS", 16)
@@ -198,8 +198,8 @@ def test_emit_after_the_passes_keeps_the_tie_rule(device, one_emit, method, monk
     (the latest kept), by exactly as many (all kept: values whose key's last byte is not 0, so
     the tie count comes from the histogram), and the -0.0 / 0.0 pair as ties; chunks of 16 over
     several programs."""
-    import kernels.indexer as mod
-    import kernels.wide_select as ws
+    import wideep_kernels.indexer as mod
+    import wideep_kernels.wide_select as ws
     monkeypatch.setattr(mod, "ONE_EMIT", one_emit)
     monkeypatch.setattr(ws, "CAPACITY", 16)  # the threshold rows overflow into the whole-row passes
     width, topk = 500, 40
@@ -222,7 +222,7 @@ def test_emit_after_the_passes_keeps_the_tie_rule(device, one_emit, method, monk
 
 
 def test_dispatcher_uses_reference_without_triton_device(monkeypatch):
-    import kernels.indexer as mod
+    import wideep_kernels.indexer as mod
     args = make_case(TRITON_DEVICE, [30, 9], 8)
     monkeypatch.setattr(mod, "triton_ok", lambda t: False)
     ref = indexer_topk(*args, 8, 10)
@@ -236,7 +236,7 @@ def test_dispatcher_uses_reference_without_triton_device(monkeypatch):
 def test_fp8_keys_with_scales(device, q_dtype):
     """FP8 index keys with one scale per slot (the engine's kv_cache_dtype fp8_e4m3): the kernel
     scores (q . k8) * scale; the reference dequantises first."""
-    from kernels.fp8_kv import quantize_kv
+    from wideep_kernels.fp8_kv import quantize_kv
     g_lens, bs, topk = [70, 9, 33], 8, 12
     q, w, keys, tables, lens = make_case(device, g_lens, bs, seed=5)
     keys8, scale = quantize_kv(keys.float())
@@ -260,8 +260,8 @@ def test_fp8_keys_scored_in_fp16(device, q_scale):
     """FP8 keys with a bf16 query scored in fp16 (FP8_SCORES_IN_F16) give the bf16 path's scores
     (bit for bit under the interpreter), a query past fp16's range (scaled down by a power of two
     and back) included."""
-    from kernels.fp8_kv import quantize_kv
-    from kernels.index_score import _score_launch
+    from wideep_kernels.fp8_kv import quantize_kv
+    from wideep_kernels.index_score import _score_launch
     g_lens, bs = [70, 9, 33], 8
     q, w, keys, tables, lens = make_case(device, g_lens, bs, seed=6)
     keys8, scale = quantize_kv(keys.float())
@@ -276,7 +276,7 @@ def test_fp8_keys_scored_in_fp16(device, q_scale):
 
 
 def order_keys(scores):
-    """The radix passes' order keys (kernels/row_select.py _order_key) as int64: unsigned order
+    """The radix passes' order keys (wideep_kernels/row_select.py _order_key) as int64: unsigned order
     is the float order, -0.0 takes 0.0's key."""
     bits = torch.where(scores == 0, torch.zeros_like(scores), scores).contiguous().view(torch.int32).long() & 0xFFFFFFFF
     return torch.where(bits >> 31 != 0, ~bits & 0xFFFFFFFF, bits | 0x80000000)
@@ -290,8 +290,8 @@ def test_radix_histograms_are_exact(device, sparse):
     reads the k-th key's bin as its count of ties. Scores that are small integers and halves
     have keys ending in zero bytes; -inf padding and -0.0 among them; the threshold passes over
     a whole row (a tiny capacity) likewise."""
-    import kernels.radix_select as radix_select
-    import kernels.wide_select as ws
+    import wideep_kernels.radix_select as radix_select
+    import wideep_kernels.wide_select as ws
     g = torch.Generator().manual_seed(3)
     width, k = 5000, 300
     scores = torch.randint(-8, 9, (3, width), generator=g).float() / 2
@@ -319,7 +319,7 @@ def test_radix_select_over_several_pass_chunks(device, programs, monkeypatch):
     """Rows longer than one histogram chunk (4096, or 1024 when few rows leave the GPU idle),
     scores sharing their top bytes (one binade, many repeats), negative and -inf ones: every
     radix pass has to narrow the k-th score."""
-    import kernels.radix_select as mod
+    import wideep_kernels.radix_select as mod
     monkeypatch.setattr(mod, "_RADIX_PROGRAMS", programs)
     g = torch.Generator().manual_seed(7)
     width, topk = 9000, 300
@@ -356,7 +356,7 @@ def test_radix_sparse_blocks_count_as_histograms(device):
     """The last two radix passes' atomics for blocks where few keys still match (RADIX_SPARSE)
     add the same counts as the histograms: a row whose blocks hold few matching keys (distinct
     random scores) and a row whose blocks hold hundreds (repeats of the k-th score)."""
-    from kernels.indexer import radix_passes
+    from wideep_kernels.indexer import radix_passes
     g = torch.Generator().manual_seed(9)
     width, k = 6000, 300
     scores = torch.randn(2, width, generator=g)

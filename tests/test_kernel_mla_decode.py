@@ -8,10 +8,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
 
-from kernels.fp8_kv import FP8_MAX, dequantize_kv, quantize_kv  # noqa: E402
-from kernels import mla_decode as mla_module  # noqa: E402
-from kernels import mla_decode_gluon  # noqa: E402
-from kernels.mla_decode import mla_decode, mla_decode_reference, mla_decode_triton  # noqa: E402
+from wideep_kernels.fp8_kv import FP8_MAX, dequantize_kv, quantize_kv  # noqa: E402
+from wideep_kernels import mla_decode as mla_module  # noqa: E402
+from wideep_kernels import mla_decode_gluon  # noqa: E402
+from wideep_kernels.mla_decode import mla_decode, mla_decode_reference, mla_decode_triton  # noqa: E402
 
 triton = pytest.importorskip("triton")
 
@@ -227,7 +227,7 @@ def test_dispatcher_and_empty_batch(device, monkeypatch):
     dict(block_n=64, num_warps=8, num_stages=2, waves=2, min_tiles=4, keys_rows=True),
 ])
 def test_launch_configs_agree(device, config):
-    """A tuned launch configuration (kernels/tuning.py) changes tiles and splits, not the result."""
+    """A tuned launch configuration (wideep_kernels/tuning.py) changes tiles and splits, not the result."""
     q, kv, table, lens = make_case([70, 2, 33], 16, torch.bfloat16, device, seed=5)
     win = torch.randn(3, 5, D, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16).to(device)
     out = mla_decode_triton(q, kv, None, table, lens, BS, SCALE, KV_LORA, win_kv=win, config=config)
@@ -238,7 +238,7 @@ def test_launch_configs_agree(device, config):
 def test_tuned_table_lookup(tmp_path, monkeypatch):
     import json
 
-    from kernels import tuning
+    from wideep_kernels import tuning
     (tmp_path / "Some_GPU.json").write_text(json.dumps({"mla_decode": {"k|b16": {"block_n": 32}}}))
     monkeypatch.setattr(tuning, "TUNED_DIR", tmp_path)
     monkeypatch.setattr(tuning, "_stem", lambda index: "Some_GPU")
@@ -370,7 +370,7 @@ def test_warm_up_runs_every_bucket_and_variant(device, kv_fp8, monkeypatch):
     """warm_up launches the kernel (interpreted here) once per batch bucket up to max_batch, in
     the top-k and dense variants, with the window's ring written (decode) and not (prefill rows,
     a window of fresh latents each)."""
-    from kernels import mla_decode as mod
+    from wideep_kernels import mla_decode as mod
     monkeypatch.setenv("WIDEEP_CPU_KERNELS", "1")
     seen = []
     real = mod.mla_decode_triton
@@ -404,12 +404,12 @@ def _gluon_case(device, heads, g_lens, topk_n, w, seed):
 @pytest.mark.parametrize("num_splits", [1, 3, 7, None])
 @pytest.mark.parametrize("fp8", [False, True])
 def test_gluon_split_kernel(device, heads, num_warps, num_splits, fp8):
-    """The Gluon split kernel (kernels/mla_decode_gluon.py, Hopper only) against the reference:
+    """The Gluon split kernel (wideep_kernels/mla_decode_gluon.py, Hopper only) against the reference:
     top-k entries that are -1, past the length or repeated, a ring window with masked entries
     read in place and written, splits holding global tiles, window tiles or both (200 top-k
     entries: a partial last global tile); bf16 and FP8 global keys (the window stays bf16).
     Elsewhere the same configuration runs the Triton kernels, which must give the same answer."""
-    from kernels import _unusable
+    from wideep_kernels import _unusable
     g_lens, w = [150, 9, 300, 64], 100
     q, kv, table, lens, topk, ring, valid = _gluon_case(device, heads, g_lens, 200, w, seed=13)
     kv_scale = None
@@ -523,7 +523,7 @@ def test_gluon_entry_where_gluon_cannot_run_takes_the_built_in_choice(device, mo
 def test_gluon_shapes():
     """Which inputs the Gluon kernel takes (checked before any device test): the engine's decode
     shapes (16 heads, 512 + 64 latents, bf16 or FP8 keys, bf16 ring and fresh rows) and no others."""
-    from kernels.fp8_kv import FP8_DTYPE
+    from wideep_kernels.fp8_kv import FP8_DTYPE
     q = torch.zeros(4, 16, 512, dtype=torch.bfloat16)
     kv, ring, fresh = (torch.zeros(64, 576, dtype=torch.bfloat16), torch.zeros(4, 128, 576, dtype=torch.bfloat16),
                        torch.zeros(4, 576, dtype=torch.bfloat16))

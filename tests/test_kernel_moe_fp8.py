@@ -1,5 +1,5 @@
-"""Block-FP8 expert weights (kernels/fp8_blocks.py's layout) in the fused MoE kernels
-(kernels/moe_gemm.py): against the reference on the dequantized weights."""
+"""Block-FP8 expert weights (wideep_kernels/fp8_blocks.py's layout) in the fused MoE kernels
+(wideep_kernels/moe_gemm.py): against the reference on the dequantized weights."""
 import pytest
 import torch
 
@@ -7,8 +7,8 @@ from kernel_devices import DEVICES
 
 pytest.importorskip("triton")
 
-from kernels.fp8_blocks import ExpertScales, dequantize_experts, quantize_experts  # noqa: E402
-from kernels.moe_gemm import MoEGemmConfig, fused_experts, fused_experts_reference, fused_experts_triton  # noqa: E402
+from wideep_kernels.fp8_blocks import ExpertScales, dequantize_experts, quantize_experts  # noqa: E402
+from wideep_kernels.moe_gemm import MoEGemmConfig, fused_experts, fused_experts_reference, fused_experts_triton  # noqa: E402
 
 # Relative to the whole output's norm: blocks of very different magnitudes make large outputs,
 # which 16-bit activations round in absolute steps of their own size.
@@ -150,9 +150,9 @@ def test_bad_fp8_expert_arguments():
 def test_chunk_tiles_fall_back_to_scaled_products_when_the_dequantizing_build_fails(device, monkeypatch, caplog):
     """Should the weight-dequantizing variant of the chunk tiles not build on some GPU, the
     products-scaled one (the decode tiles' method) computes the same result instead, with a warning."""
-    import kernels
-    from kernels import moe_gemm
-    monkeypatch.setattr(kernels, "_unusable", set())
+    import wideep_kernels
+    from wideep_kernels import moe_gemm
+    monkeypatch.setattr(wideep_kernels, "_unusable", set())
     real = moe_gemm._jit
 
     class Unbuildable:
@@ -175,4 +175,4 @@ def test_chunk_tiles_fall_back_to_scaled_products_when_the_dequantizing_build_fa
     got = fused_experts_triton(x, q13, q2, None, slot_of, weight_of, config=config, scales=scales)
     want = fused_experts_reference(x, q13, q2, None, slot_of, weight_of, scales=scales)
     assert_near(got, want, torch.bfloat16)
-    assert "moe_fp8_dequant_tile" in kernels._unusable and "no build for this GPU" in caplog.text
+    assert "moe_fp8_dequant_tile" in wideep_kernels._unusable and "no build for this GPU" in caplog.text

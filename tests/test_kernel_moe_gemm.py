@@ -1,4 +1,4 @@
-"""Fused MoE grouped GEMM (kernels/moe_gemm.py): the Triton kernels against the per-slot reference."""
+"""Fused MoE grouped GEMM (wideep_kernels/moe_gemm.py): the Triton kernels against the per-slot reference."""
 from pathlib import Path
 
 import pytest
@@ -8,8 +8,8 @@ from kernel_devices import DEVICES, IMPORTED_TOO_EARLY, poison_empty
 
 pytest.importorskip("triton")
 
-from kernels import moe_gemm  # noqa: E402
-from kernels.moe_gemm import (  # noqa: E402
+from wideep_kernels import moe_gemm  # noqa: E402
+from wideep_kernels.moe_gemm import (  # noqa: E402
     MoEGemmConfig, align_pairs_reference, align_pairs_triton, fused_experts, fused_experts_reference,
     fused_experts_triton, max_tiles,
 )
@@ -424,7 +424,7 @@ def test_no_host_sync_and_cuda_graph():
 
 
 def test_module_keeps_engine_out():
-    # kernels/ sits below engine/: importing engine or ray from here would invert the layering.
+    # wideep_kernels/ sits below engine/: importing engine or ray from here would invert the layering.
     source = Path(moe_gemm.__file__).read_text()
     assert "import ray" not in source and "from engine" not in source and "import engine" not in source
 

@@ -7,9 +7,9 @@ from kernel_devices import DEVICES
 
 pytest.importorskip("triton")
 
-from kernels import moe_gemm  # noqa: E402
-from kernels.fp8_blocks import act_group, fake_quantize_act, quantize_act_groups, quantize_experts  # noqa: E402
-from kernels.moe_gemm import (MoEGemmConfig, fused_experts, fused_experts_reference,  # noqa: E402
+from wideep_kernels import moe_gemm  # noqa: E402
+from wideep_kernels.fp8_blocks import act_group, fake_quantize_act, quantize_act_groups, quantize_experts  # noqa: E402
+from wideep_kernels.moe_gemm import (MoEGemmConfig, fused_experts, fused_experts_reference,  # noqa: E402
                               fused_experts_triton, pick_config)
 from test_kernel_moe_fp8 import block_varied_weights, routing, to, with_shared_slot  # noqa: E402
 

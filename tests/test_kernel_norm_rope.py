@@ -9,11 +9,11 @@ triton = pytest.importorskip("triton")
 tl = triton.language
 
 from engine.layers import RMSNorm, Rotary  # noqa: E402
-from kernels import rmsnorm as norm_module  # noqa: E402
-from kernels import rope as rope_module  # noqa: E402
-from kernels.rmsnorm import (  # noqa: E402
+from wideep_kernels import rmsnorm as norm_module  # noqa: E402
+from wideep_kernels import rope as rope_module  # noqa: E402
+from wideep_kernels.rmsnorm import (  # noqa: E402
     add_rms_norm, add_rms_norm_reference, add_rms_norm_triton, rms_norm, rms_norm_reference, rms_norm_triton)
-from kernels.rope import apply_rope, apply_rope_reference, apply_rope_triton  # noqa: E402
+from wideep_kernels.rope import apply_rope, apply_rope_reference, apply_rope_triton  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -285,8 +285,8 @@ def test_rope_dispatcher(device, monkeypatch):
 def test_a_kernel_that_cannot_run_here_falls_back_once(monkeypatch, caplog):
     """A Triton kernel that fails to build or launch (a Triton release it was not checked on)
     must not take the engine down: warn once, then the reference answers."""
-    import kernels
-    import kernels.rmsnorm as mod
+    import wideep_kernels
+    import wideep_kernels.rmsnorm as mod
     calls = []
 
     def broken(*args):
@@ -294,7 +294,7 @@ def test_a_kernel_that_cannot_run_here_falls_back_once(monkeypatch, caplog):
         raise RuntimeError("PTX assembly failed")
     monkeypatch.setattr(mod, "triton_ok", lambda t: True)
     monkeypatch.setattr(mod, "rms_norm_triton", broken)
-    monkeypatch.setattr(kernels, "_unusable", set())
+    monkeypatch.setattr(wideep_kernels, "_unusable", set())
     x, w = torch.randn(3, 16), torch.randn(16)
     with caplog.at_level("WARNING"):
         out1 = mod.rms_norm(x, w, 1e-6)
@@ -304,7 +304,7 @@ def test_a_kernel_that_cannot_run_here_falls_back_once(monkeypatch, caplog):
     torch.testing.assert_close(out2, out1)
     assert "rms_norm" in caplog.text and "reference" in caplog.text
     monkeypatch.setattr(mod, "rms_norm_triton", lambda *a: (_ for _ in ()).throw(ValueError("bad shape")))
-    monkeypatch.setattr(kernels, "_unusable", set())
+    monkeypatch.setattr(wideep_kernels, "_unusable", set())
     with pytest.raises(ValueError):  # argument errors are the caller's, not a reason to fall back
         mod.rms_norm(x, w, 1e-6)
 
@@ -314,7 +314,7 @@ def test_a_kernel_that_cannot_run_here_falls_back_once(monkeypatch, caplog):
 def test_add_rms_norm_rounds_an_fp32_sum_first(device, dtype, monkeypatch):
     """An fp32 x (the routed experts' unrounded sum) on a 16-bit residual: exactly what rounding x
     to the residual's dtype and then calling add_rms_norm gives, in one launch."""
-    from kernels.rmsnorm import add_rms_norm, add_rms_norm_reference, add_rms_norm_triton
+    from wideep_kernels.rmsnorm import add_rms_norm, add_rms_norm_reference, add_rms_norm_triton
     g = torch.Generator().manual_seed(9)
     x = (torch.randn(5, 96, generator=g) * 4).to(device)
     residual = torch.randn(5, 96, generator=g).to(dtype).to(device)

@@ -6,7 +6,7 @@ from kernel_devices import DEVICES, IMPORTED_TOO_EARLY
 
 triton = pytest.importorskip("triton")
 
-from kernels.routing import fused_route, gate_parts_triton, route_reference, route_triton  # noqa: E402
+from wideep_kernels.routing import fused_route, gate_parts_triton, route_reference, route_triton  # noqa: E402
 
 
 

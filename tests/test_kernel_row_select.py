@@ -9,8 +9,8 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from kernels.indexer import select_topk_reference  # noqa: E402
-from kernels.row_select import BLOCK, MAX_PARTS, SPARSE_MAX_ROWS, select_rows, split_row  # noqa: E402
+from wideep_kernels.indexer import select_topk_reference  # noqa: E402
+from wideep_kernels.row_select import BLOCK, MAX_PARTS, SPARSE_MAX_ROWS, select_rows, split_row  # noqa: E402
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICES = [
@@ -132,7 +132,7 @@ def test_one_launch_matches_phases_and_reference(width, topk, batch):
 def test_one_launch_can_be_turned_off_by_environment():
     """WIDEEP_ONE_LAUNCH_SELECT=0: rows of every width take the multi-launch radix passes (or, for
     batches of 2M positions and more, the threshold select) instead of the barrier kernel."""
-    code = ("import kernels.indexer as m; "
+    code = ("import wideep_kernels.indexer as m; "
             "print(m.default_select(8192), m.default_select(32768), m.default_select(1 << 20), "
             "m.default_select(1 << 17, 16), m.default_select(1 << 16, 16))")
     for value, want in (("0", "radix radix radix threshold radix"), ("1", "fused fused radix threshold radix")):

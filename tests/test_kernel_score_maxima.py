@@ -1,14 +1,14 @@
 """The indexer's scoring launch taking several tiles a program and, for the threshold select, the
-strided group maxima (kernels/index_score.py _score_launch, kernels/wide_select.py threshold_passes):
+strided group maxima (wideep_kernels/index_score.py _score_launch, wideep_kernels/wide_select.py threshold_passes):
 the same scores as one tile a program, the maxima of a plain torch reduction, and the reference's
 selection with the maxima's own launch left out."""
 import pytest
 import torch
 
 from kernel_devices import DEVICES, poison_empty
-import kernels.index_score as score
-import kernels.indexer as indexer
-import kernels.wide_select as ws
+import wideep_kernels.index_score as score
+import wideep_kernels.indexer as indexer
+import wideep_kernels.wide_select as ws
 from test_kernel_indexer import check_rows, make_case
 
 
@@ -120,7 +120,7 @@ def test_bad_maxima_are_refused():
 
 def compiled_variants() -> int:
     """Builds held by every Triton kernel of the indexer's modules (all devices)."""
-    import kernels.row_select as row_select
+    import wideep_kernels.row_select as row_select
     from triton.runtime.jit import JITFunction
     total = 0
     for module in (score, indexer, ws, row_select):

@@ -8,12 +8,12 @@ from kernel_devices import DEVICES, IMPORTED_TOO_EARLY, within_ulp
 triton = pytest.importorskip("triton")
 
 from engine.layers import RMSNorm, Rotary  # noqa: E402
-from kernels import latent as latent_module  # noqa: E402
-from kernels import swiglu as swiglu_module  # noqa: E402
-from kernels.latent import (  # noqa: E402
+from wideep_kernels import latent as latent_module  # noqa: E402
+from wideep_kernels import swiglu as swiglu_module  # noqa: E402
+from wideep_kernels.latent import (  # noqa: E402
     latent_and_query, latent_and_query_reference, latent_reference, latent_triton, norm_rope_latent,
 )
-from kernels.swiglu import silu_mul, silu_mul_reference, silu_mul_triton  # noqa: E402
+from wideep_kernels.swiglu import silu_mul, silu_mul_reference, silu_mul_triton  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -179,7 +179,7 @@ def test_latent_and_query_in_one_launch(device, dtype, write, monkeypatch):
 def test_latent_write_quantises_fp8_index_keys(device, monkeypatch):
     """An FP8 index slab gets each token's key quantised as quantize_kv does (the same bytes and
     scale), its scale in the scale slab; the latent slab as before; an all-zero key stays zeros."""
-    from kernels.fp8_kv import dequantize_kv, quantize_kv
+    from wideep_kernels.fp8_kv import dequantize_kv, quantize_kv
     monkeypatch.setenv("WIDEEP_CPU_KERNELS", "1")
     t, c, rope, kd, num_slots = 5, 64, 16, 32, 24
     g = torch.Generator().manual_seed(3)
@@ -220,7 +220,7 @@ def test_latent_write_quantises_fp8_index_keys(device, monkeypatch):
 def test_fp8_index_key_bytes_for_every_e4m3_value_and_midpoint(device, monkeypatch):
     """Every finite E4M3 value, every midpoint between neighbours (ties, to even), values just
     either side of them, and both zeros: the latent kernel's bytes are torch's (rows of scale 1)."""
-    from kernels.fp8_kv import quantize_kv
+    from wideep_kernels.fp8_kv import quantize_kv
     monkeypatch.setenv("WIDEEP_CPU_KERNELS", "1")
     grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
     grid = grid[grid.isfinite() & (grid >= 0)].unique()

@@ -1,12 +1,12 @@
-"""kernels/wide_select.py: each row's k-th largest score from the candidates above a bound from
+"""wideep_kernels/wide_select.py: each row's k-th largest score from the candidates above a bound from
 strided group maxima, or from the whole row where they overflow; against torch.topk's k-th
 score and the reference selection, exactly."""
 import pytest
 import torch
 
 from kernel_devices import DEVICES, poison_empty
-import kernels.wide_select as ws
-from kernels.indexer import kth_scores, select_topk_reference, select_topk_triton, warm_up
+import wideep_kernels.wide_select as ws
+from wideep_kernels.indexer import kth_scores, select_topk_reference, select_topk_triton, warm_up
 
 NEG_INF = float("-inf")
 
@@ -164,9 +164,9 @@ def test_select_from_candidates_and_from_overflowing_rows(device, fitted_program
     """Rows whose candidates fit take their positions from the candidates (emit_candidates),
     including rows with more ties at the k-th score than places; rows that overflow a small
     capacity take the passes over the whole row; both in one batch. With 6 programs for the
-    whole-row passes (kernels/indexer.py FITTED_PROGRAMS) each takes all three chunks of its row."""
-    import kernels.indexer
-    monkeypatch.setattr(kernels.indexer, "FITTED_PROGRAMS", fitted_programs)
+    whole-row passes (wideep_kernels/indexer.py FITTED_PROGRAMS) each takes all three chunks of its row."""
+    import wideep_kernels.indexer
+    monkeypatch.setattr(wideep_kernels.indexer, "FITTED_PROGRAMS", fitted_programs)
     monkeypatch.setattr(ws, "CAPACITY", 64)
     poison_empty(monkeypatch)
     width, topk = 2500, 24

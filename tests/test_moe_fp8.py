@@ -7,7 +7,7 @@ from engine.config import EngineConfig, preset
 from engine.llm_engine import LLMEngine
 from engine.moe import MoE
 from engine.sampling import SamplingParams
-from kernels.fp8_blocks import dequantize_experts
+from wideep_kernels.fp8_blocks import dequantize_experts
 
 from kernel_devices import INTERPRETING
 
@@ -237,7 +237,7 @@ def test_expert_activations_resolve_against_the_experts():
 def test_auto_activations_quantize_where_an_expert_gets_many_rows():
     """expert_activations 'auto': FP8 inputs where the pairs take row tiles of 32 or more (17 rows
     a slot), 16-bit ones in small decode batches; each equal to the layer in that mode."""
-    from kernels.moe_gemm import act_fp8_pays
+    from wideep_kernels.moe_gemm import act_fp8_pays
     fp8, _ = _moe_pair(block=(16, 32))
     slots = fp8.w13.shape[0]
     k = fp8.cfg.num_experts_per_tok

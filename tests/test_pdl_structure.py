@@ -1,13 +1,13 @@
-"""Every kernel that takes a dependent launch (kernels/pdl.py) waits before it touches memory.
+"""Every kernel that takes a dependent launch (wideep_kernels/pdl.py) waits before it touches memory.
 
 A kernel launched with `launch_pdl` may start before the kernel ahead of it has finished, so a
 load or store placed before its wait races with that kernel. This reads the kernels' source: in
 each function with a `PDL` argument, the wait must come first. The one exception, named below,
-reads only weights before it (kernels/gemv.py says why that is safe)."""
+reads only weights before it (wideep_kernels/gemv.py says why that is safe)."""
 import ast
 from pathlib import Path
 
-KERNELS = Path(__file__).resolve().parent.parent / "kernels"
+KERNELS = Path(__file__).resolve().parent.parent / "wideep_kernels"
 READS_WEIGHTS_FIRST = {"_gemv_kernel", "_head_gemv_kernel", "_norm_gemv_kernel", "_norm_gate_parts_kernel"}
 
 

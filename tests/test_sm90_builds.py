@@ -63,7 +63,7 @@ def test_one_launch_select_builds_without_spills(tmp_path):
 
 
 def test_wide_select_builds_without_spills(tmp_path):
-    """The wide rows' k-th score (kernels/wide_select.py): group maxima, candidates and the four
+    """The wide rows' k-th score (wideep_kernels/wide_select.py): group maxima, candidates and the four
     byte passes, with and without g_lens, the emit from the candidates, the radix passes'
     atomics for sparse blocks, the chunk passes and the one-launch emit compile for sm_90 with
     dependent launches; the row loads are vector loads (the masks at multiples of 16 keep them so)."""

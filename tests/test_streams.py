@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from engine.streams import Branch
-from kernels.moe_gemm import fused_experts
+from wideep_kernels.moe_gemm import fused_experts
 
 
 def test_branch_runs_inline_outside_a_capture():

@@ -2,7 +2,8 @@
 # One GPU: the expert-parallel GPU tests, then one EP rank's decode step against the plain engine
 # (bench/ep_decode.py): modes `ep` (agreement on a host group, steps launched ahead), `ep-nccl`
 # (agreement over NCCL, no step ahead) and `plain`, each in its own process, ROUNDS times in turn;
-# where an older tree is unpacked at $OLD (`git archive REV engine kernels bench | tar -x -C $OLD`),
+# where an older tree is unpacked at $OLD (`git archive REV engine wideep_kernels bench | tar -x -C $OLD`;
+# trees before the package rename name `kernels` instead),
 # its `ep` mode too. TESTS=0 skips the tests; PROFILE=1 adds a kernel table of one eager step per mode
 # at batches 1 and 16 (profile.txt); MIXED=N adds `--mixed N` over the three modes (mixed.log);
 # AGREE=1 times the host agreement of groups of 1-8 ranks (agree.log). Logs go to $OUT, all of

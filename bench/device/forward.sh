@@ -4,7 +4,7 @@
 # kernel on and off, transformers generate, next-turn TTFT with bounded replay, and (2 GPUs) the
 # same-host KV transport.
 # STEPS picks a subset, e.g. STEPS="fp8 b64 replay ipc"; "tune" first measures this GPU's launch
-# configs (kernels/tuned/<gpu>.json, about 4-5 minutes), which the later steps then use.
+# configs (wideep_kernels/tuned/<gpu>.json, about 4-5 minutes), which the later steps then use.
 source bench/device/setup.sh
 STEPS=${STEPS:-"tune b1 b64 bf16 fp8 hf"}
 t() { local s=$1; shift; local t0=$SECONDS; timeout "$s" "$@"; echo "rc=$? $((SECONDS - t0))s $*" >> "$OUT/steps.txt"; }
@@ -13,7 +13,7 @@ on() { [[ " $STEPS " == *" $1 "* ]]; }
 PROF=${PROFILE:+--profile $OUT/profile.txt}
 if on tune; then
   t 330 python3 -m bench.tune_kernels --json "$OUT/tune.json" > "$OUT/tune.log" 2>&1
-  cp kernels/tuned/*.json "$OUT/" 2>/dev/null
+  cp wideep_kernels/tuned/*.json "$OUT/" 2>/dev/null
 fi
 on b1 && t 90 python3 -m bench.forward --batch 1 --contexts 8192 --iters 10 --unfused-gate --unfused-small --mla-gluon --shared-fusion --overlap $PROF --json "$OUT/forward.jsonl" \
   > "$OUT/forward_b1.log" 2>&1

@@ -2,7 +2,7 @@
 
 The scale multiplies: w = fp8 * scale, each scale covering one block, the last blocks of a row
 or column cropped to the weight's shape (DeepSeek-V3's `weight_dequant`). Checkpoints store
-this layout (engine/fp8_weights.py reads it); the FP8 expert kernels (kernels/moe_gemm.py)
+this layout (engine/fp8_weights.py reads it); the FP8 expert kernels (wideep_kernels/moe_gemm.py)
 compute from it, with 16-bit activations or with FP8 ones quantized per token per 128 columns
 (quantize_act_groups).
 """
@@ -109,7 +109,7 @@ def act_group(block: tuple[int, int] | list[int]) -> int:
 def quantize_act_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token, per-`group`-column FP8 activations (DeepSeek-V3's inference scheme):
     (float8_e4m3fn [..., K], float32 scale [..., ceil(K / group)]), each group's largest magnitude
-    mapped to 448. The FP8 expert kernels quantize their inputs this way (kernels/moe_gemm.py); this is
+    mapped to 448. The FP8 expert kernels quantize their inputs this way (wideep_kernels/moe_gemm.py); this is
     their reference. An all-zero group quantizes to zeros."""
     *lead, k = x.shape
     groups = -(-k // group)

@@ -18,18 +18,18 @@ Keys of sequence b are the union of
 The Triton path is flash-decoding: the keys of a sequence are cut into splits, each program
 loads a KV tile once for all heads (tl.dot of [H, D] x [D, BLOCK_N]) and keeps an online
 softmax; a second small kernel merges the per-split (max, sum, partial output). The launch
-configuration (kernels/tuning.py) may pick kernels/mla_decode_rows.py's split kernel instead,
+configuration (wideep_kernels/tuning.py) may pick wideep_kernels/mla_decode_rows.py's split kernel instead,
 which computes the same with keys as the rows of its products.
 """
 from __future__ import annotations
 
 import torch
 
-from kernels import _unusable, log, triton_ok
-from kernels.fp8_kv import FP8_DTYPE
-from kernels.mla_decode_gluon import BLOCK_N as GLUON_BLOCK_N, _gluon_split_kernel, gluon_applies
-from kernels.mla_decode_rows import _global_tile, _rows_split_kernel
-from kernels.tuning import BATCH_BUCKETS, batch_bucket, tuned_config
+from wideep_kernels import _unusable, log, triton_ok
+from wideep_kernels.fp8_kv import FP8_DTYPE
+from wideep_kernels.mla_decode_gluon import BLOCK_N as GLUON_BLOCK_N, _gluon_split_kernel, gluon_applies
+from wideep_kernels.mla_decode_rows import _global_tile, _rows_split_kernel
+from wideep_kernels.tuning import BATCH_BUCKETS, batch_bucket, tuned_config
 
 try:
     import triton
@@ -132,7 +132,7 @@ if triton is not None:
         return q_c, q_r
 
     # Block-table widths and split counts change with context and batch; as plain (unspecialised)
-    # integers they do not each get a build of their own (see kernels/indexer.py).
+    # integers they do not each get a build of their own (see wideep_kernels/indexer.py).
     @triton.jit(do_not_specialize=["stride_tb", "table_keys", "num_topk", "num_win", "num_global_splits"])
     def _split_kernel(
             q_ptr, stride_qb, stride_qh, qr_ptr, stride_rb, stride_rh,
@@ -314,7 +314,7 @@ def _target_programs(device: torch.device, waves: int = 2) -> int:
 
 
 def tune_key(batch: int, heads: int, width: int, is_fp8: bool, has_topk: bool) -> str:
-    """Shape key of kernels/tuned/<gpu>.json: KV type, sparse or dense, heads, latent width, batch bucket."""
+    """Shape key of wideep_kernels/tuned/<gpu>.json: KV type, sparse or dense, heads, latent width, batch bucket."""
     return f"{'fp8' if is_fp8 else 'bf16'}|{'topk' if has_topk else 'dense'}|h{heads}|d{width}|b{batch_bucket(batch)}"
 
 
@@ -323,7 +323,7 @@ def mla_decode_triton(q, kv, kv_scale, block_tables, g_lens, block_size: int, sm
                       config: dict | None = None, ring=None) -> torch.Tensor:
     """Triton flash-decoding path of mla_decode; num_splits overrides the per-sequence split count,
     config the launch configuration (block_n, num_warps, num_stages, waves, min_tiles; the tuned
-    one for this GPU and shape when None, see kernels/tuning.py)."""
+    one for this GPU and shape when None, see wideep_kernels/tuning.py)."""
     q_in, topk_pos_in, win_kv_in, win_valid_in, num_splits_in = q, topk_pos, win_kv, win_valid, num_splits
     q, q_rope = q if isinstance(q, tuple) else (q[..., :kv_lora], q[..., kv_lora:])
     b, h, d = q.shape[0], q.shape[1], q.shape[-1] + q_rope.shape[-1]
@@ -405,7 +405,7 @@ def mla_decode_triton(q, kv, kv_scale, block_tables, g_lens, block_size: int, sm
     # The Gluon kernel resolves positions itself when its configuration says slots: false.
     slots = has_topk and bool((config or {}).get("slots", True))
     q_reload = bool((config or {}).get("q_reload", False))
-    # Keys as the rows of both products (kernels/mla_decode_rows.py); q_reload has no meaning there.
+    # Keys as the rows of both products (wideep_kernels/mla_decode_rows.py); q_reload has no meaning there.
     split_kernel = _rows_split_kernel if (config or {}).get("keys_rows", False) else _split_kernel
     if gluon:
         split_kernel, block_n, num_warps = _gluon_split_kernel, GLUON_BLOCK_N, (config or {}).get("num_warps", 4)
@@ -518,7 +518,7 @@ def warm_up(heads: int, kv_lora: int, rope: int, dtype: torch.dtype, kv_dtype: t
     """Run the kernel once per batch bucket, in the variants the engine uses (top-k and dense
     rows; the window read in place from the ring, written as decode does or not as prefill
     chunks do; this KV type), on dummy inputs: each bucket may have its own tuned launch
-    configuration (kernels/tuning.py), and a Triton build met mid-serving would stall every
+    configuration (wideep_kernels/tuning.py), and a Triton build met mid-serving would stall every
     running request for a second or so."""
     d = kv_lora + rope
     buckets = sorted({batch_bucket(b) for b in BATCH_BUCKETS if b <= max_batch} | {batch_bucket(max_batch)})

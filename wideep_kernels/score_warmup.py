@@ -2,7 +2,7 @@
 
 Triton builds a kernel once per variant (constexpr values, pointer dtypes and alignment, integer
 classes). The engine's warm-up requests are short, so they build the scoring kernel
-(kernels/index_score.py _score_tile_kernel) only as short rows launch it: one tile a program, the
+(wideep_kernels/index_score.py _score_tile_kernel) only as short rows launch it: one tile a program, the
 one-launch select's flags. Rows past FUSED_MAX_WIDTH zero the radix histograms instead, FP8 keys
 take several tiles a program once the batch has enough of them, and the threshold select's rows
 also write the group maxima; each is a build of its own, which the first decode step that meets

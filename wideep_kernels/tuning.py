@@ -1,7 +1,7 @@
 """Launch configurations measured per GPU model, the way vLLM and SGLang ship tuned MoE configs.
 
 `python -m bench.tune_kernels` times every candidate configuration of a kernel on the GPU it
-runs on and writes kernels/tuned/<gpu name>.json: {kernel: {shape key: config}}. The kernels
+runs on and writes wideep_kernels/tuned/<gpu name>.json: {kernel: {shape key: config}}. The kernels
 look their shape up there and keep their built-in choice when the file or the entry is missing,
 so an untuned GPU runs exactly as before.
 """

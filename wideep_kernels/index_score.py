@@ -1,8 +1,8 @@
 """The indexer's scoring launch: each decoding sequence's score of every cached position (the
-formula in kernels/indexer.py), read through the paged block table, with bf16 or FP8 (E4M3 with
+formula in wideep_kernels/indexer.py), read through the paged block table, with bf16 or FP8 (E4M3 with
 per-key scales) index keys. A program scores one tile of a row or, P programs a row, the row's
 tiles p, p + P, ...; for the threshold select it also writes the rows' strided group maxima.
-The selection that follows is kernels/indexer.py's.
+The selection that follows is wideep_kernels/indexer.py's.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ try:
     import triton
     import triton.language as tl
     from .pdl import pdl_enter, pdl_launch
-except Exception:  # a CPU-only install without triton: kernels/indexer.py uses its reference
+except Exception:  # a CPU-only install without triton: wideep_kernels/indexer.py uses its reference
     triton = None
     tl = None
 
@@ -80,7 +80,7 @@ if triton is not None:
         """Program (seq, p) scores tiles p, p + P, p + 2 P, ... (`tiles` of them, P programs a row;
         LOOP set where `tiles` > 1).
         MAXIMA: it also writes m[seq, p * TILE + j], the largest score at positions
-        p * TILE + j + i * P * TILE, which are the strided group maxima of kernels/wide_select.py
+        p * TILE + j + i * P * TILE, which are the strided group maxima of wideep_kernels/wide_select.py
         for the group stride P * TILE (on the order keys, as _group_max_kernel takes them)."""
         pdl_enter(PDL)
         seq = tl.program_id(0)
@@ -149,12 +149,12 @@ FP8_SCORES_IN_F16 = os.environ.get("WIDEEP_FP8_SCORES_F16", "1") != "0"
 
 
 def score_tune_key(num_heads: int, head_dim: int, fp8: bool) -> str:
-    """Shape key of the scoring kernel in kernels/tuned/<gpu>.json. The launch configuration
+    """Shape key of the scoring kernel in wideep_kernels/tuned/<gpu>.json. The launch configuration
     does not follow the row width, so a context that grows never meets a new build."""
     return f"{'fp8' if fp8 else 'bf16'}|h{num_heads}|d{head_dim}"
 
 
-# Programs of the scoring launch with the threshold select's group maxima (kernels/indexer.py
+# Programs of the scoring launch with the threshold select's group maxima (wideep_kernels/indexer.py
 # SCORE_MAXIMA) have MAXIMA_WARPS warps. FP8 keys without the maxima: about FP8_SCORE_PROGRAMS
 # programs, each scoring several tiles, rather than one a tile (bf16 keys keep one a tile). On
 # the H200, batch 16 (bench.probe_score, us a layer at 128K / 512K): FP8 keys one tile a program
@@ -169,7 +169,7 @@ FP8_SCORE_PROGRAMS = 1024
 
 def _score_choice(q: torch.Tensor, scaled: bool) -> dict:
     """The scoring kernel's tile (positions) and num_warps for q [B, heads, dim]: this GPU's tuned
-    ones (kernels/tuned/<gpu>.json), else 128 positions and 4 warps."""
+    ones (wideep_kernels/tuned/<gpu>.json), else 128 positions and 4 warps."""
     choice = dict(tile=128, num_warps=4)
     if q.dtype != torch.float32:
         tuned = tuned_config(q.device, "indexer_score", score_tune_key(q.shape[1], q.shape[2], scaled))
@@ -187,7 +187,7 @@ def _score_launch(q, w, index_keys, block_tables, g_lens, block_size,
     selection's workspace) is zeroed too. `skip_dead`: tiles wholly past g_len are not written
     (for the one-launch select, which never reads there). `maxima` [B, T] fp32 (T a multiple of
     the tile): also write each row's strided group maxima for group stride T
-    (kernels/wide_select.py), T / tile programs a row. `programs`: programs a row otherwise
+    (wideep_kernels/wide_select.py), T / tile programs a row. `programs`: programs a row otherwise
     (each scores every programs-th tile). Launch choices left out come from _score_choice."""
     num_seqs, num_heads, head_dim = q.shape
     width = block_tables.shape[1] * block_size

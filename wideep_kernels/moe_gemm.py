@@ -880,7 +880,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, token_of
       FP8 routed experts, FP8 itself with a third item, its ExpertScales.
     - `shared_rows` (first, end): only these tokens pass through the shared expert (expert
       parallelism: a rank's own rows among the group's gathered ones); all when None.
-    - `scales`: w13 and w2 are block FP8 (kernels/fp8_blocks.py's layout).
+    - `scales`: w13 and w2 are block FP8 (wideep_kernels/fp8_blocks.py's layout).
     - `act_fp8` (with `scales`): the activations into both projections are FP8 too, per token per
       128 columns (fp8_blocks.quantize_act_groups), and the products run on FP8 tensor cores.
     - `fp32_out`: without `add`, the Triton path may return the fp32 sum unrounded, for a consumer

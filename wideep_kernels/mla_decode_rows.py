@@ -1,5 +1,5 @@
 """The MLA decode split kernel with keys as rows: the inputs and partial outputs of
-kernels/mla_decode.py's `_split_kernel`, computed as scores^T = keys x q^T and out^T = keys^T x p^T.
+wideep_kernels/mla_decode.py's `_split_kernel`, computed as scores^T = keys x q^T and out^T = keys^T x p^T.
 
 Why a second form: with 16 heads the query is a single 16-row block, so in the heads-as-rows
 form every warp keeps the whole [16, 512] query operand in registers (128 a thread) beside the

@@ -81,10 +81,10 @@ def indexer_topk_reference(q: torch.Tensor, w: torch.Tensor, index_keys: torch.T
     return select_topk_reference(scores, g_lens, topk)
 
 
-# Rows up to FUSED_MAX_WIDTH get the whole selection in one launch (kernels/row_select.py). Wider
+# Rows up to FUSED_MAX_WIDTH get the whole selection in one launch (wideep_kernels/row_select.py). Wider
 # rows get the k-th score from the multi-launch radix passes, or, once the batch holds
 # THRESHOLD_MIN_POSITIONS positions or more, from the candidates above a bound
-# (kernels/wide_select.py); one launch then writes the positions (kernels/radix_select.py).
+# (wideep_kernels/wide_select.py); one launch then writes the positions (wideep_kernels/radix_select.py).
 # On the H200 the one launch took 1-2% off the decode step at 8K against the radix passes, and
 # lost at 128K-512K, where MAX_PARTS programs a row are too few (RESULTS, ninth session). The
 # selection alone (bench.probe_select --wide, us; RESULTS, fourteenth session): radix passes /
@@ -97,7 +97,7 @@ def indexer_topk_reference(q: torch.Tensor, w: torch.Tensor, index_keys: torch.T
 FUSED_MAX_WIDTH = 32768 if os.environ.get("WIDEEP_ONE_LAUNCH_SELECT", "1") != "0" else 0
 THRESHOLD_MIN_POSITIONS = 1 << 21
 # The threshold select's group maxima taken by the scoring launch (one read of the scores and a
-# launch fewer a layer; kernels/index_score.py); WIDEEP_SCORE_MAXIMA=0 leaves them to their own
+# launch fewer a layer; wideep_kernels/index_score.py); WIDEEP_SCORE_MAXIMA=0 leaves them to their own
 # kernel. The launch has T / tile programs a row for T groups: at least MAXIMA_MIN_PROGRAMS in all.
 SCORE_MAXIMA = os.environ.get("WIDEEP_SCORE_MAXIMA", "1") != "0"
 MAXIMA_MIN_PROGRAMS = 1024
@@ -116,7 +116,7 @@ def kth_scores(scores: torch.Tensor, k: int, method: str | None = None, span: in
                block: int | None = None, num_warps: int = 8) -> torch.Tensor:
     """[B] fp32: each row's k-th largest score (1 <= k <= width), by `method` 'radix' (four 8-bit
     histogram passes over the scores' bits, no sort), 'threshold' (the same passes over the few
-    thousand scores above a bound from group maxima: kernels/wide_select.py) or 'topk'
+    thousand scores above a bound from group maxima: wideep_kernels/wide_select.py) or 'topk'
     (torch.topk); None picks by the rows' size (THRESHOLD_MIN_POSITIONS). span (positions a
     radix program counts), block (its loop step) and num_warps override the built-in launch
     choice (bench.probe_radix times them)."""
@@ -150,14 +150,14 @@ def select_topk_triton(scores: torch.Tensor, g_lens: torch.Tensor, topk: int,
     """Positions [B, topk] int32 of the top-k scores of each row (the reference's tie rule),
     -1 past min(g_len, topk); in no particular order.
 
-    `method` 'fused' does all of it in one launch (kernels/row_select.py); None picks by width
+    `method` 'fused' does all of it in one launch (wideep_kernels/row_select.py); None picks by width
     (default_select). Otherwise the k-th largest score of each row comes from kth_scores (`method` 'radix',
     'threshold' or 'topk'), and two passes over chunks of the row keep every position scoring above it and fill
     the remaining places with the latest positions scoring exactly it. Dead positions (past
     g_len) score -inf ('threshold' ignores what they hold). `hist`: the selection's workspace, already
     zeroed (radix_passes' histograms, the one launch's [B, WORKSPACE_COLS], or with `maxima` the
     threshold select's); 'threshold' zeroes its own otherwise. `maxima`: the rows' group maxima
-    for 'threshold', written by the scoring launch (kernels/wide_select.py threshold_passes).
+    for 'threshold', written by the scoring launch (wideep_kernels/wide_select.py threshold_passes).
     `slots`: [B, 2] int32 zeros for the one-launch emit's counters (ONE_EMIT; zeroed here if
     not given).
     """
@@ -263,9 +263,9 @@ def warm_up(topk: int, device, max_rows: int) -> None:
     """Build, on dummy scores, every selection variant serving can meet: the one-launch select
     with and without its atomics (up to and past SPARSE_MAX_ROWS rows) and the wide rows' radix,
     threshold and torch.topk paths, whose widths the warm-up's requests never reach. Their builds
-    depend on none of the widths (kernels/row_select.py, kernels/wide_select.py),
+    depend on none of the widths (wideep_kernels/row_select.py, wideep_kernels/wide_select.py),
     so narrow rows build them. On a GPU, also the scoring launch's wide-row variants for the
-    input layouts the warm-up's requests scored with (kernels/score_warmup.py)."""
+    input layouts the warm-up's requests scored with (wideep_kernels/score_warmup.py)."""
     probe = torch.empty(0, device=device)
     if triton is None or not triton_ok(probe) or topk <= 0:
         return

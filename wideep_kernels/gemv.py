@@ -3,7 +3,7 @@
 At batch 1 a projection is a weight read of a few MB, and cuBLAS's small-batch GEMM
 takes about twice the read's time on an H200 (5.1 us for the bench model's 7.9 MB input
 projection, bench.forward's batch-1 profile). Here each program holds BLOCK_N whole rows of W in
-registers, and loads them *before* its programmatic-dependent-launch wait (kernels/pdl.py):
+registers, and loads them *before* its programmatic-dependent-launch wait (wideep_kernels/pdl.py):
 weights are written by nothing a decode step runs, so the read overlaps the end of the kernel
 before, and only the short x read and the sums wait for it. (Weights are written only when
 loaded and when a fused weight is first concatenated, by torch kernels: a kernel that does not
@@ -65,7 +65,7 @@ if triton is not None:
         norm_w = tl.load(norm_w_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
         pdl_enter(PDL)
         # Every program normalises the whole row itself (a few KB from L2): that is what saves
-        # the norm's launch. The arithmetic is kernels/rmsnorm.py's, rounding for rounding.
+        # the norm's launch. The arithmetic is wideep_kernels/rmsnorm.py's, rounding for rounding.
         X_DTYPE: tl.constexpr = w_ptr.dtype.element_ty
         x = tl.load(x_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
         if HAS_RESIDUAL:
@@ -117,7 +117,7 @@ def norm_gemv_triton(x: torch.Tensor, residual: torch.Tensor | None, norm_weight
     """linear(rms_norm(h), weight) for one row h = x + residual (h = x without a residual), the
     norm computed by every program of the GEMV instead of by a launch of its own. The residual
     stream h is written into `stream` (needed with a residual). The norm rounds as
-    kernels/rmsnorm.py add_rms_norm does; the products and sums as gemv_triton."""
+    wideep_kernels/rmsnorm.py add_rms_norm does; the products and sums as gemv_triton."""
     k, n = x.shape[1], weight.shape[0]
     if residual is not None and (stream is None or stream.shape != residual.shape
                                  or stream.dtype != residual.dtype or not stream.is_contiguous()):

@@ -5,10 +5,10 @@ space (x: the query's no-rope part [T, H, 128], w: kv_b_proj's key rows [H, 128,
 value up-projection (x: attention's latent output [T, H, 512], w: kv_b_proj's value rows,
 transposed [H, 512, 128]). At batch 1 each is a 2 MB weight read that cuBLAS's batched GEMM
 took 2.7-3.3 us for on an H200, and a kernel that is not ours cannot
-take part in dependent launches (kernels/pdl.py): the kernel after it waits for its end.
+take part in dependent launches (wideep_kernels/pdl.py): the kernel after it waits for its end.
 
 Each program holds a [K, BLOCK_N] tile of one head's weight in registers, loaded before its
-dependent-launch wait (nothing in a decode step writes weights; kernels/gemv.py), then computes
+dependent-launch wait (nothing in a decode step writes weights; wideep_kernels/gemv.py), then computes
 its BLOCK_N outputs for every row. Products and sums in fp32, rounded once to x's dtype.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The keys-as-rows MLA decode split kernel (kernels/mla_decode_rows.py) written in Gluon, Triton's
+"""The keys-as-rows MLA decode split kernel (wideep_kernels/mla_decode_rows.py) written in Gluon, Triton's
 explicit-layout dialect, for Hopper: the same inputs, the same partial outputs, one more thing.
 
 Why: in the Triton form the key tiles are gathered through an index (the resolved top-k slot),
@@ -20,8 +20,8 @@ import functools
 
 import torch
 
-from kernels import _unusable
-from kernels.fp8_kv import FP8_DTYPE
+from wideep_kernels import _unusable
+from wideep_kernels.fp8_kv import FP8_DTYPE
 
 try:
     from triton.experimental import gluon
@@ -31,7 +31,7 @@ try:
                                                                    warpgroup_mma_wait)
     # Triton 3.6 names the cp.async copy async_copy_global_to_shared, later releases async_load
     _async_load = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
-    from kernels.pdl import gdc_launch_dependents, gdc_wait
+    from wideep_kernels.pdl import gdc_launch_dependents, gdc_wait
 except Exception:  # a Triton without Gluon, or without its Hopper ops
     gluon = None
 
@@ -202,7 +202,7 @@ if gluon is not None:
             IS_FP8: gl.constexpr, HAS_TOPK: gl.constexpr, HAS_WINDOW: gl.constexpr, RING: gl.constexpr,
             PREC: gl.constexpr, SLOTS: gl.constexpr, Q_RELOAD: gl.constexpr, UPCAST: gl.constexpr,
             num_warps: gl.constexpr, RING_WRITE: gl.constexpr = 1, PDL: gl.constexpr = 0):
-        if PDL >= 1:  # kernels/pdl.py
+        if PDL >= 1:  # wideep_kernels/pdl.py
             gdc_wait()
         if PDL >= 2:
             gdc_launch_dependents()

@@ -2,7 +2,7 @@
 sort of the row.
 
 torch.topk over a 512K-position row cost the decode step 137 us a layer at batch 16 on the H200,
-and the radix passes of kernels/radix_select.py (four histogram passes over the whole row) more; one
+and the radix passes of wideep_kernels/radix_select.py (four histogram passes over the whole row) more; one
 read of the row's scores costs about 8. Here the row is read twice and only a few thousand
 scores are sorted into histograms:
 
@@ -13,7 +13,7 @@ scores are sorted into histograms:
    trend the candidates below were 2.2K for strided groups at 512K against 45K for runs
    (k = 2048, T = 8K; ~2.3K for both on i.i.d. normal scores). A row shorter than T (a short sequence in a wide batch)
    also has one live group per live position, so its bound is its exact k-th score.
-2. tau[b] = the k-th largest of m[b] (radix_passes of kernels/radix_select.py on [B, T]). At least
+2. tau[b] = the k-th largest of m[b] (radix_passes of wideep_kernels/radix_select.py on [B, T]). At least
    k groups have their maximum >= tau, so the row's k-th largest score is >= tau.
 3. Candidates: every finite score >= tau is appended to cand[b] (`capacity` places) with a
    per-row atomic counter. The row's k highest scores are all there; order does not matter.
@@ -66,7 +66,7 @@ if triton is not None:
 
     # Integer arguments that change with the batch, k or the context are listed in
     # do_not_specialize (they only index scalars or bound loops); widths, strides and the
-    # capacity keep their specialisation, as in kernels/indexer.py, so that the row loads
+    # capacity keep their specialisation, as in wideep_kernels/indexer.py, so that the row loads
     # vectorise. T is always a multiple of GROUP_TILE, so its specialisation never changes.
     @triton.jit
     def _live_end(lens_ptr, seq, width, HAS_LENS: tl.constexpr):
@@ -143,7 +143,7 @@ if triton is not None:
     def _pass_kernel(scores_ptr, lens_ptr, cand_ptr, count_ptr, hist_ptr, state_ptr, stride_sb, width,
                      num_seqs, row_blocks, cand_blocks, k, capacity,
                      PASS: tl.constexpr, HAS_LENS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
-        """The PASS-th byte histogram of kernels/radix_select.py's _radix_pass_kernel, over the row's
+        """The PASS-th byte histogram of wideep_kernels/radix_select.py's _radix_pass_kernel, over the row's
         candidates, or over the whole row where they did not fit: the program reads the row's
         count and takes its share (`cand_blocks` or `row_blocks` blocks) of the one or the other."""
         pdl_enter(PDL)
@@ -302,13 +302,13 @@ def threshold_passes(scores: torch.Tensor, k: int, g_lens: torch.Tensor | None =
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(hist [4, B, 256], state [3, 2, B], count [B]): the histograms and state of the k-th
     largest score of each row of scores [B, width] fp32 (1 <= k <= width), laid out as
-    radix_passes' (kernels/radix_select.py), and each row's candidate count (> capacity: the row
+    radix_passes' (wideep_kernels/radix_select.py), and each row's candidate count (> capacity: the row
     took the passes over all of it). g_lens int32 [B]: positions at or past it count as -inf
     whatever they hold (at most 15 of them are loaded, to keep the loads vectorised); without
     it the whole row is read. `capacity`: candidate places a row
     (default CAPACITY, rounded up to a multiple of 16; tests make rows overflow with a small
     one). `maxima` [B, T] with `ws` (threshold_workspace, zeroed): the rows' group maxima for a
-    group stride T >= k, already taken (the scoring launch does: kernels/indexer.py), so the
+    group stride T >= k, already taken (the scoring launch does: wideep_kernels/indexer.py), so the
     maxima's launch is left out. `candidates`: (scores, positions) buffers of
     candidate_buffers(B, capacity) that keep the candidates with their positions (for
     emit_candidates)."""

@@ -1,7 +1,7 @@
 """The indexer's top-k selection in one launch: radix select, count and emit, with the programs
 that share a row meeting at a barrier between phases instead of at a kernel boundary.
 
-The multi-launch selection in kernels/radix_select.py (four histogram passes, a count pass and an
+The multi-launch selection in wideep_kernels/radix_select.py (four histogram passes, a count pass and an
 emit pass) spends most of its time at short contexts on six dependent launches of a few
 microseconds each, not on the 32 KB a row it reads. Here each row is split over `parts`
 programs (a span of positions each) that run six phases:
@@ -35,7 +35,7 @@ try:
     import triton
     import triton.language as tl
     from .pdl import pdl_enter, pdl_launch
-except Exception:  # a CPU-only install without triton: kernels/indexer.py uses the reference
+except Exception:  # a CPU-only install without triton: wideep_kernels/indexer.py uses the reference
     triton = None
     tl = None
 
@@ -66,7 +66,7 @@ if triton is not None:
     def _order_key(s):
         """fp32 -> uint32 whose unsigned order is the float order (-inf lowest). -0.0 takes
         0.0's key: they are equal scores, so that a count of the keys equal to the k-th one is
-        also a count of the scores equal to it (kernels/radix_select.py _emit_rows_kernel)."""
+        also a count of the scores equal to it (wideep_kernels/radix_select.py _emit_rows_kernel)."""
         bits = tl.where(s == 0.0, 0.0, s).to(tl.uint32, bitcast=True)
         return tl.where((bits >> 31) != 0, ~bits, bits | 0x80000000)
 
@@ -134,7 +134,7 @@ if triton is not None:
         # part adds them), and the parts that hold only them leave at once: the row's barriers
         # wait for its live parts alone (part 0 always, which fills the unused places).
         # (The loads masked by g_len are one load a score. Masked by the width and vectorised, as
-        # kernels/indexer.py's chunk passes are, the kernel took 10 more registers and the batch-64
+        # wideep_kernels/indexer.py's chunk passes are, the kernel took 10 more registers and the batch-64
         # select went from 23.2 to 33.1 us on the H200: its programs no longer fit in one wave.)
         live_end = tl.minimum(g_len, width)
         live_parts = tl.maximum(tl.cdiv(live_end, span), 1)
@@ -174,7 +174,7 @@ if triton is not None:
                     if phase > 0:
                         match = match & ((key >> (32 - 8 * phase)) == prefix)
                     # Keys that do not match land in bin 0, which _pick_digit never needs exactly
-                    # (kernels/radix_select.py, _radix_pass_kernel).
+                    # (wideep_kernels/radix_select.py, _radix_pass_kernel).
                     byte = (key >> (24 - 8 * phase)) & 0xFF
                     if phase >= SPARSE_FROM:
                         # Past the top two bytes few keys still match (tens in a row of 8K): one

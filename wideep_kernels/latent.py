@@ -5,8 +5,8 @@ The attention layer's fused input GEMM yields [c_kv | k_rope] per token; the lat
 keep is [rms_norm(c_kv) | rope(k_rope)]. As torch (or as our norm and rope kernels, then a
 concatenation) that is three launches a layer; here one program does one token.
 
-`latent_reference` defines the semantics from the two references (kernels/rmsnorm.py,
-kernels/rope.py); `latent_triton` rounds exactly as they do; `norm_rope_latent` picks one.
+`latent_reference` defines the semantics from the two references (wideep_kernels/rmsnorm.py,
+wideep_kernels/rope.py); `latent_triton` rounds exactly as they do; `norm_rope_latent` picks one.
 """
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ if triton is not None:
         out_row = out_ptr + tok * (C + 2 * HALF)
         if BLOCK_KEY > 0:  # the global slab's row of this token (every token writes one)
             slab_row = slab_ptr + tl.load(slot_ptr + tok).to(tl.int64) * (C + 2 * HALF)
-        # The norm, rounded as kernels/rmsnorm.py rounds it.
+        # The norm, rounded as wideep_kernels/rmsnorm.py rounds it.
         cols = tl.arange(0, BLOCK_C)
         ok = cols < C
         x = tl.load(row + cols, mask=ok, other=0.0).to(tl.float32)
@@ -86,7 +86,7 @@ if triton is not None:
         tl.store(out_row + cols, normed, mask=ok)
         if BLOCK_KEY > 0:
             tl.store(slab_row + cols, normed, mask=ok)
-        # The rope key, as kernels/rope.py rotates it (halves out in both layouts).
+        # The rope key, as wideep_kernels/rope.py rotates it (halves out in both layouts).
         i = tl.arange(0, BLOCK_HALF)
         i_ok = i < HALF
         c = tl.load(cos_ptr + tok * stride_c + i, mask=i_ok, other=0.0)
@@ -104,7 +104,7 @@ if triton is not None:
         if BLOCK_KEY > 0:
             tl.store(slab_row + C + i, r1, mask=i_ok)
             tl.store(slab_row + C + HALF + i, r2, mask=i_ok)
-            # the indexer key beside it, copied as it is or quantised as kernels/fp8_kv.py
+            # the indexer key beside it, copied as it is or quantised as wideep_kernels/fp8_kv.py
             # quantize_kv does (IEEE divisions, so the bytes and the scale are its own)
             d = tl.arange(0, BLOCK_KEY)
             d_ok = d < KD
@@ -118,7 +118,7 @@ if triton is not None:
                 tl.store(key_slab_ptr.to(tl.pointer_type(tl.uint8)) + slot * KD + d, key, mask=d_ok)
             else:
                 tl.store(key_slab_ptr + slot * KD + d, key.to(key_slab_ptr.dtype.element_ty), mask=d_ok)
-        if BLOCK_Q > 0:  # the query's low-rank part, normed as kernels/rmsnorm.py does
+        if BLOCK_Q > 0:  # the query's low-rank part, normed as wideep_kernels/rmsnorm.py does
             qc = tl.arange(0, BLOCK_Q)
             q_ok = qc < QC
             xq = tl.load(q_ptr + tok * stride_q + qc, mask=q_ok, other=0.0).to(tl.float32)
@@ -214,7 +214,7 @@ def latent_and_query(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: to
     `write` = (slots [T], slab [S, C + R], index_key [T, Di], index_slab [S, Di][, index_scale
     [S]]): also store each token's latent at slab[slots] and its indexer key at index_slab[slots]
     (a KV-source layer's cache write at decode, in kv's dtype; an FP8 index slab takes the key
-    quantised as kernels/fp8_kv.py quantize_kv does, its scale at index_scale[slots]; the slots
+    quantised as wideep_kernels/fp8_kv.py quantize_kv does, its scale at index_scale[slots]; the slots
     of padding rows may repeat, and such a slot then holds each element from one of its rows, in
     no set order).
     Falls back to the references (and torch writes) where the kernel does not apply."""

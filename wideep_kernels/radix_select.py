@@ -1,6 +1,6 @@
-"""The multi-launch top-k of wide rows (kernels/indexer.py select_topk_triton past the one-launch
+"""The multi-launch top-k of wide rows (wideep_kernels/indexer.py select_topk_triton past the one-launch
 select): four byte-histogram passes over the scores' order keys find each row's k-th score
-(radix_passes; kernels/wide_select.py runs the same passes over candidates), then the positions
+(radix_passes; wideep_kernels/wide_select.py runs the same passes over candidates), then the positions
 are emitted in one launch from the last histogram (_emit_rows_kernel) or, with the k-th score
 from elsewhere, by a count, an offsets and an emit pass over chunks of the row.
 """
@@ -17,7 +17,7 @@ try:
     import triton
     import triton.language as tl
     from .pdl import pdl_enter, pdl_launch
-except Exception:  # a CPU-only install without triton: kernels/indexer.py uses its reference
+except Exception:  # a CPU-only install without triton: wideep_kernels/indexer.py uses its reference
     triton = None
     tl = None
 
@@ -27,7 +27,7 @@ except Exception:  # a CPU-only install without triton: kernels/indexer.py uses 
 # reach one block a program either way.
 _RADIX_PROGRAMS = 1024
 # The radix passes' last two bytes: blocks where few keys still match add them by atomics, as the
-# one-launch select does (kernels/row_select.py SPARSE_FROM); WIDEEP_RADIX_SPARSE=0 keeps the
+# one-launch select does (wideep_kernels/row_select.py SPARSE_FROM); WIDEEP_RADIX_SPARSE=0 keeps the
 # histograms.
 RADIX_SPARSE = os.environ.get("WIDEEP_RADIX_SPARSE", "1") != "0"
 _SELECT_BLOCK = 1024
@@ -132,7 +132,7 @@ if triton is not None:
                             PDL: tl.constexpr = 0):
         """Program (seq, p) counts chunks p, p + P, ... of its row (P programs a row).
         FITTED: rows whose threshold candidates fit (found <= capacity) were emitted from them
-        (kernels/wide_select.py emit_candidates) and are skipped here, in the offsets and the
+        (wideep_kernels/wide_select.py emit_candidates) and are skipped here, in the offsets and the
         emit pass."""
         pdl_enter(PDL)
         seq = tl.program_id(0)
