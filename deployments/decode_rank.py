@@ -205,11 +205,11 @@ def _join_expert_parallel(rank: int, ep: dict, model_path: str):
     # staging traffic runs on its own group so it never queues behind the forward's collectives
     migrate = dist.new_group(backend="gloo")
     # The step's agreement on the host, so a rank can launch a step while the one before runs:
-    # through shared memory when the group is on one host (else None: over NCCL, a step at a time).
+    # shared memory on each host, TCP between hosts (CPU groups agree over their gloo group).
     exchange = None
     if ep["backend"] == "nccl":
         exchange = host_exchange(rank, ep["world"], GroupStep.WIDTH, dist.new_group(backend="gloo"),
-                                 timeout_s=ep.get("timeout_s", 120))
+                                 timeout_s=ep.get("timeout_s", 120), address=ray.util.get_node_ip_address())
     cfg = ModelConfig.from_file(model_path)
     layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
     return ExpertParallel(rank, ep["world"], initial_placement(layers, cfg.n_routed_experts, ep["num_slots"]),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict
+from contextlib import contextmanager
 
 from .sequence import Sequence
 
@@ -105,6 +106,22 @@ class BlockManager:
                 self.block_hash[b] = None
             self.ref_count[b] = 1
             seq.block_table.append(b)
+
+    @contextmanager
+    def withheld(self, blocks: list[int]):
+        """Keep these free blocks out of every allocation inside the block. Only blocks without a
+        cached prefix can be withheld (a prefix hit may revive a cached one); they come back as
+        the first to be reused, having no cached content to keep."""
+        for b in blocks:
+            if self.block_hash[b] is not None:
+                raise ValueError(f"block {b} holds a cached prefix and cannot be withheld")
+            del self.free[b]
+        try:
+            yield
+        finally:
+            for b in blocks:
+                self.free[b] = None
+                self.free.move_to_end(b, last=False)
 
     def release(self, seq: Sequence) -> None:
         self.release_blocks(seq.block_table)

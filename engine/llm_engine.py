@@ -70,6 +70,7 @@ class LaunchedStep:
     host: torch.Tensor | None = None                # their pinned copy, valid once `ready`
     ready: torch.cuda.Event | None = None
     error: Exception | None = None
+    write_blocks: list[int] = field(default_factory=list)  # a step ahead: the block of each row's position
 
 
 class LLMEngine:
@@ -201,8 +202,19 @@ class LLMEngine:
         Returns what the prefill server needs, or None when the pool is full right now (the
         request is then queued for local prefill instead)."""
         seq = self._new_sequence(request_id, prompt, params, messages)
-        self.wait_inflight()
-        reserved = self.scheduler.reserve_for_remote(seq)
+        # The step in flight may still write into free blocks (those of its sequences that ended
+        # since its launch); a writer outside the device's stream order must not get them. They
+        # sit out this reservation, rather than the host waiting out the step, which would cost
+        # a decode rank a step's overlap on every hand-off.
+        busy = self._blocks_written_in_flight()
+        if any(self.scheduler.blocks.block_hash[b] is not None for b in busy):
+            self.wait_inflight()  # a cached prefix cannot sit out (a hit may revive it)
+            busy = []
+        with self.scheduler.blocks.withheld(busy):
+            reserved = self.scheduler.reserve_for_remote(seq)
+        if reserved is None and busy:  # those few blocks were the difference: wait for them
+            self.wait_inflight()
+            reserved = self.scheduler.reserve_for_remote(seq)
         if reserved is None:
             self.scheduler.add(seq)
             return None
@@ -377,14 +389,24 @@ class LLMEngine:
         ids = cur.tokens
         if len(rows) < len(cur.batch):
             ids = ids.index_select(0, host_to_device(ids.device, rows))
-        return self._launch(ScheduledBatch(seqs=seqs, num_tokens=[1] * len(seqs)), ahead_ids=ids)
+        step = self._launch(ScheduledBatch(seqs=seqs, num_tokens=[1] * len(seqs)), ahead_ids=ids)
+        bs = self.cfg.block_size
+        step.write_blocks = [seq.block_table[seq.num_tokens // bs] for seq in seqs]
+        return step
 
     def wait_inflight(self) -> None:
-        """Block until the step in flight (if any) has finished on the device: before handing
-        out blocks to a writer outside the device's stream order (a remote prefill), since that
-        step may still write into blocks of a request that ended meanwhile."""
+        """Block until the step in flight (if any) has finished on the device."""
         if self._inflight is not None and self._inflight.ready is not None:
             self._inflight.ready.synchronize()
+
+    def _blocks_written_in_flight(self) -> list[int]:
+        """Free blocks that the step in flight writes a position into: those of its sequences
+        that ended (stopped, aborted) after it was launched. Empty once it has finished."""
+        step = self._inflight
+        if step is None or step.ready is None or step.ready.query():
+            return []
+        free = self.scheduler.blocks.free
+        return [b for seq, b in zip(step.batch.seqs, step.write_blocks) if seq.is_finished and b in free]
 
     def _append(self, seq: Sequence, token: int) -> RequestOutput:
         seq.output_ids.append(token)

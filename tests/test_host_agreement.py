@@ -2,6 +2,7 @@
 one host, gloo otherwise; run in spawned processes, as a decode group's ranks are."""
 import multiprocessing as mp
 import os
+import queue
 import random
 import socket
 import time
@@ -104,40 +105,98 @@ def test_values_out_of_range_are_refused(tmp_path):
         ShmExchange(str(tmp_path / "wide"), 0, 1, 8, create=True)
 
 
-def _setup_rank(rank, world, port, other_host, results):
+def _layout_rank(rank, hosts, port, steps, then, results):
+    """A rank of a group laid out over `hosts` (fake host names): set up the host exchange, then
+    exchange `steps` times at an uneven pace, checking every rank's values each time."""
     import torch.distributed as dist
 
     import engine.shm_pool as shm_pool
-    if other_host:
-        shm_pool.host_id = lambda: f"host-{rank}"
+    shm_pool.host_id = lambda: hosts[rank]
+    world = len(hosts)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         group = dist.new_group(backend="gloo")
-        ex = host_exchange(rank, world, 6, group)
-        got = [ex.exchange([rank, step, 0, 0, 0, 0]) for step in range(3)] if ex is not None else None
-        path = getattr(ex, "path", None)
-        over_gloo = GlooExchange(group, world).exchange([rank, 9, 0, 0, 0, 1 << 50])  # CPU groups' form
-        results.put((rank, type(ex).__name__, got, path is not None and os.path.exists(path), over_gloo))
+        ex = host_exchange(rank, world, 6, group, timeout_s=3.0, address="127.0.0.1")
+        files = [p for p in (getattr(ex, "path", None), getattr(getattr(ex, "local", None), "path", None)) if p]
+        rng, bad, error = random.Random(rank), [], None
+        try:
+            for step in range(1, steps + 1):
+                if then == "exit" and rank == 1 and step == 3:
+                    os._exit(0)  # results of this rank never come
+                if then == "stall" and rank == 1 and step == 3:
+                    time.sleep(60)  # alive, never at step 3 (killed first)
+                if rng.random() < 0.1:
+                    time.sleep(rng.random() * 2e-3)
+                got = ex.exchange(_values(rank, step))
+                if got != [_values(r, step) for r in range(world)]:
+                    bad.append((step, got))
+        except RuntimeError as e:
+            error = str(e)
+        over_gloo = GlooExchange(group, world).exchange([rank, 9, 0, 0, 0, 1 << 50]) if then is None else None
+        results.put((rank, type(ex).__name__, bad[:3], error, any(os.path.exists(p) for p in files), over_gloo))
     finally:
-        dist.destroy_process_group()
+        if then is None:
+            dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("other_host,form", [(False, "ShmExchange"), (True, "NoneType")])
-def test_the_group_picks_shared_memory_on_one_host(other_host, form):
-    """Ranks of one host agree through shared memory, whose file is unlinked once all have it
-    open; ranks of several hosts get no host exchange (their GPUs agree over NCCL)."""
+def _run_layout(hosts, steps, then=None):
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _port()
-    procs = [ctx.Process(target=_setup_rank, args=(r, 2, port, other_host, results)) for r in range(2)]
+    procs = [ctx.Process(target=_layout_rank, args=(r, hosts, port, steps, then, results)) for r in range(len(hosts))]
     for p in procs:
         p.start()
-    outs = dict((r, rest) for r, *rest in (results.get(timeout=60) for _ in procs))
-    for p in procs:
-        p.join(timeout=10)
-    for rank in range(2):
-        name, got, file_left, over_gloo = outs[rank]
-        assert name == form and not file_left
-        assert over_gloo == [[0, 9, 0, 0, 0, 1 << 50], [1, 9, 0, 0, 0, 1 << 50]]
-        if form == "ShmExchange":
-            assert got == [[[0, step, 0, 0, 0, 0], [1, step, 0, 0, 0, 0]] for step in range(3)]
+    try:
+        outs, deadline = {}, time.monotonic() + 120
+        while len(outs) < len(hosts) - (then is not None) and time.monotonic() < deadline:
+            for p in procs:
+                p.is_alive()  # reaps a rank that has exited, as a real parent would: its pid is then gone
+            try:
+                r, *rest = results.get(timeout=0.2)
+                outs[r] = rest
+            except queue.Empty:
+                pass
+        return outs
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            p.kill()
+
+
+@pytest.mark.parametrize("hosts,form", [
+    (["a", "a"], "ShmExchange"),
+    (["a", "b"], "HostsExchange"),
+    (["a", "b", "a", "b", "b"], "HostsExchange"),  # the ranks of a host need not be neighbours
+])
+def test_the_group_agrees_on_one_host_and_across_hosts(hosts, form):
+    """Ranks of one host agree through shared memory; ranks of several hosts through shared
+    memory on each and TCP between the hosts' leaders. Every rank gets every rank's values at
+    every step, and no shared-memory file is left behind."""
+    outs = _run_layout(hosts, steps=200)
+    world = len(hosts)
+    for rank in range(world):
+        name, bad, error, file_left, over_gloo = outs[rank]
+        assert (name, bad, error, file_left) == (form, [], None, False)
+        assert over_gloo == [[r, 9, 0, 0, 0, 1 << 50] for r in range(world)]  # CPU groups' form
+
+
+@pytest.mark.parametrize("then,leaders,local", [
+    ("exit", "the leader of host 1 of the decode group is gone", "rank 1 of the decode group (pid"),
+    ("stall", "the leader of host 1 of the decode group did not reach step 3 in 3 s",
+     "ranks [1] of the decode group did not reach step 3 in 3 s")])
+def test_a_host_leader_gone_or_stuck_fails_both_hosts_waits(then, leaders, local):
+    """Rank 1 leads host b and exits (or stalls): rank 0, host a's leader, reads its connection
+    closed (or times out on it); rank 2, on host b, sees its leader's process gone (or late).
+    Both end with an error naming rank 1's part, not a hang."""
+    outs = _run_layout(["a", "b", "b"], steps=10, then=then)
+    assert set(outs) == {0, 2}
+    assert leaders in outs[0][2] and local in outs[2][2]
+
+
+def test_agreement_latency_bench_runs_every_form():
+    """bench.agree_latency, a smoke run: ExpertParallel.agree over each form, a group of 4 ranks
+    split over two fake hosts for `hosts`."""
+    from bench.agree_latency import measure
+    for form in ("hosts", "shm", "gloo"):
+        row = measure(4, 20, form)
+        assert row["form"] == form and 0 < row["p50_us"] <= row["max_us"]

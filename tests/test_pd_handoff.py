@@ -172,3 +172,70 @@ def test_fp8_kv_moves_with_its_scales_over_nixl(tiny_v4_ckpt):
         src.close()
         dst.close()
     assert out.output_token_ids == alone.generate([prompt], GREEDY)[0].output_token_ids
+
+
+class _StepNotDone:
+    """The event of a step still running on the device: query() is False; counts the waits."""
+    def __init__(self):
+        self.waits = 0
+
+    def query(self):
+        return False
+
+    def synchronize(self):
+        self.waits += 1
+
+
+@pytest.mark.parametrize("room", ["enough", "short"])
+def test_a_reservation_skips_the_blocks_a_step_in_flight_writes(tiny_ckpt, room):
+    """A decode step launched ahead writes a position into the block of each of its rows. A
+    request that ends after that launch frees the block while the write is still to come, so a
+    remote prefill (a writer outside the device's stream order) must not be given it. With room
+    elsewhere the reservation takes other blocks and does not wait for the step; short of
+    exactly that block it waits for the step and then takes it."""
+    bs = 4
+    e = LLMEngine.from_pretrained(tiny_ckpt, EngineConfig(block_size=bs, num_blocks=40, async_scheduling=True,
+                                                         remote_kv_grace_s=0), progress=False)
+    alone = LLMEngine.from_pretrained(tiny_ckpt, EngineConfig(block_size=bs, num_blocks=40), progress=False)
+    keep, drop = _prompt(9, 1), _prompt(14, 2)
+    e.add_request("keep", keep, GREEDY)
+    e.add_request("drop", drop, GREEDY)
+    for _ in range(3):
+        e.step()
+    step = e._inflight
+    assert step is not None and [s.request_id for s in step.batch.seqs] == ["keep", "drop"]
+    step.ready = _StepNotDone()
+    written = step.write_blocks[1]
+    e.abort_request("drop")
+    blocks = e.scheduler.blocks
+    assert written in blocks.free
+    free = blocks.num_free_blocks
+    need = free - 1 if room == "enough" else free
+    res = e.reserve_remote("remote", _prompt(need * bs, 3), GREEDY)
+    assert res is not None and len(res["dst_blocks"]) == need
+    if room == "enough":
+        assert written not in res["dst_blocks"] and step.ready.waits == 0
+        assert list(blocks.free) == [written]  # back in the pool once the reservation is made
+    else:
+        assert written in res["dst_blocks"] and step.ready.waits == 1
+    e.fallback_local("remote")  # no prefill server here: the prompt is computed locally
+    outs = _run(e)
+    want = alone.generate([keep, _prompt(need * bs, 3)], GREEDY)
+    assert outs["keep"].output_token_ids == want[0].output_token_ids
+    assert outs["remote"].output_token_ids == want[1].output_token_ids
+    assert blocks.num_used_blocks == 0 and e._inflight is None
+
+
+def test_withheld_blocks_sit_out_allocation_and_return_first():
+    from engine.block_manager import BlockManager
+    from engine.sequence import Sequence
+    m = BlockManager(num_blocks=6, block_size=4)
+    seq = Sequence("s", list(range(8)), GREEDY)
+    with m.withheld([0, 3]):
+        m.grow(seq, 12)
+        assert seq.block_table == [1, 2, 4]
+    assert list(m.free) == [3, 0, 5]
+    m.block_hash[5] = b"h"
+    with pytest.raises(ValueError, match="block 5 holds a cached prefix"):
+        with m.withheld([5]):
+            pass
