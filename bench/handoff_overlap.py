@@ -12,13 +12,16 @@ same engine one after the other:
   reservation, and the host does not wait;
 - `wait`: the host first waits for the step in flight, as the engine did before, so the GPU idles
   while the host completes and launches the next step.
-Reports per mode and batch the mean step of a run of steps timed as a whole, without hand-offs
-(`base_ms`) and with them (`handoff_ms`), side by side in the same run.
+Reports per mode and batch the mean step of runs of 8 steps back to back, without hand-offs
+(`base_ms`) and with them (`handoff_ms`), side by side in the same run: the median over the
+runs (a decode graph captured as the context grows past a table width lands in one of them),
+and their min and max.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 import torch
@@ -29,24 +32,34 @@ from engine.llm_engine import LLMEngine
 from engine.sampling import SamplingParams
 
 
-def timed_steps(engine: LLMEngine, steps: int, every: int, wait: bool, prompt: list[int], cuda: bool) -> float:
-    """Mean seconds a step over `steps` steps; a reservation after every `every`-th (0: none)."""
+def timed_steps(engine: LLMEngine, steps: int, every: int, wait: bool, prompt: list[int], cuda: bool,
+                chunk: int = 8) -> list[float]:
+    """Mean seconds a step of each run of `chunk` steps back to back (the device synchronized
+    around each run only); a reservation after every `every`-th step (0: none)."""
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-    if cuda:
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for i in range(steps):
-        engine.step()
-        if every and i % every == 0:
-            if wait:
-                engine.wait_inflight()
-            rid = f"handoff-{i}"
-            if engine.reserve_remote(rid, prompt, params) is None:
-                raise RuntimeError("the pool could not hold the reservation: raise num_blocks")
-            engine.abort_request(rid)
-    if cuda:
-        torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / steps
+    means = []
+    for first in range(0, steps, chunk):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for i in range(first, min(first + chunk, steps)):
+            engine.step()
+            if every and i % every == 0:
+                if wait:
+                    engine.wait_inflight()
+                rid = f"handoff-{i}"
+                if engine.reserve_remote(rid, prompt, params) is None:
+                    raise RuntimeError("the pool could not hold the reservation: raise num_blocks")
+                engine.abort_request(rid)
+        if cuda:
+            torch.cuda.synchronize()
+        means.append((time.perf_counter() - t0) / (min(first + chunk, steps) - first))
+    return means
+
+
+def _summary(seconds: list[float]) -> dict:
+    ms = sorted(1000 * t for t in seconds)
+    return {"median": round(statistics.median(ms), 3), "min": round(ms[0], 3), "max": round(ms[-1], 3)}
 
 
 def main(argv=None):
@@ -89,9 +102,10 @@ def main(argv=None):
                 ahead[mode] += engine.num_steps_ahead - ahead0
                 times[mode].append((base, with_handoffs))
         for mode, pairs in times.items():
+            base = [t for b, _ in pairs for t in b]
+            with_handoffs = [t for _, h in pairs for t in h]
             row = {"mode": mode, "batch": batch,
-                   "base_ms": [round(1000 * b, 3) for b, _ in pairs],
-                   "handoff_ms": [round(1000 * h, 3) for _, h in pairs],
+                   "base_ms": _summary(base), "handoff_ms": _summary(with_handoffs),
                    "handoff_steps_ahead": ahead[mode], "handoff_steps": args.rounds * args.steps}
             report["rows"].append(row)
             print(json.dumps(row), flush=True)

@@ -12,6 +12,7 @@ def test_smoke_both_modes_keep_stepping_ahead(tmp_path, capsys):
     rows = {row["mode"]: row for row in report["rows"]}
     assert set(rows) == {"withhold", "wait"}
     for row in rows.values():
-        assert len(row["base_ms"]) == len(row["handoff_ms"]) == 1 and row["handoff_ms"][0] > 0
+        for ms in (row["base_ms"], row["handoff_ms"]):
+            assert 0 < ms["min"] <= ms["median"] <= ms["max"]
         # every step of a decoding batch is launched ahead, hand-offs between them or not
         assert row["handoff_steps_ahead"] == row["handoff_steps"] == 3
