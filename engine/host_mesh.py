@@ -41,12 +41,22 @@ class LeaderMesh:
         own connections: anything else reaching the port is turned away."""
         peers = {}
         for j in range(index):
-            s = socket.create_connection(addresses[j], timeout=timeout_s)
+            try:
+                s = socket.create_connection(addresses[j], timeout=timeout_s)
+            except OSError as e:
+                raise RuntimeError(f"the decode group's agreement: host {index}'s leader cannot reach host {j}'s "
+                                   f"at {addresses[j][0]}:{addresses[j][1]} ({e}); the hosts' TCP ports must be "
+                                   "open to each other") from None
             s.sendall(token + struct.pack("<i", index))
             peers[j] = s
         listener.settimeout(timeout_s)
         while len(peers) < len(addresses) - 1:
-            s, _ = listener.accept()
+            try:
+                s, _ = listener.accept()
+            except socket.timeout:
+                missing = [j for j in range(index + 1, len(addresses)) if j not in peers]
+                raise RuntimeError(f"the decode group's agreement: the leaders of hosts {missing} did not connect "
+                                   f"to host {index}'s in {timeout_s:.0f} s") from None
             s.settimeout(timeout_s)
             try:
                 hello = _recv_exact(s, len(token) + 4)

@@ -200,3 +200,52 @@ def test_agreement_latency_bench_runs_every_form():
     for form in ("hosts", "shm", "gloo"):
         row = measure(4, 20, form)
         assert row["form"] == form and 0 < row["p50_us"] <= row["max_us"]
+
+
+def test_leaders_meet_over_tcp_turning_strangers_away():
+    """LeaderMesh.connect in one process (two threads): a connection without the group's token
+    is dropped, the peer's is kept, and a swap hands each side the other's payload."""
+    import threading
+
+    from engine.host_mesh import LeaderMesh
+    token = b"g" * 16
+    listeners = [socket.create_server(("127.0.0.1", 0)) for _ in range(2)]
+    addresses = [lst.getsockname()[:2] for lst in listeners]
+    stranger = socket.create_connection(addresses[0])
+    stranger.sendall(b"x" * 20)
+    meshes = {}
+
+    def join(index):
+        meshes[index] = LeaderMesh.connect(index, addresses, listeners[index], token, 5.0)
+    threads = [threading.Thread(target=join, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    assert set(meshes) == {0, 1} and list(meshes[0].peers) == [1] and list(meshes[1].peers) == [0]
+    got = {}
+    threads = [threading.Thread(target=lambda i=i: got.update({i: meshes[i].swap(7, bytes([i]) * 3)}))
+               for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    assert got == {0: {1: b"\x01" * 3}, 1: {0: b"\x00" * 3}}
+    for m in meshes.values():
+        m.close()
+    stranger.close()
+
+
+def test_leaders_that_cannot_meet_fail_naming_the_address():
+    from engine.host_mesh import LeaderMesh
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[:2]  # nothing listens here once it is closed
+    listener = socket.create_server(("127.0.0.1", 0))
+    with pytest.raises(RuntimeError, match=f"host 1's leader cannot reach host 0's at 127.0.0.1:{closed[1]}"):
+        LeaderMesh.connect(1, [closed, listener.getsockname()[:2]], listener, b"g" * 16, 1.0)
+    listener.close()
+    listener = socket.create_server(("127.0.0.1", 0))
+    with pytest.raises(RuntimeError, match=r"the leaders of hosts \[1\] did not connect to host 0's in 0 s"):
+        LeaderMesh.connect(0, [listener.getsockname()[:2], closed], listener, b"g" * 16, 0.3)
+    listener.close()
