@@ -59,14 +59,7 @@ class ShmExchange:
             raise ValueError(f"a slot holds {(_SLOT - 1) // 2} values, not {width}")
         self.path, self.rank, self.world, self.width, self.timeout_s = path, rank, world, width, timeout_s
         self.group_ranks = group_ranks or list(range(world))
-        nbytes = world * _SLOT * 8
-        fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
-        try:
-            if create:
-                os.ftruncate(fd, nbytes)  # zero-filled
-            self.map = mmap.mmap(fd, nbytes)
-        finally:
-            os.close(fd)
+        self.map = _map_shared(path, world * _SLOT * 8, create)
         self.slots = np.ndarray((world, _SLOT), dtype=np.int64, buffer=self.map)
         self.slots[rank, 0] = os.getpid()
         self.step = 0
@@ -90,13 +83,8 @@ class ShmExchange:
         late = [r for r in range(self.world) if (view[r] >> _TAG_SHIFT != tag >> _TAG_SHIFT).any()]
         for r in late:
             pid = int(self.slots[r, 0])
-            try:
-                if pid:
-                    os.kill(pid, 0)
-            except ProcessLookupError:
-                raise RuntimeError(f"rank {self.group_ranks[r]} of the decode group (pid {pid}) is gone") from None
-            except PermissionError:
-                pass
+            if _process_gone(pid):
+                raise RuntimeError(f"rank {self.group_ranks[r]} of the decode group (pid {pid}) is gone")
         if waited > self.timeout_s:
             raise RuntimeError(f"ranks {[self.group_ranks[r] for r in late]} of the decode group did not reach "
                                f"step {self.step} in {self.timeout_s:.0f} s")
@@ -105,6 +93,29 @@ class ShmExchange:
         """Remove the file; the mapping stays until the last view of it is gone (closing the map
         explicitly would leave numpy views pointing at unmapped memory)."""
         os.unlink(self.path)
+
+
+def _map_shared(path: str, nbytes: int, create: bool) -> mmap.mmap:
+    """Map a shared block: a new zero-filled file (`create`, which must not exist) or another's."""
+    fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+    try:
+        if create:
+            os.ftruncate(fd, nbytes)
+        return mmap.mmap(fd, nbytes)
+    finally:
+        os.close(fd)
+
+
+def _process_gone(pid: int) -> bool:
+    """Whether the process of this pid (a peer's on this host; 0: not yet known) has ended."""
+    try:
+        if pid:
+            os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass
+    return False
 
 
 def _poll_until(done, check) -> None:

@@ -11,14 +11,13 @@ handed in step k + 2's, so none of them is still reading step k's.
 """
 from __future__ import annotations
 
-import mmap
 import os
 import socket
 import struct
 
 import numpy as np
 
-from .host_agreement import _TAG_MASK, _TAG_SHIFT, ShmExchange, _poll_until
+from .host_agreement import _TAG_MASK, _TAG_SHIFT, ShmExchange, _map_shared, _poll_until, _process_gone
 
 _HEADER = struct.Struct("<qi")  # the step, then the payload's bytes
 
@@ -117,14 +116,7 @@ class HostsExchange:
         self.mesh: LeaderMesh | None = None  # the leader's, set once every leader listens
         self.host = next(h for h, ranks in enumerate(ranks_of_host) if rank in ranks)
         self.path = result_path
-        nbytes = 2 * world * width * 8
-        fd = os.open(result_path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
-        try:
-            if create:
-                os.ftruncate(fd, nbytes)
-            self.map = mmap.mmap(fd, nbytes)
-        finally:
-            os.close(fd)
+        self.map = _map_shared(result_path, 2 * world * width * 8, create)
         self.result = np.ndarray((2, world, width), dtype=np.int64, buffer=self.map)
         self.step = 0
 
@@ -145,18 +137,12 @@ class HostsExchange:
         return (view & ((1 << _TAG_SHIFT) - 1)).tolist()
 
     def _check_leader(self, waited: float) -> None:
-        pid = int(self.local.slots[0, 0])
-        try:
-            if pid:
-                os.kill(pid, 0)
-        except ProcessLookupError:
-            raise RuntimeError(f"rank {self.ranks_of_host[self.host][0]} of the decode group (pid {pid}), "
-                               "this host's leader, is gone") from None
-        except PermissionError:
-            pass
+        leader, pid = self.ranks_of_host[self.host][0], int(self.local.slots[0, 0])
+        if _process_gone(pid):
+            raise RuntimeError(f"rank {leader} of the decode group (pid {pid}), this host's leader, is gone")
         if waited > self.timeout_s:
-            raise RuntimeError(f"rank {self.ranks_of_host[self.host][0]} of the decode group, this host's "
-                               f"leader, did not bring step {self.step} in {self.timeout_s:.0f} s")
+            raise RuntimeError(f"rank {leader} of the decode group, this host's leader, did not bring step "
+                               f"{self.step} in {self.timeout_s:.0f} s")
 
     def unlink(self) -> None:
         os.unlink(self.path)
