@@ -390,6 +390,14 @@ class EngineConfig(BaseModel):
                                "token a row of the decode kernels; larger steps run eagerly. At most "
                                "max_num_batched_tokens; past 128 rows the graphs are padded to powers of two. "
                                "0: none")
+    cuda_graph_min_tokens: int | None = Field(
+        None, ge=0, description="decode and chunk graphs are captured for block tables of at least this many "
+                                "tokens: every context below it shares one graph per batch size, captured at start "
+                                "(warmup), so short contexts never meet a capture while serving (each costs a "
+                                "stall of every running request). Past it, a graph per table width (four per "
+                                "octave), captured on first use. None: the contexts that attend densely "
+                                "(index_topk + sliding_window - 1) on a model with an indexer, else 2048; 0: a "
+                                "graph per width from 256 tokens (engine/cuda_graphs.py)")
     remote_kv_grace_s: float = Field(
         30.0, ge=0, description="after an abandoned KV transfer (failed, late, aborted), its reserved blocks "
                                 "stay out of use this long, so a write still in flight cannot land in another "

@@ -22,6 +22,7 @@ import logging
 import numpy as np
 import torch
 
+from .scheduler import ScheduledBatch
 from .streams import side_stream
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,19 @@ def _chunk_sizes(max_chunk: int) -> list[int]:
         sizes.add(n)
         n *= 2
     return sorted(sizes | {max_chunk})
+
+
+def min_graph_blocks(cfg, model_cfg, max_tokens: int) -> int:
+    """Narrowest block-table width of a graph (EngineConfig.cuda_graph_min_tokens): by default
+    the widest table a step that attends densely can have, so every such step of a batch size
+    shares one graph, captured at start. The dense attention kernel splits a row's keys by the
+    table's width but reads only its own (wideep_kernels/mla_decode.py), so a short context
+    costs a wider table little."""
+    tokens = cfg.cuda_graph_min_tokens
+    if tokens is None:
+        window = model_cfg.sliding_window - 1 if model_cfg.sliding_window else 0
+        tokens = model_cfg.index_topk + window if model_cfg.index_topk else 2048
+    return max(16, -(-min(tokens, max_tokens) // cfg.block_size))
 
 
 def blocks_bucket(num_blocks: int) -> int:
@@ -72,6 +86,7 @@ class DecodeGraphs:
         limit = min(runner.model.cfg.max_position_embeddings, cfg.num_blocks * cfg.block_size)
         self.rotary = runner.model.model.rotary
         self.rotary.ensure(cfg.max_model_len or limit)
+        self.min_blocks = min_graph_blocks(cfg, runner.model.cfg, cfg.max_model_len or limit)
         # Host staging of the inputs (pinned, so the copy is a DMA the host does not wait on),
         # grown as needed; `copied` marks the end of the last copy out of it, which must be
         # over before the buffer is written again.
@@ -95,9 +110,22 @@ class DecodeGraphs:
         group's step: its most tokens and widest table over all ranks."""
         return next(s for s in self.chunk_sizes if s >= rows), self._blocks_bucket(max(width, 1)), sparse
 
-    @staticmethod
-    def _blocks_bucket(num_blocks: int) -> int:
-        return blocks_bucket(num_blocks)
+    def _blocks_bucket(self, num_blocks: int) -> int:
+        """The graph width of a table of num_blocks: min_blocks up to it, four per octave past it."""
+        return self.min_blocks if num_blocks <= self.min_blocks else blocks_bucket(num_blocks)
+
+    @torch.inference_mode()
+    def capture_short(self) -> int:
+        """Capture every decode and chunk graph of the narrowest width (min_blocks), dense
+        attention, that is not captured yet: the graphs of every context below it. Their rows
+        are all padding (the scratch slot and ring). Returns how many were captured."""
+        before = len(self.graphs)
+        for rows in self.sizes:
+            self.run(ScheduledBatch(), shape=(rows, self.min_blocks, False))
+        if self.runner.cfg.decode_kernels and self.chunk_sizes != [0]:
+            for rows in self.chunk_sizes:
+                self.run_chunk(ScheduledBatch(), rows, shape=(rows, self.min_blocks, False))
+        return len(self.graphs) - before
 
     def _host_buffer(self, nbytes: int) -> np.ndarray:
         if self.copied is not None:

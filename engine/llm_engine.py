@@ -114,7 +114,8 @@ class LLMEngine:
         multiples of 16 or neither (token and row counts, batch sizes), the MoE GEMM's tile by
         rows per expert, the tuned attention configuration by batch bucket, and the prefill rows
         past index_topk and their prefix-hit replay. Widths that grow with context were made
-        shape-neutral in the kernels instead. Leaves no request, used block or statistic behind."""
+        shape-neutral in the kernels instead. Then the CUDA graphs of every batch size for the
+        contexts below cuda_graph_min_tokens. Leaves no request, used block or statistic behind."""
         cfg, mc = self.cfg, self.model_cfg
         limit = self.max_model_len - 4
         vocab = mc.vocab_size
@@ -151,6 +152,10 @@ class LLMEngine:
                         mc.sliding_window, cfg.block_size)
             if mc.index_topk:  # the top-k selection's variants by row count and by row width
                 indexer_warm_up(mc.index_topk, self.runner.device, max(cfg.max_num_seqs, chunk))
+        if self.runner.graphs is not None:
+            # Every batch size's graph for the short contexts (cuda_graph_min_tokens): the requests
+            # above met only some of them, and each first met while serving stalls every request.
+            self.runner.graphs.capture_short()
         s = self.scheduler
         s.prefix_hit_tokens = s.replayed_tokens = s.num_preemptions = 0
         self.num_steps = self.num_steps_ahead = 0

@@ -242,6 +242,52 @@ def test_graph_block_buckets_waste_at_most_a_quarter():
     assert len(set(widths)) <= 4 * 10 + 1  # four per octave from 16 to 16K blocks
 
 
+def test_short_contexts_share_one_graph_width():
+    """Every table up to the dense-attention limit (index_topk + window - 1 tokens) pads to one
+    graph width; past it, four widths an octave as before. cuda_graph_min_tokens moves it."""
+    from types import SimpleNamespace
+    from engine.config import preset
+    from engine.cuda_graphs import DecodeGraphs, min_graph_blocks
+    bench = preset("bench")  # index_topk 2048, window 128
+    assert min_graph_blocks(EngineConfig(), bench, 1 << 20) == 136  # 2175 tokens, blocks of 16
+    assert min_graph_blocks(EngineConfig(block_size=64), bench, 1 << 20) == 34
+    assert min_graph_blocks(EngineConfig(), bench, 1000) == 63  # never past the longest context
+    assert min_graph_blocks(EngineConfig(), preset("tiny"), 1 << 20) == 128  # no indexer: 2048 tokens
+    assert min_graph_blocks(EngineConfig(cuda_graph_min_tokens=0), bench, 1 << 20) == 16
+    assert min_graph_blocks(EngineConfig(cuda_graph_min_tokens=5000), bench, 1 << 20) == 313
+    graphs = SimpleNamespace(min_blocks=136)
+    assert {DecodeGraphs._blocks_bucket(graphs, n) for n in range(1, 137)} == {136}
+    assert [DecodeGraphs._blocks_bucket(graphs, n) for n in (137, 161, 8193)] == [160, 192, 10240]
+    graphs.min_blocks = 16
+    assert [DecodeGraphs._blocks_bucket(graphs, n) for n in (1, 17, 129)] == [16, 20, 160]
+    with pytest.raises(ValidationError, match="cuda_graph_min_tokens"):
+        EngineConfig(cuda_graph_min_tokens=-1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_short_context_graphs_are_captured_at_start_and_shared(tiny_v4_ckpt):
+    """Warm-up captures every batch size's decode and chunk graph of the shared width; contexts
+    below it (dense, and sparse ones: tiny-v4 keeps 16 keys) replay graphs of that width alone,
+    with the tokens of a graph per width."""
+    prompts = _prompts([3, 30, 45, 1, 70])  # up to 80 tokens: tables of 20 blocks of 4
+    kw = dict(device="cuda", max_num_seqs=8)
+    per_width, per_logits, _ = _run(tiny_v4_ckpt, prompts, cuda_graph_min_tokens=0, **kw)
+    shared, shared_logits, _ = _run(tiny_v4_ckpt, prompts, cuda_graph_min_tokens=96, **kw)
+    assert shared == per_width
+    for a, b in zip(shared_logits, per_logits):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    engine = LLMEngine.from_pretrained(tiny_v4_ckpt, EngineConfig(block_size=4, cuda_graph_min_tokens=96, **kw),
+                                       progress=False)
+    g = engine.runner.graphs
+    assert g.min_blocks == 24
+    at_start = set(g.graphs)
+    assert {("decode", rows, 24, False) for rows in g.sizes} <= at_start, at_start
+    assert {("chunk", rows, 24, False) for rows in g.chunk_sizes} <= at_start, at_start
+    engine.generate(prompts, GREEDY)
+    new = set(g.graphs) - at_start
+    assert new and all(key[2:] == (24, True) for key in new), new  # the sparse steps' graphs alone
+
+
 def test_pdl_launches_are_plain_off_the_gpu(monkeypatch):
     from wideep_kernels import pdl
     monkeypatch.setattr(pdl, "MODE", pdl.MODES["early"])

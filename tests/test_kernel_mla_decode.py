@@ -451,6 +451,15 @@ def test_gluon_split_kernel(device, heads, num_warps, num_splits, fp8):
     assert torch.equal(ring_out, ring_ref)
     check(mla_decode_triton(q, kv, kv_scale, table, lens, BS, scale, 512, num_splits=num_splits, config=config),
           mla_decode_reference(q, kv, kv_scale, table, lens, BS, scale, 512), torch.bfloat16)
+    # a table far wider than every row (a CUDA graph's shared width): splits of only padding, the
+    # window's tiles in a split past them
+    wide = torch.cat([table, table.new_zeros(len(g_lens), 40)], dim=1)
+    ring_out, ring_ref = ring[0].clone(), ring[0].clone()
+    out_w = mla_decode_triton(q, kv, kv_scale, wide, lens, BS, scale, 512, win_valid=valid,
+                              ring=(ring_out,) + ring[1:], num_splits=num_splits, config=config)
+    check(out_w, mla_decode_reference(q, kv, kv_scale, table, lens, BS, scale, 512, win_valid=valid,
+                                      ring=(ring_ref,) + ring[1:]), torch.bfloat16)
+    assert torch.equal(ring_out, ring_ref)
     if device == "cuda":  # (on CPU test_ring_window_of_prompt_chunk_rows covers the Triton kernels)
         # prompt-chunk rows: the ring read in place with three fresh latents a row, nothing written
         back = torch.arange(len(g_lens))[:, None] - torch.arange(3)

@@ -77,6 +77,14 @@ def gluon_applies(q, kv, config: dict | None, block_h: int, win_kv, *rows) -> bo
 if gluon is not None:
 
     @gluon.jit
+    def _tile_start(t, tiles, BLOCK_N: gl.constexpr):
+        """Range position of a split's t-th tile: its live global tiles, then its window tiles.
+        tiles: (the split's first position, its first window position, its live global tiles)."""
+        v_start, w_lo, n_global_tiles = tiles
+        past = (n_global_tiles <= t).to(gl.int32)  # (t may be a constant)
+        return v_start + t * BLOCK_N + past * (w_lo - v_start - n_global_tiles * BLOCK_N)
+
+    @gluon.jit
     def _tile_entries(start, seq, BLOCK_N: gl.constexpr, HAS_TOPK: gl.constexpr, SLOTS: gl.constexpr,
                       HAS_WINDOW: gl.constexpr, layout: gl.constexpr, KEYS_ONLY: gl.constexpr = False):
         """The tile at range position `start`: its slots (global tiles; -1 = no key) and window flags.
@@ -247,13 +255,22 @@ if gluon is not None:
         acc = gl.zeros([BLOCK_C, BLOCK_H], gl.float32, layout=o_layout)
         s_zero = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=s_layout)
 
-        # This split's share of the range [global keys padded to global_span, window keys].
+        # This split's share of the range [global keys padded to global_span, window keys]. Its
+        # global tiles past a dense row's length hold no key (a graph's block table may be far
+        # wider than the context): skipped, its window tiles follow its live global ones.
         v_start = split * keys_per_split
         v_end = gl.minimum(v_start + keys_per_split, global_span + num_win)
-        n_tiles = gl.cdiv(gl.maximum(v_end - v_start, 0), BLOCK_N)
         slots_row = topk_ptr + b * stride_topk
         table_row = table_ptr + b * stride_tb
         g_len = gl.minimum(gl.load(glen_ptr + b), table_keys)
+        if HAS_TOPK:
+            g_stop = gl.minimum(v_end, global_span)
+        else:
+            g_stop = gl.minimum(v_end, gl.minimum(g_len, global_span))
+        n_global_tiles = gl.cdiv(gl.maximum(g_stop - v_start, 0), BLOCK_N)
+        w_lo = gl.maximum(v_start, global_span)
+        n_tiles = n_global_tiles + gl.cdiv(gl.maximum(v_end - w_lo, 0), BLOCK_N)
+        tiles = (v_start, w_lo, n_global_tiles)
         flags_row = wvalid_ptr + b * stride_vb
         seq = (slots_row, table_row, flags_row, g_len, num_topk, num_win, global_span, block_size)
         ring = (ring_len, stride_fb)
@@ -278,7 +295,6 @@ if gluon is not None:
                                              gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_C], dtype))
             kb_r = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_R],
                                              gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_R], dtype))
-            g_stop = gl.minimum(v_end, global_span)
             slot, flag = _tile_entries(v_start, seq, BLOCK_N, HAS_TOPK, SLOTS, HAS_WINDOW, row8)
             slot = gl.where(v_start < g_stop, slot, -1)
             scale = gl.load(scale_ptr + slot, mask=slot >= 0, other=0.0)
@@ -303,7 +319,6 @@ if gluon is not None:
                 scale = next_scale
             cp.wait_group(0)
             if HAS_WINDOW:
-                w_lo = gl.maximum(v_start, global_span)
                 for t in range(gl.cdiv(gl.maximum(v_end - w_lo, 0), BLOCK_N)):
                     start = w_lo + t * BLOCK_N
                     w_slot, w_flag = _tile_entries(start, seq, BLOCK_N, HAS_TOPK, SLOTS, HAS_WINDOW, slot_layout)
@@ -322,17 +337,19 @@ if gluon is not None:
             r_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_R],
                                                gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_R], dtype))
             # Prologue: tile 0's copies in flight, tile 1's slots in registers.
-            slot, flag = _tile_entries(v_start, seq, BLOCK_N, HAS_TOPK, SLOTS, HAS_WINDOW, slot_layout)
-            _issue_tile(v_start, global_span, ring, slot, flag, kv_ptr, stride_kv, win_row0, stride_wi,
+            first = _tile_start(0, tiles, BLOCK_N)
+            slot, flag = _tile_entries(first, seq, BLOCK_N, HAS_TOPK, SLOTS, HAS_WINDOW, slot_layout)
+            _issue_tile(first, global_span, ring, slot, flag, kv_ptr, stride_kv, win_row0, stride_wi,
                         fresh_row, c_smem.index(0), r_smem.index(0), kv_lora, BLOCK_N, BLOCK_C, BLOCK_R, RING,
                         c_layout)
             cp.commit_group()
-            slot, flag = _tile_entries(v_start + BLOCK_N, seq, BLOCK_N, HAS_TOPK, SLOTS, HAS_WINDOW, slot_layout)
+            slot, flag = _tile_entries(_tile_start(1, tiles, BLOCK_N), seq, BLOCK_N, HAS_TOPK, SLOTS, HAS_WINDOW,
+                                       slot_layout)
             for t in range(n_tiles):
-                start = v_start + t * BLOCK_N
+                start = _tile_start(t, tiles, BLOCK_N)
                 # Tile t+1's copies go out before tile t's products (past the end: every row masked off).
-                nxt = start + BLOCK_N
-                live = nxt < v_end
+                nxt = _tile_start(t + 1, tiles, BLOCK_N)
+                live = t + 1 < n_tiles
                 _issue_tile(nxt, global_span, ring, gl.where(live, slot, -1), gl.where(live, flag, 0),
                             kv_ptr, stride_kv, win_row0, stride_wi, fresh_row, c_smem.index((t + 1) % 2),
                             r_smem.index((t + 1) % 2), kv_lora, BLOCK_N, BLOCK_C, BLOCK_R, RING, c_layout)
@@ -341,7 +358,8 @@ if gluon is not None:
                 # conversion, which is a shared-memory round trip and a barrier)
                 key_slot, key_flag = _tile_entries(start, seq, BLOCK_N, HAS_TOPK, SLOTS, HAS_WINDOW, key_s, True)
                 key_ok = _tile_keys(start, global_span, key_slot, key_flag)
-                slot, flag = _tile_entries(nxt + BLOCK_N, seq, BLOCK_N, HAS_TOPK, SLOTS, HAS_WINDOW, slot_layout)
+                slot, flag = _tile_entries(_tile_start(t + 2, tiles, BLOCK_N), seq, BLOCK_N, HAS_TOPK, SLOTS,
+                                           HAS_WINDOW, slot_layout)
                 cp.wait_group(1)  # tile t landed (this thread's copies; the barrier before the MMA: the rest)
                 fence_async_shared()
                 m, l, acc = _tile_update(c_smem.index(t % 2), r_smem.index(t % 2), qc_smem, qr_smem, p_smem,

@@ -1,0 +1,137 @@
+"""Decode graphs of short contexts: what one shared table width costs a step, and what the
+captures met while serving cost the requests (EngineConfig.cuda_graph_min_tokens).
+
+    python3 -m bench.graph_widths --preset bench --batches 1 16 64        # one GPU
+    .venv/bin/python -m bench.graph_widths --preset tiny --device cpu --batches 2 --contexts 40 --steps 30  # smoke
+
+Two parts, each side by side in one run:
+- `cost`: on one engine, the decode forward (the graph's replay, CUDA events, median) of a batch
+  at each context, its block table padded to the four-per-octave width of its context
+  (`bucket_ms`, cuda_graph_min_tokens=0) and to the shared short-context width (`shared_ms`, the
+  default). Sequences are made up (bench/forward.py).
+- `serve`: per mode (`per_width`: cuda_graph_min_tokens=0; `shared`: the default), a fresh
+  engine warmed up as at start, then `batch` requests decoding from a `--prompt`-token prompt for
+  `--steps` steps (contexts crossing many table widths): the warm-up's seconds and graphs, the
+  graphs captured while decoding, and the steps' wall time (median, max, and the seconds the
+  steps over 3x the median took beyond it, which is what the requests waited for captures).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import time
+
+import torch
+
+from bench.ep_decode import build
+from bench.forward import make_batch, time_forward
+from engine.config import EngineConfig, preset
+from engine.llm_engine import LLMEngine
+from engine.sampling import SamplingParams
+
+MODES = {"per_width": 0, "shared": None}  # -> cuda_graph_min_tokens
+
+
+def engine_config(args, batch: int, min_tokens: int | None, warmup: bool) -> EngineConfig:
+    cuda = args.device == "cuda"
+    longest = max(args.prompt + args.steps + 16, max(args.contexts) + 2)
+    return EngineConfig(device=args.device, dtype="bfloat16" if cuda else "float32", block_size=16,
+                        max_num_seqs=batch, num_blocks=batch * (longest // 16 + 2) + 16, warmup=warmup,
+                        max_num_batched_tokens=max(512, args.prompt), cuda_graph_min_tokens=min_tokens)
+
+
+def cost(model, args) -> list[dict]:
+    rows = []
+    engine = LLMEngine(model, None, engine_config(args, max(args.batches), None, warmup=False))
+    g = engine.runner.graphs
+    shared = g.min_blocks if g is not None else None
+    for batch in args.batches:
+        for context in args.contexts:
+            b = make_batch(engine, batch, context)
+            times = {}
+            for name, floor in (("bucket_ms", 16), ("shared_ms", shared)):
+                if g is not None:
+                    g.min_blocks = floor
+                times[name] = round(time_forward(engine, b, args.iters)[0], 4)
+            row = {"part": "cost", "batch": batch, "context": context, **times,
+                   "ratio": round(times["shared_ms"] / times["bucket_ms"], 3),
+                   "shared_tokens": shared * 16 if shared else None}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    del engine, g
+    _release(args.device == "cuda")
+    return rows
+
+
+def serve(model, args, batch: int, mode: str) -> dict:
+    cuda = args.device == "cuda"
+    t0 = time.perf_counter()
+    engine = LLMEngine(model, None, engine_config(args, batch, MODES[mode], warmup=cuda))
+    warmup_s = time.perf_counter() - t0
+    g = engine.runner.graphs
+    graphs0 = len(g.graphs) if g is not None else 0
+    gen = torch.Generator().manual_seed(batch)
+    vocab = model.cfg.vocab_size
+    for i in range(batch):
+        engine.add_request(f"{mode}-{i}", torch.randint(4, vocab, (args.prompt,), generator=gen).tolist(),
+                           SamplingParams(max_tokens=args.steps, temperature=0, ignore_eos=True))
+    steps = []
+    while engine.has_unfinished_requests():
+        t = time.perf_counter()
+        engine.step()
+        if cuda:
+            torch.cuda.synchronize()
+        steps.append(1000 * (time.perf_counter() - t))
+    decode = steps[2:-2]  # the prefill and the tail of the last step ahead left out
+    median = statistics.median(decode)
+    slow = [s for s in decode if s > 3 * median]
+    row = {"part": "serve", "mode": mode, "batch": batch, "warmup_s": round(warmup_s, 2),
+           "graphs_at_start": graphs0, "captured_serving": (len(g.graphs) if g is not None else 0) - graphs0,
+           "steps": len(decode), "median_ms": round(median, 3), "max_ms": round(max(decode), 2),
+           "slow_steps": len(slow), "stalled_s": round(sum(s - median for s in slow) / 1000, 3),
+           "total_s": round(sum(decode) / 1000, 3)}
+    print(json.dumps(row), flush=True)
+    del engine, g
+    _release(cuda)
+    return row
+
+
+def _release(cuda: bool) -> None:
+    gc.collect()  # an engine's KV pool and graphs, before the next engine allocates its own
+    if cuda:
+        torch.cuda.empty_cache()
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="bench")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[200, 600, 1200, 2100],
+                    help="contexts of the cost part (below the shared width)")
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=1900, help="decode steps of the serve part")
+    ap.add_argument("--parts", nargs="+", default=["cost", "serve"], choices=["cost", "serve"])
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    cuda = args.device == "cuda"
+    model = build(preset(args.preset), args.device, torch.bfloat16 if cuda else torch.float32)
+    report = {"preset": args.preset, "device": args.device, "rows": []}
+    with torch.inference_mode():
+        if "cost" in args.parts:
+            report["rows"] += cost(model, args)
+    if "serve" in args.parts:
+        for batch in args.batches:
+            for mode in MODES:
+                report["rows"].append(serve(model, args, batch, mode))
+    print(json.dumps(report), flush=True)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(json.dumps(report) + "\n")
+
+
+if __name__ == "__main__":
+    main()
