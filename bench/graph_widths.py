@@ -9,11 +9,14 @@ Two parts, each side by side in one run:
   at each context, its block table padded to the four-per-octave width of its context
   (`bucket_ms`, cuda_graph_min_tokens=0) and to the shared short-context width (`shared_ms`, the
   default). Sequences are made up (bench/forward.py).
-- `serve`: per mode (`per_width`: cuda_graph_min_tokens=0; `shared`: the default), a fresh
-  engine warmed up as at start, then `batch` requests decoding from a `--prompt`-token prompt for
-  `--steps` steps (contexts crossing many table widths): the warm-up's seconds and graphs, the
-  graphs captured while decoding, and the steps' wall time (median, max, and the seconds the
-  steps over 3x the median took beyond it, which is what the requests waited for captures).
+- `serve`: per mode (`per_width`: cuda_graph_min_tokens=0; `per_width_collect`: the same, each
+  capture preceded by a garbage collection and the allocator's caches emptied, as
+  torch.cuda.graph does; `shared`: the default), a fresh engine warmed up as at start, then
+  `batch` requests decoding from a `--prompt`-token prompt for `--steps` steps (contexts
+  crossing many table widths): the warm-up's seconds, graphs and seconds in captures, the graphs
+  captured while decoding and the milliseconds each took, and the steps' wall time (median, max,
+  and the seconds the steps over 3x the median took beyond it, which is what the requests
+  waited for captures).
 """
 from __future__ import annotations
 
@@ -28,10 +31,47 @@ import torch
 from bench.ep_decode import build
 from bench.forward import make_batch, time_forward
 from engine.config import EngineConfig, preset
+from engine.cuda_graphs import DecodeGraphs
 from engine.llm_engine import LLMEngine
 from engine.sampling import SamplingParams
 
-MODES = {"per_width": 0, "shared": None}  # -> cuda_graph_min_tokens
+# mode -> (cuda_graph_min_tokens, each capture preceded by what torch.cuda.graph does: a garbage
+# collection and the allocator's caches emptied, as the engine's captures were until 2026-12-03)
+MODES = {"per_width": (0, False), "per_width_collect": (0, True), "shared": (None, False)}
+
+
+class CaptureClock:
+    """Seconds spent in DecodeGraphs._capture, patched in for the bench's engines while in use."""
+
+    def __enter__(self):
+        self.seconds, self.count, self.collect = 0.0, 0, False
+        capture, before = self.saved = DecodeGraphs._capture, DecodeGraphs._before_capture
+        clock = self
+
+        def timed(graphs, *args, **kw):
+            t = time.perf_counter()
+            try:
+                return capture(graphs, *args, **kw)
+            finally:
+                clock.seconds += time.perf_counter() - t
+                clock.count += 1
+
+        def prelude(graphs):
+            before(graphs)
+            if clock.collect:
+                gc.collect()
+                torch.cuda.empty_cache()
+                torch._C._host_emptyCache()
+        DecodeGraphs._capture, DecodeGraphs._before_capture = timed, prelude
+        return self
+
+    def __exit__(self, *exc):
+        DecodeGraphs._capture, DecodeGraphs._before_capture = self.saved
+
+    def take(self) -> tuple[float, int]:
+        out = (self.seconds, self.count)
+        self.seconds, self.count = 0.0, 0
+        return out
 
 
 def engine_config(args, batch: int, min_tokens: int | None, warmup: bool) -> EngineConfig:
@@ -65,11 +105,14 @@ def cost(model, args) -> list[dict]:
     return rows
 
 
-def serve(model, args, batch: int, mode: str) -> dict:
+def serve(model, args, batch: int, mode: str, clock: CaptureClock) -> dict:
     cuda = args.device == "cuda"
+    min_tokens, clock.collect = MODES[mode]
+    clock.take()
     t0 = time.perf_counter()
-    engine = LLMEngine(model, None, engine_config(args, batch, MODES[mode], warmup=cuda))
+    engine = LLMEngine(model, None, engine_config(args, batch, min_tokens, warmup=cuda))
     warmup_s = time.perf_counter() - t0
+    start_capture_s, _ = clock.take()
     g = engine.runner.graphs
     graphs0 = len(g.graphs) if g is not None else 0
     gen = torch.Generator().manual_seed(batch)
@@ -84,11 +127,14 @@ def serve(model, args, batch: int, mode: str) -> dict:
         if cuda:
             torch.cuda.synchronize()
         steps.append(1000 * (time.perf_counter() - t))
+    serving_capture_s, serving_captures = clock.take()
     decode = steps[2:-2]  # the prefill and the tail of the last step ahead left out
     median = statistics.median(decode)
     slow = [s for s in decode if s > 3 * median]
     row = {"part": "serve", "mode": mode, "batch": batch, "warmup_s": round(warmup_s, 2),
-           "graphs_at_start": graphs0, "captured_serving": (len(g.graphs) if g is not None else 0) - graphs0,
+           "graphs_at_start": graphs0, "start_capture_s": round(start_capture_s, 2),
+           "captured_serving": (len(g.graphs) if g is not None else 0) - graphs0,
+           "capture_ms_each": round(1000 * serving_capture_s / serving_captures, 1) if serving_captures else None,
            "steps": len(decode), "median_ms": round(median, 3), "max_ms": round(max(decode), 2),
            "slow_steps": len(slow), "stalled_s": round(sum(s - median for s in slow) / 1000, 3),
            "total_s": round(sum(decode) / 1000, 3)}
@@ -115,18 +161,22 @@ def main(argv=None):
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--steps", type=int, default=1900, help="decode steps of the serve part")
     ap.add_argument("--parts", nargs="+", default=["cost", "serve"], choices=["cost", "serve"])
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES), help="modes of the serve part")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     cuda = args.device == "cuda"
     model = build(preset(args.preset), args.device, torch.bfloat16 if cuda else torch.float32)
-    report = {"preset": args.preset, "device": args.device, "rows": []}
+    # (a garbage collection's cost grows with them: a Serve replica, with Ray and transformers
+    # loaded, holds more than this process)
+    report = {"preset": args.preset, "device": args.device, "python_objects": len(gc.get_objects()), "rows": []}
     with torch.inference_mode():
         if "cost" in args.parts:
             report["rows"] += cost(model, args)
     if "serve" in args.parts:
-        for batch in args.batches:
-            for mode in MODES:
-                report["rows"].append(serve(model, args, batch, mode))
+        with CaptureClock() as clock:
+            for batch in args.batches:
+                for mode in args.modes:
+                    report["rows"].append(serve(model, args, batch, mode, clock))
     print(json.dumps(report), flush=True)
     if args.out:
         with open(args.out, "a") as f:

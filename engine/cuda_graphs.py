@@ -93,6 +93,7 @@ class DecodeGraphs:
         self.staging: torch.Tensor | None = None
         self.staging_host: np.ndarray | None = None
         self.copied: torch.cuda.Event | None = None
+        self.capture_stream: torch.cuda.Stream | None = None
 
     def covers(self, batch_size: int) -> bool:
         return batch_size <= self.sizes[-1]
@@ -259,17 +260,30 @@ class DecodeGraphs:
         if restore is not None:
             restore()
         graph = torch.cuda.CUDAGraph()
-        # A CUDA graph destroyed while another is being captured (an unreachable engine's graphs,
-        # freed by the cyclic collector at some allocation) invalidates the capture: collect
-        # first, and keep the collector off until the capture ends.
-        gc.collect()
-        gc.disable()
+        if self.capture_stream is None:
+            self.capture_stream = torch.cuda.Stream(r.device)
         side_stream(r.device)  # made before the capture, which forks onto it
+        self._before_capture()
+        # A CUDA graph destroyed while another is being captured (an unreachable engine's graphs,
+        # freed by the cyclic collector at some allocation) invalidates the capture: the
+        # collector stays off until the capture ends.
+        gc.disable()
         try:
-            with torch.cuda.graph(graph, pool=self.pool):
-                logits = forward(static)
+            with torch.cuda.stream(self.capture_stream):
+                graph.capture_begin(pool=self.pool)
+                try:
+                    logits = forward(static)
+                finally:
+                    graph.capture_end()
         finally:
             gc.enable()
         if self.pool is None:
             self.pool = graph.pool()
         return graph, static, logits
+
+    def _before_capture(self) -> None:
+        """What a capture starts from: the device idle. torch.cuda.graph would also empty the
+        allocator's caches (the next allocations then go back to the driver) and may collect
+        garbage (0.15 s in a process with Ray and transformers loaded, on the CI machine's
+        CPU); neither is done: a capture met while serving stalls every running request."""
+        torch.cuda.synchronize()
