@@ -273,8 +273,12 @@ if triton is not None:
             ms = tl.load(part_m_ptr + base + sc * num_heads, mask=sc_ok, other=-1.0e30)
             w = tl.where(sc_ok, tl.exp2(ms - m_all), 0.0)
             denom += tl.sum(w * tl.load(part_l_ptr + base + sc * num_heads, mask=sc_ok, other=0.0), 0)
+            # A split that saw no key (its maximum still the initial one) adds nothing: its partial
+            # sum is not read. A graph's table may be far wider than the context, and at batch 1
+            # most of its splits are past the keys.
+            live = sc_ok & (ms > -1.0e30)
             rows = (base + sc * num_heads).to(tl.int64) * kv_lora
-            part = tl.load(part_acc_ptr + rows[:, None] + cols[None, :], mask=sc_ok[:, None] & c_ok[None, :],
+            part = tl.load(part_acc_ptr + rows[:, None] + cols[None, :], mask=live[:, None] & c_ok[None, :],
                            other=0.0)
             total += tl.sum(part * w[:, None], 0)
         out = tl.where(denom > 0, total / tl.where(denom > 0, denom, 1.0), 0.0)
