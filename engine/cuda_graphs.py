@@ -284,6 +284,6 @@ class DecodeGraphs:
     def _before_capture(self) -> None:
         """What a capture starts from: the device idle. torch.cuda.graph would also empty the
         allocator's caches (the next allocations then go back to the driver) and may collect
-        garbage (0.15 s in a process with Ray and transformers loaded, on the CI machine's
-        CPU); neither is done: a capture met while serving stalls every running request."""
+        garbage (0.15 s in a process with Ray and transformers loaded, on a 2-core host);
+        neither is done: a capture met while serving stalls every running request."""
         torch.cuda.synchronize()
