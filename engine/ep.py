@@ -173,6 +173,12 @@ class ExpertParallel:
             torch.lt(self._arange[:rows][None, :], self.counts[:, None], out=view)
             self.real = view.view(-1)
 
+    def pad_only(self, rows: int) -> None:
+        """A step outside the agreement in which every rank computes `rows` padding rows and no
+        real one: the graphs all ranks capture together at start (DecodeGraphs.capture_short)."""
+        self.counts.zero_()
+        self.set_rows(rows)
+
     def _local_tables(self) -> None:
         for m, local in zip(self.maps, self.local_log2phys):
             g = m.log2phys

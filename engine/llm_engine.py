@@ -102,8 +102,9 @@ class LLMEngine:
         # Pinned landing places of the sampled tokens of the (at most two) steps in flight.
         self._token_buffers = ([torch.empty(cfg.max_num_seqs, dtype=torch.long, pin_memory=True) for _ in range(2)]
                                if self._run_ahead and cuda else None)
-        # A lockstep (expert-parallel) rank cannot run forwards on its own.
-        if cfg.warmup and self.runner.device.type == "cuda" and ep is None:
+        # An expert-parallel rank's forwards are its group's: every rank builds its engine, and
+        # so warms up, at the same time (deployments/decode_rank.py).
+        if cfg.warmup and self.runner.device.type == "cuda":
             self.warmup()
 
     def warmup(self) -> None:
@@ -115,7 +116,9 @@ class LLMEngine:
         rows per expert, the tuned attention configuration by batch bucket, and the prefill rows
         past index_topk and their prefix-hit replay. Widths that grow with context were made
         shape-neutral in the kernels instead. Then the CUDA graphs of every batch size for the
-        contexts below cuda_graph_min_tokens. Leaves no request, used block or statistic behind."""
+        contexts below cuda_graph_min_tokens. Leaves no request, used block or statistic behind.
+        On a rank of an expert-parallel group every rank must call it at the same time: its
+        requests step with the group's (generate), its captures are made by all ranks together."""
         cfg, mc = self.cfg, self.model_cfg
         limit = self.max_model_len - 4
         vocab = mc.vocab_size
@@ -161,6 +164,8 @@ class LLMEngine:
         self.num_steps = self.num_steps_ahead = 0
         for moe in self.runner.model.moe_layers():
             moe.take_load()
+        if self.ep is not None:
+            self.ep.wait_s = 0.0
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | Path, cfg: EngineConfig | None = None,
@@ -451,7 +456,10 @@ class LLMEngine:
     # one-process convenience ------------------------------------------------------------
     def generate(self, prompts: list, params: SamplingParams | list[SamplingParams] | None = None
                  ) -> list[RequestOutput]:
-        """Runs the given prompts (strings, token-id lists, or message lists) to completion."""
+        """Runs the given prompts (strings, token-id lists, or message lists) to completion. On a
+        rank of an expert-parallel group every rank calls it at the same time, each with its own
+        prompts or none: it steps until the whole group is idle, as the others' forwards need
+        this rank's collectives."""
         params = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         ids = []
         for i, (prompt, p) in enumerate(zip(prompts, params)):
@@ -460,10 +468,14 @@ class LLMEngine:
             self.add_request(rid, None if is_chat else prompt, p, messages=prompt if is_chat else None)
             ids.append(rid)
         final: dict[str, RequestOutput] = {}
-        while self.has_unfinished_requests():
+        lockstep = self.ep
+        while self.has_unfinished_requests() or lockstep is not None:
             for out in self.step():
                 if out.finished:
                     final[out.request_id] = out
+            # every rank sees the same agreement: all leave after the same step
+            if lockstep is not None and not lockstep.busy and not self.has_unfinished_requests():
+                break
         return [final[r] for r in ids]
 
     def stats(self) -> dict:

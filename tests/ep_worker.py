@@ -95,14 +95,17 @@ def run(rank, world, port, ckpt, results, scenario):
         os.environ["WIDEEP_CPU_KERNELS"] = "1"
     # "ahead_shm": the "ahead" scenario with the agreement through shared memory
     ahead = scenario in ("ahead", "ahead_shm")
-    aengine = setup(rank, world, port, ckpt, fp8=scenario == "migrate_fp8", serving_loop=not ahead,
-                    shm=scenario == "ahead_shm")
+    aengine = setup(rank, world, port, ckpt, fp8=scenario == "migrate_fp8",
+                    serving_loop=not ahead and scenario != "warmup", shm=scenario == "ahead_shm")
     engine, ep = aengine.engine, aengine.engine.ep
     out = {"rank": rank}
     try:
         prompts = prompts_for(rank)
         if scenario == "graphs":
             graphs_scenario(aengine, engine, ep, prompts, out)
+            return
+        if scenario == "warmup":
+            warmup_scenario(engine, ep, prompts, out)
             return
         if ahead:  # the engine is stepped here, not by a serving loop
             out["exchange"] = type(ep.exchange).__name__
@@ -204,6 +207,25 @@ def graphs_scenario(aengine, engine, ep, prompts, out):
     dist.monitored_barrier(group=ep.migrate_group, timeout=datetime.timedelta(seconds=60))
     out["keys"] = [list(k) for k in graphs.keys]
     out["eager"] = eager
+
+
+def warmup_scenario(engine, ep, prompts, out):
+    """The start-up warm-up on both ranks at once (graphs run eagerly, keys recorded), then
+    generate() with other work on each rank: rank 0 two prompts, rank 1 one of fewer tokens,
+    then rank 1 none while rank 0 decodes. Each call returns on both ranks."""
+    graphs = engine.runner.graphs = EagerGroupGraphs(engine.runner, 4)
+    ep.reserve(max(graphs.sizes[-1], graphs.chunk_sizes[-1]))
+    engine.warmup()
+    out["warmup_keys"] = [list(k) for k in graphs.keys]
+    out["min_blocks"], out["sizes"] = graphs.min_blocks, graphs.sizes
+    out["chunk_sizes"] = graphs.chunk_sizes if engine.cfg.decode_kernels else []
+    out["after_warmup"] = dict(engine.stats(), load=int(ep.take_load().sum()))
+    short = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    mine = prompts if ep.rank == 0 else [prompts[0]]
+    out["uneven"] = [o.output_token_ids for o in engine.generate(mine, GREEDY if ep.rank == 0 else short)]
+    out["solo"] = [o.output_token_ids for o in engine.generate(prompts[:1] if ep.rank == 0 else [], GREEDY)]
+    out["stats"] = engine.stats()
+    dist.monitored_barrier(group=ep.migrate_group, timeout=datetime.timedelta(seconds=60))
 
 
 def ahead_scenario(engine, ep, out):

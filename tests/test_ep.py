@@ -5,7 +5,7 @@ import socket
 import pytest
 import torch
 
-from engine import EngineConfig, LLMEngine
+from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.checkpoint import random_weights
 
 import ep_worker
@@ -85,6 +85,33 @@ def test_ranks_pick_the_same_graph_every_step(ckpt_fixture, request):
     assert keys == outs[1]["keys"]
     forms = {k[0] for k in keys}
     assert forms == {"decode", "chunk"}, forms
+
+
+def test_ranks_warm_up_together_and_generate_until_the_group_is_idle(tiny_ckpt):
+    """The start-up warm-up runs on expert-parallel ranks too, all at once: each rank's requests
+    step with the group's, and the graphs of every batch size at the shared width are captured
+    by both ranks in one order (run eagerly here, keys recorded), with no real row. Nothing is
+    left behind. Then generate() with other work on each rank (or none) returns on both, with
+    the single process's tokens."""
+    outs = _run(tiny_ckpt, "warmup", timeout=300)
+    single = LLMEngine.from_pretrained(tiny_ckpt, EngineConfig(block_size=4), progress=False)
+    short = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    for rank, out in outs.items():
+        assert "error" not in out, out.get("error")
+        prompts = ep_worker.prompts_for(rank)
+        warm = out["after_warmup"]
+        assert warm["kv_blocks_used"] == 0 and warm["running"] == warm["waiting"] == 0
+        assert warm["steps"] == 0 and warm["load"] == 0 and warm["group_wait_s"] == 0
+        shared = ([["decode", rows, out["min_blocks"], False] for rows in out["sizes"]]
+                  + [["chunk", rows, out["min_blocks"], False] for rows in out["chunk_sizes"]])
+        assert out["warmup_keys"][-len(shared):] == shared
+        mine = prompts if rank == 0 else prompts[:1]
+        expect = single.generate(mine, ep_worker.GREEDY if rank == 0 else short)
+        assert out["uneven"] == [o.output_token_ids for o in expect]
+        assert out["solo"] == ([expect[0].output_token_ids] if rank == 0 else [])
+        assert out["stats"]["kv_blocks_used"] == 0 or rank == 0
+    assert outs[0]["warmup_keys"] == outs[1]["warmup_keys"]
+    assert outs[0]["stats"]["steps"] == outs[1]["stats"]["steps"]  # rank 1 stepped with rank 0
 
 
 @pytest.mark.parametrize("ckpt_fixture,scenario,exchange", [

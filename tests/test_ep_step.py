@@ -227,6 +227,16 @@ class NoDecodeGraphPeer:
         return self.inner.exchange([values[0], 0] + list(values[2:]))
 
 
+def _one_rank_group(cfg, slots: int, host_agreement: bool, no_decode_graphs: bool = False) -> ExpertParallel:
+    """The ExpertParallel of a one-rank NCCL group (the process group already made)."""
+    layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    exchange = host_exchange(0, 1, GroupStep.WIDTH, dist.new_group(backend="gloo")) if host_agreement else None
+    if no_decode_graphs:
+        exchange = NoDecodeGraphPeer(exchange)
+    return ExpertParallel(0, 1, initial_placement(layers, cfg.n_routed_experts, slots), cfg.n_routed_experts,
+                          group=dist.group.WORLD, migrate_group=dist.new_group(backend="gloo"), exchange=exchange)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (NCCL)")
 @pytest.mark.parametrize("agreement", ["nccl", "host", "host, chunk graphs only"])
 def test_gpu_decode_graphs_with_the_moe_collectives(tiny_ckpt, agreement):
@@ -249,15 +259,10 @@ def test_gpu_decode_graphs_with_the_moe_collectives(tiny_ckpt, agreement):
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{_port()}", rank=0, world_size=1,
                             device_id=torch.device("cuda:0"))
     try:
-        migrate = dist.new_group(backend="gloo")
         layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
         slots = cfg.n_routed_experts + 2
         host_agreement = agreement != "nccl"
-        exchange = host_exchange(0, 1, GroupStep.WIDTH, dist.new_group(backend="gloo")) if host_agreement else None
-        if agreement == "host, chunk graphs only":
-            exchange = NoDecodeGraphPeer(exchange)
-        ep = ExpertParallel(0, 1, initial_placement(layers, cfg.n_routed_experts, slots), cfg.n_routed_experts,
-                            group=dist.group.WORLD, migrate_group=migrate, exchange=exchange)
+        ep = _one_rank_group(cfg, slots, host_agreement, no_decode_graphs=agreement == "host, chunk graphs only")
         model = load_model(tiny_ckpt, progress=False, local_phys2log=ep.local_phys2log(), device="cuda")
         engine = LLMEngine(model, Tokenizer(tiny_ckpt), engine_cfg, ep=ep)
         assert engine._run_ahead == host_agreement
@@ -290,5 +295,40 @@ def test_gpu_decode_graphs_with_the_moe_collectives(tiny_ckpt, agreement):
         assert staggered(engine, prompts, greedy) == want
         assert eager == [] and any(key[0] == "chunk" for key in engine.runner.graphs.graphs)
         assert (len(ahead) > 10) == host_agreement
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (NCCL)")
+def test_gpu_rank_warms_up_with_its_group(tiny_v4_ckpt):
+    """An expert-parallel rank warms up at start like a lone engine: the graphs of every batch
+    size at the shared width, captured with the MoE collectives inside, are there before the
+    first request, which then captures none of them and gets the lone engine's tokens."""
+    from engine.checkpoint import load_model
+    from engine.config import ModelConfig
+    from engine.tokenizer import Tokenizer
+
+    cfg = ModelConfig.from_file(tiny_v4_ckpt)
+    engine_cfg = EngineConfig(device="cuda", dtype="float32", block_size=4, cuda_graph_max_batch=16,
+                              cuda_graph_max_chunk=64)
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = [[5 + i, 17, 40 + 3 * i, 9] * (i + 1) for i in range(3)]
+    plain = LLMEngine.from_pretrained(tiny_v4_ckpt, engine_cfg.model_copy(update={"warmup": False}), progress=False)
+    want = [o.output_token_ids for o in plain.generate(prompts, greedy)]
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{_port()}", rank=0, world_size=1,
+                            device_id=torch.device("cuda:0"))
+    try:
+        ep = _one_rank_group(cfg, cfg.n_routed_experts, host_agreement=True)
+        model = load_model(tiny_v4_ckpt, progress=False, local_phys2log=ep.local_phys2log(), device="cuda")
+        engine = LLMEngine(model, Tokenizer(tiny_v4_ckpt), engine_cfg, ep=ep)
+        graphs = engine.runner.graphs
+        shared = {("decode", rows, graphs.min_blocks, False) for rows in graphs.sizes} | {
+            ("chunk", rows, graphs.min_blocks, False) for rows in graphs.chunk_sizes}
+        assert shared <= set(graphs.graphs) and not graphs.failed
+        assert engine.stats()["steps"] == 0 and engine.stats()["kv_blocks_used"] == 0
+        before = dict(graphs.graphs)
+        assert [o.output_token_ids for o in engine.generate(prompts, greedy)] == want
+        assert all(graphs.graphs[key] is before[key] for key in shared)
+        assert {key for key in graphs.graphs if key not in before and not key[3]} == set()
     finally:
         dist.destroy_process_group()
