@@ -78,11 +78,13 @@ if gluon is not None:
 
     @gluon.jit
     def _tile_start(t, tiles, BLOCK_N: gl.constexpr):
-        """Range position of a split's t-th tile: its live global tiles, then its window tiles.
-        tiles: (the split's first position, its first window position, its live global tiles)."""
-        v_start, w_lo, n_global_tiles = tiles
-        past = (n_global_tiles <= t).to(gl.int32)  # (t may be a constant)
-        return v_start + t * BLOCK_N + past * (w_lo - v_start - n_global_tiles * BLOCK_N)
+        """Range position of a split's t-th tile. A row's tiles are its live global ones, then its
+        window ones, and split s of S takes every S-th: tiles s, s + S, ... tiles: (s, S, the row's
+        live global tiles, the global span: where its window tiles start)."""
+        first, stride, n_live, span = tiles
+        i = first + t * stride
+        past = (n_live <= i).to(gl.int32)  # (t may be a constant)
+        return i * BLOCK_N + past * (span - n_live * BLOCK_N)
 
     @gluon.jit
     def _tile_entries(start, seq, BLOCK_N: gl.constexpr, HAS_TOPK: gl.constexpr, SLOTS: gl.constexpr,
@@ -255,22 +257,22 @@ if gluon is not None:
         acc = gl.zeros([BLOCK_C, BLOCK_H], gl.float32, layout=o_layout)
         s_zero = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=s_layout)
 
-        # This split's share of the range [global keys padded to global_span, window keys]. Its
-        # global tiles past a dense row's length hold no key (a graph's block table may be far
-        # wider than the context): skipped, its window tiles follow its live global ones.
-        v_start = split * keys_per_split
-        v_end = gl.minimum(v_start + keys_per_split, global_span + num_win)
+        # This split's tiles of the row: of its live global tiles (those past a dense row's length
+        # hold no key: a graph's block table may be far wider than the context), then its window
+        # tiles, every num_splits-th. Taking them in turn rather than as one contiguous run keeps
+        # the splits even whatever the row's length against the table's width (keys_per_split,
+        # the Triton kernels' contiguous share, is not used here).
         slots_row = topk_ptr + b * stride_topk
         table_row = table_ptr + b * stride_tb
         g_len = gl.minimum(gl.load(glen_ptr + b), table_keys)
         if HAS_TOPK:
-            g_stop = gl.minimum(v_end, global_span)
+            n_live = global_span // BLOCK_N
         else:
-            g_stop = gl.minimum(v_end, gl.minimum(g_len, global_span))
-        n_global_tiles = gl.cdiv(gl.maximum(g_stop - v_start, 0), BLOCK_N)
-        w_lo = gl.maximum(v_start, global_span)
-        n_tiles = n_global_tiles + gl.cdiv(gl.maximum(v_end - w_lo, 0), BLOCK_N)
-        tiles = (v_start, w_lo, n_global_tiles)
+            n_live = gl.cdiv(gl.minimum(g_len, global_span), BLOCK_N)
+        n_row = n_live + gl.cdiv(num_win, BLOCK_N)
+        n_tiles = gl.cdiv(gl.maximum(n_row - split, 0), num_splits)
+        n_global_tiles = gl.cdiv(gl.maximum(n_live - split, 0), num_splits)
+        tiles = (split, num_splits, n_live, global_span)
         flags_row = wvalid_ptr + b * stride_vb
         seq = (slots_row, table_row, flags_row, g_len, num_topk, num_win, global_span, block_size)
         ring = (ring_len, stride_fb)
@@ -295,22 +297,23 @@ if gluon is not None:
                                              gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_C], dtype))
             kb_r = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_R],
                                              gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_R], dtype))
-            slot, flag = _tile_entries(v_start, seq, BLOCK_N, HAS_TOPK, SLOTS, HAS_WINDOW, row8)
-            slot = gl.where(v_start < g_stop, slot, -1)
+            step = num_splits * BLOCK_N
+            slot, flag = _tile_entries(split * BLOCK_N, seq, BLOCK_N, HAS_TOPK, SLOTS, HAS_WINDOW, row8)
+            slot = gl.where(n_global_tiles > 0, slot, -1)
             scale = gl.load(scale_ptr + slot, mask=slot >= 0, other=0.0)
             _copy_rows(kv_ptr + slot.to(gl.int64) * stride_kv, slot >= 0, kv_ptr, k8_c.index(0), k8_r.index(0),
                        kv_lora, BLOCK_C, BLOCK_R, k8_layout)
             cp.commit_group()
-            slot, flag = _tile_entries(v_start + BLOCK_N, seq, BLOCK_N, HAS_TOPK, SLOTS, HAS_WINDOW, row8)
-            for t in range(gl.cdiv(gl.maximum(g_stop - v_start, 0), BLOCK_N)):
-                start = v_start + t * BLOCK_N
-                nxt = gl.where(start + BLOCK_N < g_stop, slot, -1)
+            slot, flag = _tile_entries(split * BLOCK_N + step, seq, BLOCK_N, HAS_TOPK, SLOTS, HAS_WINDOW, row8)
+            for t in range(n_global_tiles):
+                start = split * BLOCK_N + t * step
+                nxt = gl.where(t + 1 < n_global_tiles, slot, -1)
                 _copy_rows(kv_ptr + nxt.to(gl.int64) * stride_kv, nxt >= 0, kv_ptr, k8_c.index((t + 1) % 2),
                            k8_r.index((t + 1) % 2), kv_lora, BLOCK_C, BLOCK_R, k8_layout)
                 cp.commit_group()
                 next_scale = gl.load(scale_ptr + nxt, mask=nxt >= 0, other=0.0)
                 key_slot, key_flag = _tile_entries(start, seq, BLOCK_N, HAS_TOPK, SLOTS, HAS_WINDOW, key_s, True)
-                slot, flag = _tile_entries(start + 2 * BLOCK_N, seq, BLOCK_N, HAS_TOPK, SLOTS, HAS_WINDOW, row8)
+                slot, flag = _tile_entries(start + 2 * step, seq, BLOCK_N, HAS_TOPK, SLOTS, HAS_WINDOW, row8)
                 cp.wait_group(1)
                 _dequantize(k8_c.index(t % 2), k8_r.index(t % 2), scale, kb_c, kb_r, BLOCK_C, 128, k8_layout)
                 fence_async_shared()
@@ -319,8 +322,8 @@ if gluon is not None:
                 scale = next_scale
             cp.wait_group(0)
             if HAS_WINDOW:
-                for t in range(gl.cdiv(gl.maximum(v_end - w_lo, 0), BLOCK_N)):
-                    start = w_lo + t * BLOCK_N
+                for t in range(n_global_tiles, n_tiles):
+                    start = _tile_start(t, tiles, BLOCK_N)
                     w_slot, w_flag = _tile_entries(start, seq, BLOCK_N, HAS_TOPK, SLOTS, HAS_WINDOW, slot_layout)
                     w_row = _window_rows(start, global_span, ring, win_row0, stride_wi, fresh_row, BLOCK_N, RING,
                                          slot_layout)
