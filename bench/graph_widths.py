@@ -9,8 +9,9 @@ Two parts, each side by side in one run:
   at each context, its block table padded to the four-per-octave width of its context
   (`bucket_ms`, cuda_graph_min_tokens=0) and to the shared short-context width (`shared_ms`, the
   default). Sequences are made up (bench/forward.py).
-- `serve`: per mode (`per_width`: cuda_graph_min_tokens=0; `per_width_collect`: the same, each
-  capture preceded by a garbage collection and the allocator's caches emptied, as
+- `serve`: per mode (`per_width`: cuda_graph_min_tokens=0; `per_width_eager`: the same, each
+  capture preceded by an eager run of its step, not only the first of its rows; `per_width_collect`:
+  that, and each capture preceded by a garbage collection and the allocator's caches emptied, as
   torch.cuda.graph does; `shared`: the default), a fresh engine warmed up as at start, then
   `batch` requests decoding from a `--prompt`-token prompt for `--steps` steps (contexts
   crossing many table widths): the warm-up's seconds, graphs and seconds in captures, the graphs
@@ -36,22 +37,25 @@ from engine.llm_engine import LLMEngine
 from engine.sampling import SamplingParams
 
 # mode -> (cuda_graph_min_tokens, each capture preceded by what torch.cuda.graph does: a garbage
-# collection and the allocator's caches emptied, as the engine's captures were until 2026-12-03)
-MODES = {"per_width": (0, False), "per_width_collect": (0, True), "shared": (None, False)}
+# collection and the allocator's caches emptied, as the engine's captures were until 2026-12-03;
+# each capture preceded by an eager run of its step, as until 2026-12-04, not only the first of
+# its form, rows and sparse flag)
+MODES = {"per_width": (0, False, False), "per_width_eager": (0, False, True),
+         "per_width_collect": (0, True, True), "shared": (None, False, False)}
 
 
 class CaptureClock:
     """Seconds spent in DecodeGraphs._capture, patched in for the bench's engines while in use."""
 
     def __enter__(self):
-        self.seconds, self.count, self.collect = 0.0, 0, False
+        self.seconds, self.count, self.collect, self.eager_each = 0.0, 0, False, False
         capture, before = self.saved = DecodeGraphs._capture, DecodeGraphs._before_capture
         clock = self
 
-        def timed(graphs, *args, **kw):
+        def timed(graphs, *args, eager_first=True):
             t = time.perf_counter()
             try:
-                return capture(graphs, *args, **kw)
+                return capture(graphs, *args, eager_first=eager_first or clock.eager_each)
             finally:
                 clock.seconds += time.perf_counter() - t
                 clock.count += 1
@@ -107,7 +111,7 @@ def cost(model, args) -> list[dict]:
 
 def serve(model, args, batch: int, mode: str, clock: CaptureClock) -> dict:
     cuda = args.device == "cuda"
-    min_tokens, clock.collect = MODES[mode]
+    min_tokens, clock.collect, clock.eager_each = MODES[mode]
     clock.take()
     t0 = time.perf_counter()
     engine = LLMEngine(model, None, engine_config(args, batch, min_tokens, warmup=cuda))

@@ -82,6 +82,9 @@ class DecodeGraphs:
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.pool = None
         self.failed: set[tuple] = set()
+        # (form, padded rows, sparse) of the graphs captured: a capture of another width of these
+        # runs the same kernels, already built and initialised, and skips the eager run first.
+        self.warmed: set[tuple] = set()
         cfg = runner.cfg
         limit = min(runner.model.cfg.max_position_embeddings, cfg.num_blocks * cfg.block_size)
         self.rotary = runner.model.model.rotary
@@ -205,13 +208,23 @@ class DecodeGraphs:
         if self._tables_moved():
             self.clear()  # they read the rope tables a longer context has since replaced
         if key not in self.graphs and key not in self.failed:
+            lockstep = self.runner.ep
+            warm = (key[0], key[1], key[3]) in self.warmed
             try:
-                self.graphs[key] = self._capture(nbytes, fill, forward, keep)
+                try:
+                    self.graphs[key] = self._capture(nbytes, fill, forward, keep, eager_first=not warm)
+                except RuntimeError:
+                    # Once more after an eager run, unless it already had one. Not in a lockstep
+                    # group: the eager run's collectives would be this rank's alone.
+                    if not warm or lockstep is not None:
+                        raise
+                    torch.cuda.synchronize()
+                    self.graphs[key] = self._capture(nbytes, fill, forward, keep, eager_first=True)
+                self.warmed.add((key[0], key[1], key[3]))
             except RuntimeError as e:
                 log.warning("CUDA graph capture failed for %s (%s); running it eagerly", key, e)
                 self.failed.add(key)
                 torch.cuda.synchronize()
-            lockstep = self.runner.ep
             if lockstep is not None and not lockstep.all_agree(key in self.graphs):
                 self.graphs.pop(key, None)  # replayed by this rank alone, its collectives would hang
                 self.failed.add(key)
@@ -246,25 +259,28 @@ class DecodeGraphs:
         self._cos_ptr = ptr
         return moved
 
-    def _capture(self, nbytes: int, fill, forward, keep=None):
+    def _capture(self, nbytes: int, fill, forward, keep=None, eager_first: bool = True):
         """Capture forward(static), its inputs a static buffer that already holds this step's
-        values (so the warm-up run and the capture compute a real step). A decode step's warm-up
-        run leaves nothing its replay reads differently; a prompt chunk's does (its window ring
-        then already holds the chunk's later positions), so keep() restores that."""
+        values (the replay that follows computes the step). eager_first: run the forward eagerly
+        first, on a side stream, for what a capture cannot do (a kernel's first build and load,
+        lazy initialisation); the first capture of a (form, rows, sparse) needs it, other widths
+        of it do not, and skipping it halves their capture. A decode step's eager run leaves
+        nothing its replay reads differently; a prompt chunk's does (its window ring then already
+        holds the chunk's later positions), so keep() restores that."""
         r = self.runner
         static = torch.empty(nbytes, dtype=torch.uint8, device=r.device)
         self._upload(static, nbytes)
         if fill is not None:
             fill(static)
-        # Warm up on a side stream (lazy initialisation, allocator) before capturing.
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        restore = keep() if keep is not None else None
-        with torch.cuda.stream(stream):
-            forward(static)
-        torch.cuda.current_stream().wait_stream(stream)
-        if restore is not None:
-            restore()
+        if eager_first:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            restore = keep() if keep is not None else None
+            with torch.cuda.stream(stream):
+                forward(static)
+            torch.cuda.current_stream().wait_stream(stream)
+            if restore is not None:
+                restore()
         graph = torch.cuda.CUDAGraph()
         if self.capture_stream is None:
             self.capture_stream = torch.cuda.Stream(r.device)

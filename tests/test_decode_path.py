@@ -288,6 +288,46 @@ def test_short_context_graphs_are_captured_at_start_and_shared(tiny_v4_ckpt):
     assert new and all(key[2:] == (24, True) for key in new), new  # the sparse steps' graphs alone
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_later_widths_are_captured_without_an_eager_run_first(tiny_v4_ckpt, monkeypatch):
+    """The first capture of a (form, rows, sparse) runs the step eagerly first; another width of
+    it does not, and gives the tokens and logits of the path without graphs. A capture that fails
+    without the eager run is tried again with it, and kept."""
+    from engine.cuda_graphs import DecodeGraphs
+    calls, fail_next = [], []
+    capture = DecodeGraphs._capture
+
+    def recorded(self, *args, eager_first=True):
+        calls.append(eager_first)
+        if fail_next and not eager_first:
+            fail_next.pop()
+            raise RuntimeError("made to fail")
+        return capture(self, *args, eager_first=eager_first)
+    monkeypatch.setattr(DecodeGraphs, "_capture", recorded)
+    prompts = _prompts([3, 30, 45, 1, 70])  # tables of 16 to 20 blocks of 4
+    kw = dict(device="cuda", max_num_seqs=8, warmup=False, cuda_graph_min_tokens=0, max_num_batched_tokens=512)
+    plain, plain_logits, _ = _run(tiny_v4_ckpt, prompts, cuda_graphs=False, **kw)
+    calls.clear()
+    engine = LLMEngine.from_pretrained(tiny_v4_ckpt, EngineConfig(block_size=4, **kw), progress=False)
+    logits, sample = [], engine.runner.sample
+    engine.runner.sample = lambda seqs, lg: logits.append(lg.clone()) or sample(seqs, lg)
+    assert [o.output_token_ids for o in engine.generate(prompts, GREEDY)] == plain
+    for a, b in zip(logits, plain_logits):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    g = engine.runner.graphs
+    kinds = {(k[0], k[1], k[3]) for k in g.graphs}
+    assert len(g.graphs) > len(kinds) and not g.failed  # several widths of some (form, rows, sparse)
+    assert calls.count(True) == len(kinds) and calls.count(False) == len(g.graphs) - len(kinds)
+    # a capture without the eager run that fails: once more with it, and kept
+    calls.clear()
+    fail_next.append(True)
+    key = next(k for k in g.graphs if k[0] == "decode")
+    del g.graphs[key]
+    assert [o.output_token_ids for o in engine.generate(prompts, GREEDY)] == plain
+    assert not fail_next and key in g.graphs and not g.failed
+    assert any(calls[i:i + 2] == [False, True] for i in range(len(calls)))
+
+
 def test_pdl_launches_are_plain_off_the_gpu(monkeypatch):
     from wideep_kernels import pdl
     monkeypatch.setattr(pdl, "MODE", pdl.MODES["early"])
