@@ -304,14 +304,20 @@ def test_later_widths_are_captured_without_an_eager_run_first(tiny_v4_ckpt, monk
             raise RuntimeError("made to fail")
         return capture(self, *args, eager_first=eager_first)
     monkeypatch.setattr(DecodeGraphs, "_capture", recorded)
-    prompts = _prompts([3, 30, 45, 1, 70])  # tables of 16 to 20 blocks of 4
+    prompts = _prompts([3, 40])  # the longer decodes from 40 to 100 tokens: tables of 16 to 28 blocks of 4
+    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
     kw = dict(device="cuda", max_num_seqs=8, warmup=False, cuda_graph_min_tokens=0, max_num_batched_tokens=512)
-    plain, plain_logits, _ = _run(tiny_v4_ckpt, prompts, cuda_graphs=False, **kw)
+
+    def run(engine):
+        logits, sample = [], engine.runner.sample
+        engine.runner.sample = lambda seqs, lg: logits.append(lg.clone()) or sample(seqs, lg)
+        return [o.output_token_ids for o in engine.generate(prompts, params)], logits
+    plain, plain_logits = run(LLMEngine.from_pretrained(tiny_v4_ckpt, EngineConfig(block_size=4, cuda_graphs=False,
+                                                                                   **kw), progress=False))
     calls.clear()
     engine = LLMEngine.from_pretrained(tiny_v4_ckpt, EngineConfig(block_size=4, **kw), progress=False)
-    logits, sample = [], engine.runner.sample
-    engine.runner.sample = lambda seqs, lg: logits.append(lg.clone()) or sample(seqs, lg)
-    assert [o.output_token_ids for o in engine.generate(prompts, GREEDY)] == plain
+    tokens, logits = run(engine)
+    assert tokens == plain
     for a, b in zip(logits, plain_logits):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
     g = engine.runner.graphs
@@ -323,7 +329,7 @@ def test_later_widths_are_captured_without_an_eager_run_first(tiny_v4_ckpt, monk
     fail_next.append(True)
     key = next(k for k in g.graphs if k[0] == "decode")
     del g.graphs[key]
-    assert [o.output_token_ids for o in engine.generate(prompts, GREEDY)] == plain
+    assert [o.output_token_ids for o in engine.generate(prompts, params)] == plain
     assert not fail_next and key in g.graphs and not g.failed
     assert any(calls[i:i + 2] == [False, True] for i in range(len(calls)))
 

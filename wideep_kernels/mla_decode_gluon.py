@@ -386,9 +386,7 @@ if gluon is not None:
         heads_o = head_group * BLOCK_H + gl.arange(0, BLOCK_H, layout=head_o)
         part_o = (b * num_splits + split) * num_heads + heads_o
         cols_o = gl.arange(0, BLOCK_C, layout=gl.SliceLayout(1, o_layout))
-        # A split with no tile saw no key: the merge reads its maximum only, not its partial sums
-        # (kv_lora x BLOCK_H floats; at batch 1 most splits of a graph's shared width have no tile).
         gl.store(part_acc_ptr + part_o[None, :].to(gl.int64) * kv_lora + cols_o[:, None], acc,
-                 mask=(heads_o < num_heads)[None, :] & (cols_o < kv_lora)[:, None] & (n_tiles > 0))
+                 mask=(heads_o < num_heads)[None, :] & (cols_o < kv_lora)[:, None])
 else:
     _gluon_split_kernel = None
