@@ -120,21 +120,26 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture_short(self) -> int:
-        """Capture every decode and chunk graph of the narrowest width (min_blocks), dense
-        attention, that is not captured yet: the graphs of every context below it. Their rows
+        """Capture every decode and chunk graph of the narrowest width (min_blocks) that is not
+        captured yet: the graphs of every context below it. Their rows
         are all padding (the scratch slot and ring). With expert parallelism every rank calls
         this at the same time, and captures the same shapes in the same order, each with no real
         row (ExpertParallel.pad_only). Returns how many were captured."""
         before, lockstep = len(self.graphs), self.runner.ep
-        for rows in self.sizes:
-            if lockstep is not None:
-                lockstep.pad_only(rows)
-            self.run(ScheduledBatch(), shape=(rows, self.min_blocks, False))
-        if self.runner.cfg.decode_kernels and self.chunk_sizes != [0]:
-            for rows in self.chunk_sizes:
+        # Sparse steps too where cuda_graph_min_tokens reaches past the dense contexts (by more
+        # than the width's last block, which rounding up to blocks adds by default).
+        bs = self.runner.cfg.block_size
+        forms = [False, True] if self.runner.needs_sparse((self.min_blocks - 1) * bs + 1) else [False]
+        for sparse in forms:
+            for rows in self.sizes:
                 if lockstep is not None:
                     lockstep.pad_only(rows)
-                self.run_chunk(ScheduledBatch(), rows, shape=(rows, self.min_blocks, False))
+                self.run(ScheduledBatch(), shape=(rows, self.min_blocks, sparse))
+            if self.runner.cfg.decode_kernels and self.chunk_sizes != [0]:
+                for rows in self.chunk_sizes:
+                    if lockstep is not None:
+                        lockstep.pad_only(rows)
+                    self.run_chunk(ScheduledBatch(), rows, shape=(rows, self.min_blocks, sparse))
         return len(self.graphs) - before
 
     def _host_buffer(self, nbytes: int) -> np.ndarray:
