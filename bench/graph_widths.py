@@ -12,12 +12,14 @@ Two parts, each side by side in one run:
 - `serve`: per mode (`per_width`: cuda_graph_min_tokens=0; `per_width_eager`: the same, each
   capture preceded by an eager run of its step, not only the first of its rows; `per_width_collect`:
   that, and each capture preceded by a garbage collection and the allocator's caches emptied, as
-  torch.cuda.graph does; `shared`: the default), a fresh engine warmed up as at start, then
+  torch.cuda.graph does; `per_width_own_logits`: each graph's logits in a buffer of its own;
+  `shared`: the default), a fresh engine warmed up as at start, then
   `batch` requests decoding from a `--prompt`-token prompt for `--steps` steps (contexts
   crossing many table widths): the warm-up's seconds, graphs and seconds in captures, the graphs
   captured while decoding and the milliseconds each took, and the steps' wall time (median, max,
   and the seconds the steps over 3x the median took beyond it, which is what the requests
-  waited for captures).
+  waited for captures), and the device memory the engine held after its warm-up and what serving
+  added to it.
 """
 from __future__ import annotations
 
@@ -36,21 +38,29 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.llm_engine import LLMEngine
 from engine.sampling import SamplingParams
 
-# mode -> (cuda_graph_min_tokens, each capture preceded by what torch.cuda.graph does: a garbage
-# collection and the allocator's caches emptied, as the engine's captures were until 2026-12-03;
-# each capture preceded by an eager run of its step, as until 2026-12-04, not only the first of
-# its form, rows and sparse flag)
-MODES = {"per_width": (0, False, False), "per_width_eager": (0, False, True),
-         "per_width_collect": (0, True, True), "shared": (None, False, False)}
+# mode -> cuda_graph_min_tokens, and what each capture does as the engine's did before:
+# eager_each: an eager run of its step first, not only for the first of its form, rows and sparse
+# flag (until 2026-12-04); collect: a garbage collection and the allocator's caches emptied first,
+# as torch.cuda.graph does (until 2026-12-03); own_logits: its logits in a buffer of its own, kept
+# with it (until 2026-12-04), not the graphs' shared one.
+MODES = {"per_width": dict(min_tokens=0), "per_width_eager": dict(min_tokens=0, eager_each=True),
+         "per_width_collect": dict(min_tokens=0, eager_each=True, collect=True),
+         "per_width_own_logits": dict(min_tokens=0, own_logits=True), "shared": dict(min_tokens=None)}
 
 
 class CaptureClock:
     """Seconds spent in DecodeGraphs._capture, patched in for the bench's engines while in use."""
 
     def __enter__(self):
-        self.seconds, self.count, self.collect, self.eager_each = 0.0, 0, False, False
-        capture, before = self.saved = DecodeGraphs._capture, DecodeGraphs._before_capture
+        self.seconds, self.count, self.collect, self.eager_each, self.own_logits = 0.0, 0, False, False, False
+        capture, before, shared = self.saved = DecodeGraphs._capture, DecodeGraphs._before_capture, DecodeGraphs._logits
         clock = self
+
+        def logits(graphs, rows):
+            if not clock.own_logits:
+                return shared(graphs, rows)
+            return torch.empty(rows, graphs.runner.model.cfg.vocab_size, dtype=torch.float32,
+                               device=graphs.runner.device)
 
         def timed(graphs, *args, eager_first=True):
             t = time.perf_counter()
@@ -66,11 +76,17 @@ class CaptureClock:
                 gc.collect()
                 torch.cuda.empty_cache()
                 torch._C._host_emptyCache()
-        DecodeGraphs._capture, DecodeGraphs._before_capture = timed, prelude
+        DecodeGraphs._capture, DecodeGraphs._before_capture, DecodeGraphs._logits = timed, prelude, logits
         return self
 
     def __exit__(self, *exc):
-        DecodeGraphs._capture, DecodeGraphs._before_capture = self.saved
+        DecodeGraphs._capture, DecodeGraphs._before_capture, DecodeGraphs._logits = self.saved
+
+    def set_mode(self, mode: str) -> int | None:
+        """Take a mode's capture behaviour; returns its cuda_graph_min_tokens."""
+        m = MODES[mode]
+        self.collect, self.eager_each, self.own_logits = (m.get(k, False) for k in ("collect", "eager_each", "own_logits"))
+        return m["min_tokens"]
 
     def take(self) -> tuple[float, int]:
         out = (self.seconds, self.count)
@@ -111,11 +127,13 @@ def cost(model, args) -> list[dict]:
 
 def serve(model, args, batch: int, mode: str, clock: CaptureClock) -> dict:
     cuda = args.device == "cuda"
-    min_tokens, clock.collect, clock.eager_each = MODES[mode]
+    min_tokens = clock.set_mode(mode)
     clock.take()
+    mem0 = _allocated(cuda)
     t0 = time.perf_counter()
     engine = LLMEngine(model, None, engine_config(args, batch, min_tokens, warmup=cuda))
     warmup_s = time.perf_counter() - t0
+    mem_start = _allocated(cuda)
     start_capture_s, _ = clock.take()
     g = engine.runner.graphs
     graphs0 = len(g.graphs) if g is not None else 0
@@ -132,6 +150,7 @@ def serve(model, args, batch: int, mode: str, clock: CaptureClock) -> dict:
             torch.cuda.synchronize()
         steps.append(1000 * (time.perf_counter() - t))
     serving_capture_s, serving_captures = clock.take()
+    mem_end = _allocated(cuda)
     decode = steps[2:-2]  # the prefill and the tail of the last step ahead left out
     median = statistics.median(decode)
     slow = [s for s in decode if s > 3 * median]
@@ -141,11 +160,17 @@ def serve(model, args, batch: int, mode: str, clock: CaptureClock) -> dict:
            "capture_ms_each": round(1000 * serving_capture_s / serving_captures, 1) if serving_captures else None,
            "steps": len(decode), "median_ms": round(median, 3), "max_ms": round(max(decode), 2),
            "slow_steps": len(slow), "stalled_s": round(sum(s - median for s in slow) / 1000, 3),
-           "total_s": round(sum(decode) / 1000, 3)}
+           "total_s": round(sum(decode) / 1000, 3),
+           # memory the engine holds after its warm-up (KV pool and graphs), and what serving added
+           "engine_mb": round((mem_start - mem0) / 2**20), "serving_added_mb": round((mem_end - mem_start) / 2**20)}
     print(json.dumps(row), flush=True)
     del engine, g
     _release(cuda)
     return row
+
+
+def _allocated(cuda: bool) -> int:
+    return torch.cuda.memory_allocated() if cuda else 0
 
 
 def _release(cuda: bool) -> None:

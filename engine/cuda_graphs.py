@@ -97,6 +97,7 @@ class DecodeGraphs:
         self.staging_host: np.ndarray | None = None
         self.copied: torch.cuda.Event | None = None
         self.capture_stream: torch.cuda.Stream | None = None
+        self.logits: torch.Tensor | None = None  # _logits
 
     def covers(self, batch_size: int) -> bool:
         return batch_size <= self.sizes[-1]
@@ -170,7 +171,8 @@ class DecodeGraphs:
         if shape is not None:
             sparse = shape[2]  # the group's: a short-context rank's top-k then keeps every entry
         return self._replay(("decode", pad_b, pad_m, sparse), nbytes, self._ahead_fill(ahead_ids),
-                            lambda static: r.decode_forward(*r.decode_input_views(static, pad_b, pad_m), sparse))
+                            lambda static: r.decode_forward(*r.decode_input_views(static, pad_b, pad_m), sparse,
+                                                            logits_out=self._logits(pad_b)))
 
     def run_chunk(self, batch, rows: int, shape: tuple[int, int, bool] | None = None,
                   ahead_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -193,9 +195,21 @@ class DecodeGraphs:
         if shape is not None:
             sparse = shape[2]  # the group's, as for decode graphs
         logits = self._replay(("chunk", pad_r, pad_m, sparse), nbytes, self._ahead_fill(ahead_ids),
-                              lambda static: r.chunk_forward(*r.chunk_input_views(static, pad_r, pad_m), sparse),
+                              lambda static: r.chunk_forward(*r.chunk_input_views(static, pad_r, pad_m), sparse,
+                                                             logits_out=self._logits(r.chunk_logit_rows(pad_r))),
                               keep=lambda: r.window_snapshot(batch))
         return logits[:len(logit_rows)]
+
+    def _logits(self, rows: int) -> torch.Tensor:
+        """Where every graph writes its logits: one buffer, outside the graphs' pool, of which each
+        graph's are the first rows. Kept per graph, they would hold [rows, vocab] floats for every
+        width captured (1.1 GB a width over the 1-256 sizes of a 129K vocabulary). Replays run one
+        at a time on one stream, each step's sampling queued before the next replay."""
+        if self.logits is None:
+            r = self.runner
+            rows_max = max(self.sizes[-1], r.chunk_logit_rows(self.chunk_sizes[-1]))
+            self.logits = torch.empty(rows_max, r.model.cfg.vocab_size, dtype=torch.float32, device=r.device)
+        return self.logits[:rows]
 
     @staticmethod
     def _ahead_fill(ahead_ids: torch.Tensor | None):

@@ -238,8 +238,10 @@ class DeepseekForCausalLM(nn.Module):
             x, residual = layer(x, residual, ctx)
         return self.model.norm(x, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.lm_head.weight).float()
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 logits of the hidden rows; out: a [rows, vocab] fp32 buffer to write them into."""
+        logits = linear(hidden, self.lm_head.weight)
+        return logits.float() if out is None else out.copy_(logits)
 
     def moe_layers(self) -> list[MoE]:
         return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, MoE)]

@@ -305,12 +305,13 @@ class ModelRunner:
         return bool(mc.index_topk) and g_max > mc.index_topk, logit_rows
 
     def chunk_forward(self, input_ids, positions, write_slots, block_tables, window_slots, starts, seq_of,
-                      ring_write, due, sparse) -> torch.Tensor:
+                      ring_write, due, sparse, logits_out: torch.Tensor | None = None) -> torch.Tensor:
         """A step with a kernel row per token (capturable): prompt chunks, their rows of a
         sequence consecutive and in position order, as build_token_batch reads them -> logits of
         the rows `due` names (its padding names row 0). The LM head runs on those rows alone: on
         every row, each graph would keep [rows, vocab] logits (265 MB at 512 rows of a 129K
-        vocabulary, for each block-table width captured), most of them never read."""
+        vocabulary, for each block-table width captured), most of them never read. logits_out: as
+        in decode_forward."""
         ctx = AttentionContext(
             positions=positions, rope=self.model.model.rotary.tables(positions), write_rows=None,
             write_slots=write_slots, q_index=None, q_flat=None, q_pos=None, key_slots=None, g_mask=None,
@@ -327,7 +328,7 @@ class ModelRunner:
         hidden = self.model(input_ids, ctx)
         if self.kv.window:
             self.kv.window_pos[ctx.win_write_slot, ctx.win_write_idx] = positions
-        return self.model.compute_logits(hidden.index_select(0, due))
+        return self.model.compute_logits(hidden.index_select(0, due), logits_out)
 
     def window_snapshot(self, batch: ScheduledBatch):
         """The window rings and positions of the batch's sequences as they are now; returns a
@@ -362,13 +363,16 @@ class ModelRunner:
         ctx.decode = build_decode_batch(positions, block_tables, self.cfg.block_size, self.kv.window, ring_pos, sparse)
         return ctx
 
-    def decode_forward(self, input_ids, positions, write_slots, block_tables, window_slots, sparse) -> torch.Tensor:
-        """One decode step on index tensors -> logits of every row (capturable)."""
+    def decode_forward(self, input_ids, positions, write_slots, block_tables, window_slots, sparse,
+                       logits_out: torch.Tensor | None = None) -> torch.Tensor:
+        """One decode step on index tensors -> logits of every row (capturable). logits_out: where
+        to write them ([rows, vocab] fp32), so that graphs share one buffer rather than each
+        keeping its own."""
         ctx = self.decode_context(positions, write_slots, block_tables, window_slots, sparse)
         hidden = self.model(input_ids, ctx)
         if self.kv.window:
             self.kv.window_pos[window_slots, ctx.win_write_idx] = positions
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden, logits_out)
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, AttentionContext, list[int]]:
         bs = self.cfg.block_size

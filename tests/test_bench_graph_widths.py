@@ -6,7 +6,7 @@ from engine.cuda_graphs import DecodeGraphs
 
 
 def test_smoke_both_parts_every_mode(tmp_path):
-    capture, before = DecodeGraphs._capture, DecodeGraphs._before_capture
+    saved = DecodeGraphs._capture, DecodeGraphs._before_capture, DecodeGraphs._logits
     out = tmp_path / "rows.jsonl"
     graph_widths.main(["--preset", "tiny", "--device", "cpu", "--batches", "2", "--contexts", "40",
                        "--steps", "12", "--iters", "2", "--prompt", "24", "--out", str(out)])
@@ -18,5 +18,6 @@ def test_smoke_both_parts_every_mode(tmp_path):
     for row in serve.values():
         assert row["steps"] >= 8 and 0 < row["median_ms"] <= row["max_ms"]
         assert row["captured_serving"] == 0 and row["capture_ms_each"] is None  # no graphs on CPU
+        assert row["engine_mb"] == row["serving_added_mb"] == 0  # device memory: none on CPU
     # the capture clock put DecodeGraphs back as it was
-    assert (DecodeGraphs._capture, DecodeGraphs._before_capture) == (capture, before)
+    assert (DecodeGraphs._capture, DecodeGraphs._before_capture, DecodeGraphs._logits) == saved

@@ -292,8 +292,9 @@ def test_short_context_graphs_are_captured_at_start_and_shared(tiny_v4_ckpt):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_later_widths_are_captured_without_an_eager_run_first(tiny_v4_ckpt, monkeypatch):
     """The first capture of a (form, rows, sparse) runs the step eagerly first; another width of
-    it does not, and gives the tokens and logits of the path without graphs. A capture that fails
-    without the eager run is tried again with it, and kept."""
+    it does not, and gives the tokens and logits of the path without graphs (all graphs writing
+    their logits into one buffer). A capture that fails without the eager run is tried again with
+    it, and kept."""
     from engine.cuda_graphs import DecodeGraphs
     calls, fail_next = [], []
     capture = DecodeGraphs._capture
@@ -325,6 +326,8 @@ def test_later_widths_are_captured_without_an_eager_run_first(tiny_v4_ckpt, monk
     kinds = {(k[0], k[1], k[3]) for k in g.graphs}
     assert len(g.graphs) > len(kinds) and not g.failed  # several widths of some (form, rows, sparse)
     assert calls.count(True) == len(kinds) and calls.count(False) == len(g.graphs) - len(kinds)
+    # every graph writes its logits into the one shared buffer rather than keeping its own
+    assert all(lg.data_ptr() == g.logits.data_ptr() for _, _, lg in g.graphs.values())
     # a capture without the eager run that fails: once more with it, and kept
     calls.clear()
     fail_next.append(True)
