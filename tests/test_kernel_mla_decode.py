@@ -325,8 +325,10 @@ def test_ring_window_of_prompt_chunk_rows(device, config):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("num_splits", [1, 3, 7, None])
 def test_keys_rows_splits_cover_global_then_window_keys(device, num_splits):
-    """The keys-as-rows kernel cuts [global keys, window keys] into even splits, so a split may
-    hold global and window tiles, or window tiles only; the ring entry is written once."""
+    """The keys-as-rows kernel deals a row's tiles (its global ones, then its window ones) to the
+    splits in turn, so a split may hold global and window tiles, or window tiles only, or none;
+    the ring entry is written once. Also with a table far wider than every row (a CUDA graph's
+    shared width)."""
     torch.manual_seed(12)
     g_lens, w = [70, 9, 33], 37
     q, kv, table, lens = make_case(g_lens, 16, torch.bfloat16, device, seed=9)
@@ -338,9 +340,10 @@ def test_keys_rows_splits_cover_global_then_window_keys(device, num_splits):
     valid[torch.arange(3), write_idx.cpu()] = False
     valid = valid.to(device)
     config = dict(block_n=16, num_warps=4, num_stages=2, waves=1, min_tiles=1, keys_rows=True)
-    for pos in (None, topk):
+    wide = torch.cat([table, table.new_zeros(3, 20)], dim=1)
+    for pos, tab in ((None, table), (topk, table), (None, wide)):
         ring_ref, ring_out = ring_kv.clone(), ring_kv.clone()
-        out = mla_decode_triton(q, kv, None, table, lens, BS, SCALE, KV_LORA, topk_pos=pos, win_valid=valid,
+        out = mla_decode_triton(q, kv, None, tab, lens, BS, SCALE, KV_LORA, topk_pos=pos, win_valid=valid,
                                 ring=(ring_out, slots, fresh, write_idx), num_splits=num_splits, config=config)
         ref = mla_decode_reference(q, kv, None, table, lens, BS, SCALE, KV_LORA, topk_pos=pos, win_valid=valid,
                                    ring=(ring_ref, slots, fresh, write_idx))

@@ -124,25 +124,27 @@ if triton is not None:
             n_global = num_topk
         else:
             n_global = g_len
-        # This split's share of the range [global keys padded to global_span, window keys].
-        v_start = split * keys_per_split
-        v_end = v_start + keys_per_split
-        g_end = tl.minimum(v_end, n_global)
-        for start in range(v_start, g_end, BLOCK_N):
+        # This split's tiles of the row: its global tiles (up to the row's length: a graph's table
+        # may be far wider), then its window tiles, every num_splits-th, as the Gluon kernel takes
+        # them (mla_decode_gluon.py): the splits stay even whatever the table's width
+        # (keys_per_split, the contiguous share of the other split kernel, is not used here).
+        n_gt = tl.cdiv(n_global, BLOCK_N)
+        for t in range(split, n_gt, num_splits):
             k_c, k_r, k_scale, valid = _global_tile(
-                start, g_end, b, g_len, topk_ptr, stride_topk, table_ptr, stride_tb, kv_ptr, stride_kv,
+                t * BLOCK_N, n_global, b, g_len, topk_ptr, stride_topk, table_ptr, stride_tb, kv_ptr, stride_kv,
                 scale_ptr, kv_lora, block_size, cols, c_ok, rcols, r_ok, BLOCK_N, IS_FP8, HAS_TOPK, SLOTS)
             m, l, acc = _rows_tile_update(qt_c, qt_r, k_c, k_r, valid, k_scale, m, l, acc, qk_scale, IS_FP8, PREC)
 
         if HAS_WINDOW:
-            w_start = tl.maximum(v_start - global_span, 0)
-            w_end = tl.minimum(v_end - global_span, num_win)
             if RING:
                 ring_row0 = win_ptr + tl.load(ring_slot_ptr + b).to(tl.int64) * stride_wb
                 fresh_row = fresh_ptr + b * stride_fb
-            for start in range(w_start, w_end, BLOCK_N):
+            # window tile j is the row's tile n_gt + j
+            for j in range((split + num_splits - n_gt % num_splits) % num_splits, tl.cdiv(num_win, BLOCK_N),
+                           num_splits):
+                start = j * BLOCK_N
                 idx = start + tl.arange(0, BLOCK_N)
-                valid = idx < w_end
+                valid = idx < num_win
                 flag = tl.load(wvalid_ptr + b * stride_vb + idx, mask=valid, other=0)
                 valid = valid & (flag != 0)
                 if RING:
