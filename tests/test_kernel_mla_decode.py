@@ -86,6 +86,21 @@ def test_dense_matches_reference(device, dtype, g_lens, heads, num_splits):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("num_splits", [2, 3, 7])
+@pytest.mark.parametrize("keys_rows", [False, True])
+def test_dense_rows_in_a_far_wider_table(device, num_splits, keys_rows):
+    """A block table far wider than every row (a CUDA graph's shared width): the splits deal the
+    rows' own tiles among them (some get none), with and without a window split."""
+    q, kv, table, lens = make_case([70, 9, 33], 4, torch.bfloat16, device, seed=6, extra_blocks=30)
+    config = dict(block_n=16, num_warps=4, num_stages=2, waves=1, min_tiles=1, keys_rows=keys_rows)
+    win = torch.randn(3, 21, D, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16).to(device)
+    for kwargs in (dict(), dict(win_kv=win)):
+        out = mla_decode_triton(q, kv, None, table, lens, BS, SCALE, KV_LORA, num_splits=num_splits, config=config,
+                                **kwargs)
+        check(out, mla_decode_reference(q, kv, None, table, lens, BS, SCALE, KV_LORA, **kwargs), torch.bfloat16)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_window_keys(device, dtype):
     g_lens = [0, 0, 11]

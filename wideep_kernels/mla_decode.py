@@ -172,12 +172,15 @@ if triton is not None:
             n_global = num_topk
         else:
             n_global = g_len
-        # The window split starts past every global key, so its global loop is empty.
-        g_start = split * keys_per_split
-        g_end = tl.minimum(g_start + keys_per_split, n_global)
-        for start in range(g_start, g_end, BLOCK_N):
+        # The global splits take every num_global_splits-th tile of the row's keys, so they stay
+        # even however much wider than the row the block table is (a CUDA graph's shared width);
+        # keys_per_split, their contiguous share, is only what the host sized them by. The window
+        # split's global loop is empty.
+        n_gt = tl.cdiv(n_global, BLOCK_N)
+        for t in range(tl.where(split < num_global_splits, split, n_gt), n_gt, num_global_splits):
+            start = t * BLOCK_N
             k_c, k_r, k_scale, valid = _global_tile(
-                start, g_end, b, g_len, topk_ptr, stride_topk, table_ptr, stride_tb, kv_ptr, stride_kv,
+                start, n_global, b, g_len, topk_ptr, stride_topk, table_ptr, stride_tb, kv_ptr, stride_kv,
                 scale_ptr, kv_lora, block_size, cols, c_ok, rcols, r_ok, BLOCK_N, IS_FP8, HAS_TOPK, SLOTS)
             if Q_RELOAD:
                 # The query, kept live across the loop, is a whole dot operand in every warp (at 16
