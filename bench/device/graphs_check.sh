@@ -2,7 +2,7 @@
 # One GPU: the decode-graph changes of the thirty-third session that no GPU has run yet (no
 # machine was lent after its third run): the GPU tests of the shared logits buffer, the sparse
 # graphs of a raised shared width captured at start, later widths captured without an eager run,
-# the keys-as-rows MLA kernel's splits; then the device memory serving adds with a graph per
+# the Triton MLA kernels' splits; then the device memory serving adds with a graph per
 # width, each graph's logits its own against the shared buffer (bench/graph_widths.py); then an
 # expert-parallel rank's start and first steps with and without the warm-up (bench/ep_decode.py,
 # each in a process of its own with an empty Triton cache, as on a fresh machine). About 7 minutes.
@@ -10,7 +10,7 @@ source bench/device/setup.sh
 t() { local s=$1; shift; local t0=$SECONDS; timeout "$s" "$@"; echo "rc=$? $((SECONDS - t0))s $*" >> "$OUT/steps.txt"; }
 t 300 python3 -m pytest -q -p no:cacheprovider tests/test_decode_path.py tests/test_async_scheduling.py \
   tests/test_chunk_rows.py tests/test_ep_step.py tests/test_kernel_mla_decode.py \
-  -k "later_widths or short_context_graphs or on_cuda or gpu_ or (cuda and keys_rows)" > "$OUT/tests.log" 2>&1
+  -k "later_widths or short_context_graphs or on_cuda or gpu_ or (cuda and (keys_rows or far_wider or dense_matches))" > "$OUT/tests.log" 2>&1
 t 130 python3 -m bench.graph_widths --preset bench --batches 1 64 --parts serve \
   --modes per_width per_width_own_logits shared > "$OUT/serve.log" 2>&1
 for w in --warmup ""; do
