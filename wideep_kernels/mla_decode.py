@@ -426,9 +426,9 @@ def mla_decode_triton(q, kv, kv_scale, block_tables, g_lens, block_size: int, sm
         # One stage at 64-key tiles hit an illegal address on the H200 (Triton 3.6), with and
         # without a hand-pipelined loop; not understood, so never launched.
         num_stages = max(num_stages, 2) if q.is_cuda and block_n >= 64 else num_stages
-        # Global keys (padded to whole tiles), then window keys, as one range cut into even splits,
-        # and at most `waves` programs an SM: this kernel's 64-key tiles leave one program an SM
-        # (shared memory), so a second partial wave would double its time.
+        # Global keys (padded to whole tiles), then window keys: tiles dealt to the splits in turn,
+        # at most `waves` programs an SM: this kernel's 64-key tiles leave one program an SM (shared
+        # memory), so a second partial wave would double its time.
         span = triton.cdiv(n_cap, block_n) * block_n
         tiles = max(1, triton.cdiv(span + num_win, block_n))
         if num_splits is None:

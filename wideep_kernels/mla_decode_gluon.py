@@ -261,7 +261,7 @@ if gluon is not None:
         # hold no key: a graph's block table may be far wider than the context), then its window
         # tiles, every num_splits-th. Taking them in turn rather than as one contiguous run keeps
         # the splits even whatever the row's length against the table's width (keys_per_split,
-        # the Triton kernels' contiguous share, is not used here).
+        # which the host sizes the splits by, is not used here).
         slots_row = topk_ptr + b * stride_topk
         table_row = table_ptr + b * stride_tb
         g_len = gl.minimum(gl.load(glen_ptr + b), table_keys)

@@ -127,7 +127,7 @@ if triton is not None:
         # This split's tiles of the row: its global tiles (up to the row's length: a graph's table
         # may be far wider), then its window tiles, every num_splits-th, as the Gluon kernel takes
         # them (mla_decode_gluon.py): the splits stay even whatever the table's width
-        # (keys_per_split, the contiguous share of the other split kernel, is not used here).
+        # (keys_per_split, which the host sizes the splits by, is not used here).
         n_gt = tl.cdiv(n_global, BLOCK_N)
         for t in range(split, n_gt, num_splits):
             k_c, k_r, k_scale, valid = _global_tile(
