@@ -172,9 +172,9 @@ def main(argv=None):
             max_num_batched_tokens=(max(args.batches) + 1) * args.prompt), ep=ep)
         start_s = round(time.perf_counter() - t0, 2)  # the engine's construction, its warm-up included
         for batch in args.batches:
-            row = {"mode": mode, "batch": batch, "start_s": start_s, **measure(engine, batch, args.prompt, args.steps, cfg.vocab_size,
-                                                            cuda, args.profile, f"{mode}, batch {batch}",
-                                                            args.mixed)}
+            row = {"mode": mode, "batch": batch, "start_s": start_s,
+                   **measure(engine, batch, args.prompt, args.steps, cfg.vocab_size, cuda, args.profile,
+                             f"{mode}, batch {batch}", args.mixed)}
             report["rows"].append(row)
             print(json.dumps(row), flush=True)
         del engine, model

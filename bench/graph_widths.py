@@ -49,7 +49,8 @@ MODES = {"per_width": dict(min_tokens=0), "per_width_eager": dict(min_tokens=0, 
 
 
 class CaptureClock:
-    """Seconds spent in DecodeGraphs._capture, patched in for the bench's engines while in use."""
+    """Seconds spent in DecodeGraphs._capture, and the mode's older capture behaviour (set_mode),
+    patched into DecodeGraphs for the bench's engines while in use."""
 
     def __enter__(self):
         self.seconds, self.count, self.collect, self.eager_each, self.own_logits = 0.0, 0, False, False, False
@@ -85,7 +86,8 @@ class CaptureClock:
     def set_mode(self, mode: str) -> int | None:
         """Take a mode's capture behaviour; returns its cuda_graph_min_tokens."""
         m = MODES[mode]
-        self.collect, self.eager_each, self.own_logits = (m.get(k, False) for k in ("collect", "eager_each", "own_logits"))
+        self.collect, self.eager_each, self.own_logits = (m.get(k, False)
+                                                          for k in ("collect", "eager_each", "own_logits"))
         return m["min_tokens"]
 
     def take(self) -> tuple[float, int]:
