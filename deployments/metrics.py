@@ -29,15 +29,22 @@ class EngineMetrics:
         self.group_wait = metrics.Counter(
             "wideep_group_wait_seconds", "Time a decode-group rank waited for the others in the per-step "
             "agreement (s): the ranks that wait least are the ones the group waits for", keys)
-        self._last = {"prefix_hit_tokens": 0, "replayed_tokens": 0, "steps_ahead": 0, "group_wait_s": 0.0}
+        self.graph_captures = metrics.Counter(
+            "wideep_graph_captures", "CUDA graphs captured while requests waited on them (each stalls every "
+            "running request); those captured at start or ahead in idle time are not counted", keys)
+        self.graph_capture_s = metrics.Counter(
+            "wideep_graph_capture_seconds", "Time running requests stalled on CUDA graph captures (s)", keys)
+        self._last = {"prefix_hit_tokens": 0, "replayed_tokens": 0, "steps_ahead": 0, "group_wait_s": 0.0,
+                      "graph_captures": 0, "graph_capture_s": 0.0}
 
     def observe_stats(self, stats: dict) -> None:
         self.running.set(stats["running"], self.tags)
         self.waiting.set(stats["waiting"], self.tags)
         self.kv_used.set(stats["kv_blocks_used"], self.tags)
         for key, counter in (("prefix_hit_tokens", self.prefix_hit), ("replayed_tokens", self.replayed),
-                             ("steps_ahead", self.steps_ahead), ("group_wait_s", self.group_wait)):
-            if key not in stats:  # group_wait_s: expert-parallel ranks only
+                             ("steps_ahead", self.steps_ahead), ("group_wait_s", self.group_wait),
+                             ("graph_captures", self.graph_captures), ("graph_capture_s", self.graph_capture_s)):
+            if key not in stats:  # group_wait_s: expert-parallel ranks only; graph_*: CUDA graphs only
                 continue
             delta = stats[key] - self._last[key]
             if delta > 0:

@@ -123,6 +123,7 @@ class AsyncLLMEngine:
         try:
             while not self._stopped:
                 self._wake.clear()  # before looking for work, so a request added meanwhile is not missed
+                due = None
                 with self._lock:
                     busy = self.engine.has_unfinished_requests()
                     # A lockstep rank steps every time, work or not: its step's agreement (engine.ep)
@@ -131,11 +132,13 @@ class AsyncLLMEngine:
                     if self.lockstep is not None:
                         busy = self.lockstep.busy
                     if not busy:
-                        self.engine.housekeeping()
+                        due = self.engine.housekeeping()
                 self._deliver_all([(out.request_id, out) for out in outputs])
                 if not busy:
-                    # lockstep ranks poll together; a lone engine sleeps until a request comes
-                    self._wake.wait(timeout=0.005 if self.lockstep is not None else 0.5)
+                    # lockstep ranks poll together; a lone engine sleeps until a request comes, or
+                    # housekeeping is due (at least a millisecond off the lock, for an admission)
+                    timeout = 0.005 if self.lockstep is not None else 0.5
+                    self._wake.wait(timeout=timeout if due is None else min(timeout, max(due, 0.001)))
         except BaseException as e:  # the loop must not die silently: every waiter hears of it
             self._dead = e
             self._deliver_all([(rid, EngineDeadError(f"engine loop died: {e!r}")) for rid in list(self._streams)])

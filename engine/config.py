@@ -398,6 +398,12 @@ class EngineConfig(BaseModel):
                                 "octave), captured on first use. None: the contexts that attend densely "
                                 "(index_topk + sliding_window - 1) on a model with an indexer, else 2048; 0: a "
                                 "graph per width from 256 tokens (engine/cuda_graphs.py)")
+    cuda_graph_ahead_idle_s: float | None = Field(
+        0.5, ge=0, description="after this many seconds with no request, the engine captures, one at a time, "
+                               "the graph of the next table width of each batch size serving replayed (the width "
+                               "its contexts grow into), so serving does not stall on it later; a request "
+                               "arriving meanwhile waits for one capture at most (24-30 ms on the H200). Not with "
+                               "expert parallelism. None: never")
     remote_kv_grace_s: float = Field(
         30.0, ge=0, description="after an abandoned KV transfer (failed, late, aborted), its reserved blocks "
                                 "stay out of use this long, so a write still in flight cannot land in another "

@@ -12,12 +12,15 @@ as does the eager warm-up of each capture; those counts feed only the load balan
 runs with expert parallelism, where padding rows are dropped before the experts (engine/ep.py).
 With expert parallelism the graph's shape is the group's (`shape`, engine/ep_step.py) and every
 rank captures it at the same step: NCCL wants a captured collective captured and replayed by
-all ranks together, so a capture that fails on one rank is dropped by all.
+all ranks together, so a capture that fails on one rank is dropped by all. A lone engine left idle
+captures ahead the next width of each batch size serving reached (capture_ahead), so that a
+conversation's next turn, its context longer, does not stall on it.
 """
 from __future__ import annotations
 
 import gc
 import logging
+import time
 
 import numpy as np
 import torch
@@ -90,6 +93,14 @@ class DecodeGraphs:
         self.rotary = runner.model.model.rotary
         self.rotary.ensure(cfg.max_model_len or limit)
         self.min_blocks = min_graph_blocks(cfg, runner.model.cfg, cfg.max_model_len or limit)
+        self.max_blocks = self._blocks_bucket(-(-(cfg.max_model_len or limit) // cfg.block_size))
+        # (form, padded rows) -> (widest padded width, sparse) that serving replayed: capture_ahead
+        # takes the next width of each.
+        self.widest: dict[tuple[str, int], tuple[int, bool]] = {}
+        # Captures met by serving steps (each stalls every running request) and their seconds;
+        # those of capture_short and capture_ahead are made with no request waiting.
+        self.captures_serving, self.capture_serving_s, self.captures_ahead = 0, 0.0, 0
+        self._preparing = False
         # Host staging of the inputs (pinned, so the copy is a DMA the host does not wait on),
         # grown as needed; `copied` marks the end of the last copy out of it, which must be
         # over before the buffer is written again.
@@ -127,6 +138,14 @@ class DecodeGraphs:
         and captures the same shapes in the same order, each with no real row
         (ExpertParallel.pad_only). Returns how many were captured."""
         before, lockstep = len(self.graphs), self.runner.ep
+        self._preparing = True
+        try:
+            self._capture_short(lockstep)
+        finally:
+            self._preparing = False
+        return len(self.graphs) - before
+
+    def _capture_short(self, lockstep) -> None:
         # Sparse steps too where cuda_graph_min_tokens reaches past the dense contexts (by more
         # than the width's last block, which rounding up to blocks adds by default).
         bs = self.runner.cfg.block_size
@@ -141,7 +160,51 @@ class DecodeGraphs:
                     if lockstep is not None:
                         lockstep.pad_only(rows)
                     self.run_chunk(ScheduledBatch(), rows, shape=(rows, self.min_blocks, sparse))
-        return len(self.graphs) - before
+
+    def ahead_shapes(self) -> list[tuple]:
+        """Graphs serving will likely meet next, not captured yet: for each (form, rows) that
+        serving replayed, the next width past the widest it replayed (contexts grow into it),
+        sparse where that width's contexts need the indexer. Only one width ahead of what serving
+        reached, so idle time never walks the widths up to max_model_len."""
+        bs, keys = self.runner.cfg.block_size, []
+        for (form, rows), (width, sparse) in sorted(self.widest.items()):
+            nxt = blocks_bucket(width + 1)
+            if nxt > self.max_blocks:
+                continue
+            key = (form, rows, nxt, sparse or self.runner.needs_sparse(width * bs + 1))
+            if key not in self.graphs and key not in self.failed:
+                keys.append(key)
+        return keys
+
+    @torch.inference_mode()
+    def capture_ahead(self) -> bool:
+        """Capture the first of ahead_shapes, its rows all padding (the scratch slot and ring), so
+        that serving does not stall on it later; for an idle engine (LLMEngine.housekeeping). Not
+        with expert parallelism: a graph's collectives are captured by the whole group at one step.
+        Returns whether there was one to capture."""
+        keys = self.ahead_shapes() if self.runner.ep is None else []
+        if not keys:
+            return False
+        form, rows, width, sparse = keys[0]
+        self._preparing = True
+        try:
+            if form == "decode":
+                self.run(ScheduledBatch(), shape=(rows, width, sparse))
+            else:
+                self.run_chunk(ScheduledBatch(), rows, shape=(rows, width, sparse))
+        finally:
+            self._preparing = False
+        self.captures_ahead += 1
+        return True
+
+    def forget_serving(self) -> None:
+        """Drop what serving met so far (the warm-up's requests are not serving)."""
+        self.widest.clear()
+        self.captures_serving, self.capture_serving_s, self.captures_ahead = 0, 0.0, 0
+
+    def _served(self, form: str, rows: int, width: int, sparse: bool) -> None:
+        if not self._preparing and width > self.widest.get((form, rows), (0, False))[0]:
+            self.widest[(form, rows)] = (width, sparse)
 
     def _host_buffer(self, nbytes: int) -> np.ndarray:
         if self.copied is not None:
@@ -170,6 +233,7 @@ class DecodeGraphs:
         sparse = r.fill_decode_inputs(batch, self._host_buffer(nbytes), pad_b, pad_m, ahead)
         if shape is not None:
             sparse = shape[2]  # the group's: a short-context rank's top-k then keeps every entry
+        self._served("decode", pad_b, pad_m, sparse)
         return self._replay(("decode", pad_b, pad_m, sparse), nbytes, self._ahead_fill(ahead_ids),
                             lambda static: r.decode_forward(*r.decode_input_views(static, pad_b, pad_m), sparse,
                                                             logits_out=self._logits(pad_b)))
@@ -194,6 +258,7 @@ class DecodeGraphs:
         sparse, logit_rows = r.fill_chunk_inputs(batch, self._host_buffer(nbytes), pad_r, pad_m, ahead)
         if shape is not None:
             sparse = shape[2]  # the group's, as for decode graphs
+        self._served("chunk", pad_r, pad_m, sparse)
         logits = self._replay(("chunk", pad_r, pad_m, sparse), nbytes, self._ahead_fill(ahead_ids),
                               lambda static: r.chunk_forward(*r.chunk_input_views(static, pad_r, pad_m), sparse,
                                                              logits_out=self._logits(r.chunk_logit_rows(pad_r))),
@@ -227,7 +292,7 @@ class DecodeGraphs:
         if self._tables_moved():
             self.clear()  # they read the rope tables a longer context has since replaced
         if key not in self.graphs and key not in self.failed:
-            lockstep = self.runner.ep
+            lockstep, t0 = self.runner.ep, time.perf_counter()
             warm = (key[0], key[1], key[3]) in self.warmed
             try:
                 try:
@@ -247,6 +312,9 @@ class DecodeGraphs:
             if lockstep is not None and not lockstep.all_agree(key in self.graphs):
                 self.graphs.pop(key, None)  # replayed by this rank alone, its collectives would hang
                 self.failed.add(key)
+            if not self._preparing:
+                self.captures_serving += 1
+                self.capture_serving_s += time.perf_counter() - t0
         if key in self.failed:
             static = torch.empty(nbytes, dtype=torch.uint8, device=self.runner.device)
             self._upload(static, nbytes)

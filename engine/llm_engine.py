@@ -94,6 +94,7 @@ class LLMEngine:
         self.num_steps = 0
         self.num_steps_ahead = 0  # of num_steps, those launched before the previous step's tokens were read
         self._inflight: LaunchedStep | None = None
+        self._last_step = time.monotonic()
         cuda = self.runner.device.type == "cuda"
         # A lockstep rank runs ahead only where its group agrees on the host: an agreement over
         # the GPU's own collectives would wait for the step in flight.
@@ -159,6 +160,7 @@ class LLMEngine:
             # Every batch size's graph for the short contexts (cuda_graph_min_tokens): the requests
             # above met only some of them, and each first met while serving stalls every request.
             self.runner.graphs.capture_short()
+            self.runner.graphs.forget_serving()
         s = self.scheduler
         s.prefix_hit_tokens = s.replayed_tokens = s.num_preemptions = 0
         self.num_steps = self.num_steps_ahead = 0
@@ -247,9 +249,20 @@ class LLMEngine:
         if seq is not None:
             self.scheduler.kv_failed(seq, time.monotonic() + self.cfg.remote_kv_grace_s)
 
-    def housekeeping(self) -> None:
-        """Work due with no request to step: return quarantined blocks whose time is up."""
-        self.scheduler.release_quarantine(time.monotonic())
+    def housekeeping(self) -> float | None:
+        """Work due with no request to step: return quarantined blocks whose time is up and, once
+        idle for cuda_graph_ahead_idle_s, capture a graph that serving would otherwise meet
+        (DecodeGraphs.capture_ahead), one per call so that a request arriving waits for one at
+        most. Returns in how many seconds it has more to do (0: at once), None: nothing."""
+        now = time.monotonic()
+        self.scheduler.release_quarantine(now)
+        graphs, wait = self.runner.graphs, self.cfg.cuda_graph_ahead_idle_s
+        if graphs is None or wait is None or self.ep is not None:
+            return None
+        due = self._last_step + wait - now
+        if due > 0:
+            return due if graphs.ahead_shapes() else None
+        return 0.0 if graphs.capture_ahead() else None
 
     def held_blocks(self, request_id: str) -> list[int]:
         """Prefill side: the blocks of a finished hold_kv request, in position order."""
@@ -314,6 +327,7 @@ class LLMEngine:
                     self.num_steps += int(self.ep.busy)  # an idle forward, unless the whole group is idle
                 return []
             cur = self._launch(batch)
+        self._last_step = time.monotonic()  # housekeeping waits for idleness
         rows = self._ahead_rows(cur)
         if rows:
             self._inflight = self._launch_ahead(cur, rows)
@@ -489,4 +503,8 @@ class LLMEngine:
             "preemptions": s.num_preemptions, "steps": self.num_steps, "steps_ahead": self.num_steps_ahead,
             # expert parallelism: seconds this rank waited in the group's per-step agreement
             **({"group_wait_s": self.ep.wait_s} if self.ep is not None else {}),
+            # CUDA graphs captured while requests waited on them, the seconds they took, and
+            # those captured ahead in idle time
+            **({"graph_captures": g.captures_serving, "graph_capture_s": g.capture_serving_s,
+                "graph_captures_ahead": g.captures_ahead} if (g := self.runner.graphs) is not None else {}),
         }
