@@ -2,7 +2,8 @@
 captures met while serving cost the requests (EngineConfig.cuda_graph_min_tokens).
 
     python3 -m bench.graph_widths --preset bench --batches 1 16 64        # one GPU
-    .venv/bin/python -m bench.graph_widths --preset tiny --device cpu --batches 2 --contexts 40 --steps 30  # smoke
+    .venv/bin/python -m bench.graph_widths --preset tiny --device cpu --batches 2 --contexts 40 --steps 30 \
+        --turn-prompt 40 --turn-steps 8 --turn-new 8  # smoke
 
 Two parts, each side by side in one run:
 - `cost`: on one engine, the decode forward (the graph's replay, CUDA events, median) of a batch
@@ -20,6 +21,12 @@ Two parts, each side by side in one run:
   and the seconds the steps over 3x the median took beyond it, which is what the requests
   waited for captures), and the device memory the engine held after its warm-up and what serving
   added to it.
+- `turns`: `batch` conversations of two turns past the shared width (`--turn-prompt` tokens, then
+  `--turn-steps` decode steps; the second turn adds `--turn-new` tokens and decodes as many
+  steps), with and without capturing ahead between the turns (EngineConfig.cuda_graph_ahead_idle_s):
+  per turn, the graphs captured while requests waited and the seconds they stalled them (the
+  engine's own figures, LLMEngine.stats), the turn's wall time, and the graphs captured while idle
+  between the turns and the seconds that took.
 """
 from __future__ import annotations
 
@@ -171,6 +178,42 @@ def serve(model, args, batch: int, mode: str, clock: CaptureClock) -> dict:
     return row
 
 
+def turns(model, args, batch: int, ahead: bool) -> list[dict]:
+    cuda = args.device == "cuda"
+    longest = args.turn_prompt + 2 * args.turn_steps + args.turn_new + 16
+    cfg = EngineConfig(device=args.device, dtype="bfloat16" if cuda else "float32", block_size=16,
+                       max_num_seqs=batch, num_blocks=batch * (longest // 16 + 2) + 16, warmup=cuda,
+                       max_num_batched_tokens=max(512, args.turn_new),
+                       cuda_graph_ahead_idle_s=0.0 if ahead else None)
+    engine = LLMEngine(model, None, cfg)
+    gen, vocab = torch.Generator().manual_seed(batch), model.cfg.vocab_size
+    params = SamplingParams(max_tokens=args.turn_steps, temperature=0, ignore_eos=True)
+    prompts = [torch.randint(4, vocab, (args.turn_prompt,), generator=gen).tolist() for _ in range(batch)]
+    rows, idle = [], {"idle_captures": 0, "idle_s": 0.0}
+    for turn in (1, 2):
+        before, t = engine.stats(), time.perf_counter()
+        outs = engine.generate(prompts, params)
+        if cuda:
+            torch.cuda.synchronize()
+        wall, after = time.perf_counter() - t, engine.stats()
+        row = {"part": "turns", "mode": "ahead" if ahead else "no_ahead", "batch": batch, "turn": turn,
+               "context": len(prompts[0]) + args.turn_steps, "turn_s": round(wall, 3),
+               "captures": after.get("graph_captures", 0) - before.get("graph_captures", 0),
+               "capture_s": round(after.get("graph_capture_s", 0.0) - before.get("graph_capture_s", 0.0), 3),
+               **(idle if turn == 2 else {})}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        prompts = [p + o.output_token_ids + torch.randint(4, vocab, (args.turn_new,), generator=gen).tolist()
+                   for p, o in zip(prompts, outs)]
+        t = time.perf_counter()
+        while turn == 1 and engine.housekeeping() is not None:  # what an idle engine loop would do
+            idle["idle_captures"] += 1
+        idle["idle_s"] = round(time.perf_counter() - t, 3)
+    del engine
+    _release(cuda)
+    return rows
+
+
 def _allocated(cuda: bool) -> int:
     return torch.cuda.memory_allocated() if cuda else 0
 
@@ -191,7 +234,10 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--steps", type=int, default=1900, help="decode steps of the serve part")
-    ap.add_argument("--parts", nargs="+", default=["cost", "serve"], choices=["cost", "serve"])
+    ap.add_argument("--parts", nargs="+", default=["cost", "serve", "turns"], choices=["cost", "serve", "turns"])
+    ap.add_argument("--turn-prompt", type=int, default=2900, help="first turn's prompt tokens (turns part)")
+    ap.add_argument("--turn-steps", type=int, default=100, help="decode steps of each turn (turns part)")
+    ap.add_argument("--turn-new", type=int, default=200, help="tokens the second turn adds (turns part)")
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES), help="modes of the serve part")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -208,6 +254,10 @@ def main(argv=None):
             for batch in args.batches:
                 for mode in args.modes:
                     report["rows"].append(serve(model, args, batch, mode, clock))
+    if "turns" in args.parts:
+        for batch in args.batches:
+            for ahead in (False, True):
+                report["rows"] += turns(model, args, batch, ahead)
     print(json.dumps(report), flush=True)
     if args.out:
         with open(args.out, "a") as f:
