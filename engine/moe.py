@@ -13,7 +13,8 @@ from torch import nn
 
 from wideep_kernels import triton_ok
 from wideep_kernels.fp8_blocks import ExpertScales, act_group, dequantize_experts, fake_quantize_act, quantize_experts
-from wideep_kernels.moe_gemm import AlignedPairs, act_fp8_pays, align_pairs, fused_experts, pick_config, token_major
+from wideep_kernels.moe_align import AlignedPairs, align_pairs
+from wideep_kernels.moe_gemm import act_fp8_pays, fused_experts, pick_config, token_major
 from wideep_kernels.routing import fused_route, gate_fused_ok, gate_norm_applies, gate_parts_norm_triton, gate_parts_triton
 from wideep_kernels.swiglu import silu_mul
 

@@ -15,7 +15,7 @@ from kernel_devices import DEVICES, gemv_close_to_exact as close_to_exact
 triton = pytest.importorskip("triton")
 
 from wideep_kernels.gemv import gemv_triton, norm_gemv_applies, norm_gemv_triton  # noqa: E402
-from wideep_kernels.moe_gemm import align_pairs_reference  # noqa: E402
+from wideep_kernels.moe_align import align_pairs_reference  # noqa: E402
 from wideep_kernels.rmsnorm import add_rms_norm_reference, rms_norm_reference  # noqa: E402
 from wideep_kernels.routing import (  # noqa: E402
     gate_norm_applies,
@@ -143,7 +143,7 @@ def test_engine_with_and_without_the_batch1_folds(tiny_ckpt, tiny_v4_ckpt):
     of two takes none of them. Fresh process: the interpreter is chosen before triton's import."""
     code = textwrap.dedent(f"""
         import torch
-        import engine.model, engine.moe, wideep_kernels.moe_gemm
+        import engine.model, engine.moe, wideep_kernels.moe_align
         from engine.config import EngineConfig
         from engine.llm_engine import LLMEngine
         from engine.sampling import SamplingParams
@@ -158,7 +158,7 @@ def test_engine_with_and_without_the_batch1_folds(tiny_ckpt, tiny_v4_ckpt):
             setattr(mod, name, wrapped)
         count(engine.model, "norm_gemv_triton")
         count(engine.moe, "gate_parts_norm_triton")
-        count(wideep_kernels.moe_gemm, "align_pairs_triton")
+        count(wideep_kernels.moe_align, "align_pairs_triton")
         import wideep_kernels.routing
         count(wideep_kernels.routing, "route_triton")
         p = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)

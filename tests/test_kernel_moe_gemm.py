@@ -9,9 +9,9 @@ from kernel_devices import DEVICES, IMPORTED_TOO_EARLY, poison_empty
 pytest.importorskip("triton")
 
 from wideep_kernels import moe_gemm  # noqa: E402
+from wideep_kernels.moe_align import align_pairs_reference, align_pairs_triton, max_tiles  # noqa: E402
 from wideep_kernels.moe_gemm import (  # noqa: E402
-    MoEGemmConfig, align_pairs_reference, align_pairs_triton, fused_experts, fused_experts_reference,
-    fused_experts_triton, max_tiles,
+    MoEGemmConfig, fused_experts, fused_experts_reference, fused_experts_triton,
 )
 
 TOLERANCE = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}

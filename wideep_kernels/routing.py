@@ -237,7 +237,7 @@ if triton is not None:
             tl.atomic_add(slot_load_ptr + slots, tl.full([BLOCK_T, BLOCK_K], 1, tl.int64), mask=out_ok & (slots >= 0))
         if ALIGN_M > 0:
             # One token (one program): its pairs' layout for the expert kernels, as
-            # wideep_kernels/moe_gemm.py align_pairs lays them out, without the alignment's launch. Its
+            # wideep_kernels/moe_align.py align_pairs lays them out, without the alignment's launch. Its
             # TOP_K slots are distinct (distinct experts), so each pair is a tile of ALIGN_M rows
             # of its own, the tiles in slot order.
             kept = tl.max(tl.where(out_ok, slots, -1), axis=0)  # [BLOCK_K]: the pairs' slots, -1 past TOP_K
@@ -278,7 +278,7 @@ def route_triton(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk_gr
     """The Triton kernel; see `fused_route` for the contract. `block_t` overrides the tokens per
     program. logits may also be [P, T, E]: parts of the logits, summed in order of P first.
     `align` (num_slots, block_m), for one token only: also return its pairs' layout for the
-    expert kernels (wideep_kernels/moe_gemm.py AlignedPairs, as align_pairs gives it), from the same
+    expert kernels (wideep_kernels/moe_align.py AlignedPairs, as align_pairs gives it), from the same
     launch."""
     if triton is None:
         raise RuntimeError("triton is not available")
@@ -344,7 +344,7 @@ def fused_route(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk_gro
     slot_load [S] (int64), when given, is incremented by the number of (token, k) pairs per slot
     (slot -1 counts nowhere).
     align (num_slots, block_m), for one token: a fourth result, the pairs' layout for the expert
-    kernels (row_pair, tile_slot, counts of wideep_kernels/moe_gemm.py AlignedPairs), so that they need
+    kernels (row_pair, tile_slot, counts of wideep_kernels/moe_align.py AlignedPairs), so that they need
     no alignment launch of their own.
     Triton on CUDA tensors (or anywhere under TRITON_INTERPRET=1), the torch reference elsewhere.
     """
@@ -355,7 +355,7 @@ def fused_route(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk_gro
                              num_replicas, slot_load, real)
     if align is None:
         return routed
-    from .moe_gemm import align_pairs_reference
+    from .moe_align import align_pairs_reference
     return routed + (tuple(align_pairs_reference(routed[2].flatten(), *align)),)
 
 
