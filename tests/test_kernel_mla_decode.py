@@ -86,6 +86,32 @@ def test_dense_matches_reference(device, dtype, g_lens, heads, num_splits):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("block_sc", [16, 4])
+def test_merge_rescales_when_a_later_block_of_splits_holds_the_maximum(device, block_sc):
+    """The merge sums the splits in one pass, BLOCK_SC at a time: the first block all empty (no
+    key), the largest maximum in the last one, empty splits between, a sequence with none live."""
+    b, splits, heads, cols = 2, 37, 3, KV_LORA
+    gen = torch.Generator().manual_seed(3)
+    m = torch.rand(b, splits, heads, generator=gen) * 4
+    m[:, :16] = -1.0e30
+    m[:, 20:30] = -1.0e30
+    m[0, 36] = 40.0  # 2^36 above the rest: the running sums must be scaled down, not overflow
+    m[1] = -1.0e30
+    live = m > -1.0e30
+    l = torch.where(live, torch.rand(b, splits, heads, generator=gen) + 0.5, torch.zeros(()))
+    acc = torch.where(live[..., None], torch.randn(b, splits, heads, cols, generator=gen), torch.zeros(()))
+    acc[~live] = float("nan")  # an empty split's partial sum is never read
+    out = torch.empty(b, heads, cols)
+    mla_module._merge_kernel[(1, heads, b)](
+        acc.to(device), m.to(device), l.to(device), out := out.to(device), out.stride(0), out.stride(1),
+        splits, heads, cols, BLOCK_SC=block_sc, BLOCK_CC=cols, num_warps=4)
+    w = torch.exp2(m - m.amax(1, keepdim=True)) * live
+    want = (w[..., None] * acc.nan_to_num()).sum(1) / (w * l).sum(1).clamp_min(1e-30)[..., None]
+    want[1] = 0.0  # no key at all: zeros
+    torch.testing.assert_close(out.cpu(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("num_splits", [2, 3, 7])
 @pytest.mark.parametrize("keys_rows", [False, True])
 def test_dense_rows_in_a_far_wider_table(device, num_splits, keys_rows):

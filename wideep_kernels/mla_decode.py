@@ -259,13 +259,11 @@ if triton is not None:
         h = tl.program_id(1)
         b = tl.program_id(2)
         base = b * num_splits * num_heads + h
-        # The splits' maxima, then their weights, BLOCK_SC at a time: no block size follows the
-        # number of splits, so one build serves every batch and context.
-        m_all = tl.full([], -1.0e30, dtype=tl.float32)
-        for s0 in range(0, num_splits, BLOCK_SC):
-            sc = s0 + tl.arange(0, BLOCK_SC)
-            m_all = tl.maximum(m_all, tl.max(tl.load(part_m_ptr + base + sc * num_heads, mask=sc < num_splits,
-                                                     other=-1.0e30), 0))
+        # One pass over the splits, BLOCK_SC at a time, rescaling what is summed so far whenever a
+        # larger maximum comes (no block size follows the number of splits, so one build serves
+        # every batch and context): a first pass for the maxima alone doubled the serial loop,
+        # which is this kernel's time where its programs are few (batch 1, a wide graph table).
+        m_run = tl.full([], -1.0e30, dtype=tl.float32)
         denom = tl.zeros([], dtype=tl.float32)
         cols = col_block * BLOCK_CC + tl.arange(0, BLOCK_CC)
         c_ok = cols < kv_lora
@@ -274,8 +272,10 @@ if triton is not None:
             sc = s0 + tl.arange(0, BLOCK_SC)
             sc_ok = sc < num_splits
             ms = tl.load(part_m_ptr + base + sc * num_heads, mask=sc_ok, other=-1.0e30)
-            w = tl.where(sc_ok, tl.exp2(ms - m_all), 0.0)
-            denom += tl.sum(w * tl.load(part_l_ptr + base + sc * num_heads, mask=sc_ok, other=0.0), 0)
+            m_new = tl.maximum(m_run, tl.max(ms, 0))
+            alpha = tl.exp2(m_run - m_new)
+            w = tl.where(sc_ok, tl.exp2(ms - m_new), 0.0)
+            denom = denom * alpha + tl.sum(w * tl.load(part_l_ptr + base + sc * num_heads, mask=sc_ok, other=0.0), 0)
             # A split that saw no key (its maximum still the initial one) adds nothing: its partial
             # sum is not read. A graph's table may be far wider than the context, and at batch 1
             # most of its splits are past the keys.
@@ -283,7 +283,8 @@ if triton is not None:
             rows = (base + sc * num_heads).to(tl.int64) * kv_lora
             part = tl.load(part_acc_ptr + rows[:, None] + cols[None, :], mask=live[:, None] & c_ok[None, :],
                            other=0.0)
-            total += tl.sum(part * w[:, None], 0)
+            total = total * alpha + tl.sum(part * w[:, None], 0)
+            m_run = m_new
         out = tl.where(denom > 0, total / tl.where(denom > 0, denom, 1.0), 0.0)
         tl.store(out_ptr + b * stride_ob + h * stride_oh + cols, out.to(out_ptr.dtype.element_ty), mask=c_ok)
 
