@@ -7,10 +7,14 @@
 # bench/graph_widths.py); two-turn conversations with and without capturing ahead between the
 # turns (`turns`); an expert-parallel rank's start and first steps with and without the warm-up
 # (`ep`, bench/ep_decode.py, each in a process of its own with an empty Triton cache, as on a
-# fresh machine). PARTS picks some (default all, about 9 minutes: past one call's 10-minute limit
-# on a slow start, so `PARTS="tests turns"` then `PARTS="serve ep"`).
+# fresh machine); the MLA merge's one pass against the two passes before it (`merge`: the step's
+# cost at its own and the shared width, bench/graph_widths.py, and sparse steps at 8K,
+# bench/forward.py; then the same on .devpack/old, which must hold the tree before the change:
+# `git show f507114~1:wideep_kernels/mla_decode.py`). PARTS picks some (default all but merge,
+# about 9 minutes: past one call's 10-minute limit on a slow start, so `PARTS="tests turns"` then
+# `PARTS="serve ep"`, then `PARTS=merge`).
 source bench/device/setup.sh
-PARTS=${PARTS:-tests serve turns ep}
+PARTS=${PARTS:-tests serve turns ep}  # and merge
 t() { local s=$1; shift; local t0=$SECONDS; timeout "$s" "$@"; echo "rc=$? $((SECONDS - t0))s $*" >> "$OUT/steps.txt"; }
 has() { [[ " $PARTS " == *" $1 "* ]]; }
 if has tests; then
@@ -28,6 +32,18 @@ if has ep; then
     t 200 python3 -m bench.ep_decode --modes ep --batches 1 16 64 $w \
       > "$OUT/ep_decode${w:+_warmup}.log" 2>&1
   done
+fi
+if has merge; then
+  for tree in new old; do
+    [ "$tree" = old ] && cp -r .devpack/old/. .
+    t 150 python3 -m bench.graph_widths --preset bench --batches 1 16 64 --parts cost --contexts 200 1200 2100 \
+      > "$OUT/merge_$tree.log" 2>&1
+    for b in 1 64; do
+      t 90 python3 -m bench.forward --batch $b --contexts 8192 --iters 10 > "$OUT/merge_${tree}_forward$b.log" 2>&1
+    done
+  done
+  grep -ah '"part"' "$OUT"/merge_new.log "$OUT"/merge_old.log
+  tail -n 4 "$OUT"/merge_*_forward*.log
 fi
 cat "$OUT/steps.txt"
 grep -ahs '"part"\|"mode"' "$OUT"/serve.log "$OUT"/turns.log "$OUT"/ep_decode*.log | grep -v '"rows"'
