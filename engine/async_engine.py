@@ -6,7 +6,7 @@ import asyncio
 import threading
 from typing import AsyncIterator, Awaitable, Callable
 
-from .llm_engine import LLMEngine
+from .llm_engine import LOCKSTEP_IDLE_POLL_S, LLMEngine
 from .sampling import SamplingParams
 from .sequence import RequestOutput
 
@@ -137,7 +137,7 @@ class AsyncLLMEngine:
                 if not busy:
                     # lockstep ranks poll together; a lone engine sleeps until a request comes, or
                     # housekeeping is due (at least a millisecond off the lock, for an admission)
-                    timeout = 0.005 if self.lockstep is not None else 0.5
+                    timeout = LOCKSTEP_IDLE_POLL_S if self.lockstep is not None else 0.5
                     self._wake.wait(timeout=timeout if due is None else min(timeout, max(due, 0.001)))
         except BaseException as e:  # the loop must not die silently: every waiter hears of it
             self._dead = e

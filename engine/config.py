@@ -402,8 +402,9 @@ class EngineConfig(BaseModel):
         0.5, ge=0, description="after this many seconds with no request, the engine captures, one at a time, "
                                "the graph of the next table width of each batch size serving replayed (the width "
                                "its contexts grow into), so serving does not stall on it later; a request "
-                               "arriving meanwhile waits for one capture at most (24-30 ms on the H200). Not with "
-                               "expert parallelism. None: never")
+                               "arriving meanwhile waits for one capture at most (24-30 ms on the H200). The ranks "
+                               "of a Wide-EP group capture together, after as many idle group steps (one each "
+                               "5 ms). None: never")
     remote_kv_grace_s: float = Field(
         30.0, ge=0, description="after an abandoned KV transfer (failed, late, aborted), its reserved blocks "
                                 "stay out of use this long, so a write still in flight cannot land in another "

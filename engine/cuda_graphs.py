@@ -12,9 +12,10 @@ as does the eager warm-up of each capture; those counts feed only the load balan
 runs with expert parallelism, where padding rows are dropped before the experts (engine/ep.py).
 With expert parallelism the graph's shape is the group's (`shape`, engine/ep_step.py) and every
 rank captures it at the same step: NCCL wants a captured collective captured and replayed by
-all ranks together, so a capture that fails on one rank is dropped by all. A lone engine left idle
+all ranks together, so a capture that fails on one rank is dropped by all. An engine left idle
 captures ahead the next width of each batch size serving reached (capture_ahead), so that a
-conversation's next turn, its context longer, does not stall on it.
+conversation's next turn, its context longer, does not stall on it; the ranks of a lockstep
+group do so together, after as many idle steps.
 """
 from __future__ import annotations
 
@@ -95,7 +96,8 @@ class DecodeGraphs:
         self.min_blocks = min_graph_blocks(cfg, runner.model.cfg, cfg.max_model_len or limit)
         self.max_blocks = self._blocks_bucket(-(-(cfg.max_model_len or limit) // cfg.block_size))
         # (form, padded rows) -> (widest padded width, sparse) that serving replayed: capture_ahead
-        # takes the next width of each.
+        # takes the next width of each. With expert parallelism, the group's shapes: every rank's
+        # the same.
         self.widest: dict[tuple[str, int], tuple[int, bool]] = {}
         # Captures met by serving steps (each stalls every running request) and their seconds;
         # those of capture_short and capture_ahead are made with no request waiting.
@@ -179,13 +181,16 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture_ahead(self) -> bool:
         """Capture the first of ahead_shapes, its rows all padding (the scratch slot and ring), so
-        that serving does not stall on it later; for an idle engine (LLMEngine.housekeeping). Not
-        with expert parallelism: a graph's collectives are captured by the whole group at one step.
-        Returns whether there was one to capture."""
-        keys = self.ahead_shapes() if self.runner.ep is None else []
+        that serving does not stall on it later; for an idle engine (LLMEngine.housekeeping). With
+        expert parallelism every rank calls it at the same step, as capture_short: the group's
+        shapes are the same on every rank, so each captures the same graph. Returns whether there
+        was one to capture."""
+        keys = self.ahead_shapes()
         if not keys:
             return False
         form, rows, width, sparse = keys[0]
+        if self.runner.ep is not None:
+            self.runner.ep.pad_only(rows)
         self._preparing = True
         try:
             if form == "decode":

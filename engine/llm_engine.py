@@ -19,6 +19,10 @@ from .scheduler import ScheduledBatch, Scheduler
 from .sequence import RequestOutput, Sequence
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
+# How often a lockstep rank's serving loop steps while its group is idle (engine/async_engine.py):
+# the group's idle steps stand for its idle time (housekeeping).
+LOCKSTEP_IDLE_POLL_S = 0.005
+
 
 class RequestError(ValueError):
     """A request the engine cannot serve (bad prompt, too long, duplicate id), named in the message."""
@@ -94,7 +98,7 @@ class LLMEngine:
         self.num_steps = 0
         self.num_steps_ahead = 0  # of num_steps, those launched before the previous step's tokens were read
         self._inflight: LaunchedStep | None = None
-        self._last_step = time.monotonic()
+        self._last_step, self._idle_steps = time.monotonic(), 0
         cuda = self.runner.device.type == "cuda"
         # A lockstep rank runs ahead only where its group agrees on the host: an agreement over
         # the GPU's own collectives would wait for the step in flight.
@@ -253,12 +257,21 @@ class LLMEngine:
         """Work due with no request to step: return quarantined blocks whose time is up and, once
         idle for cuda_graph_ahead_idle_s, capture a graph that serving would otherwise meet
         (DecodeGraphs.capture_ahead), one per call so that a request arriving waits for one at
-        most. Returns in how many seconds it has more to do (0: at once), None: nothing."""
+        most. Returns in how many seconds it has more to do (0: at once), None: nothing. On a
+        lockstep rank, call it after each step its group was idle in, as every rank does."""
         now = time.monotonic()
         self.scheduler.release_quarantine(now)
         graphs, wait = self.runner.graphs, self.cfg.cuda_graph_ahead_idle_s
-        if graphs is None or wait is None or self.ep is not None:
+        if graphs is None or wait is None:
             return None
+        if self.ep is not None:
+            # The group's ranks capture together, at one step: they count the steps the group was
+            # idle in, the same on every rank (each step's agreement says whether any had work),
+            # where their clocks would disagree.
+            self._idle_steps += 1
+            if self._idle_steps * LOCKSTEP_IDLE_POLL_S < wait:
+                return None
+            return 0.0 if graphs.capture_ahead() else None
         due = self._last_step + wait - now
         if due > 0:
             return due if graphs.ahead_shapes() else None
@@ -325,9 +338,11 @@ class LLMEngine:
                 if self.ep is not None:  # the other ranks' MoE layers need this rank's collectives
                     self.runner.run(batch)
                     self.num_steps += int(self.ep.busy)  # an idle forward, unless the whole group is idle
+                    if self.ep.busy:
+                        self._idle_steps = 0
                 return []
             cur = self._launch(batch)
-        self._last_step = time.monotonic()  # housekeeping waits for idleness
+        self._last_step, self._idle_steps = time.monotonic(), 0  # housekeeping waits for idleness
         rows = self._ahead_rows(cur)
         if rows:
             self._inflight = self._launch_ahead(cur, rows)

@@ -32,6 +32,7 @@ class EagerGroupGraphs(DecodeGraphs):
         super().__init__(runner, max_batch)
         self.keys = []
         self.ahead = []  # the keys of steps launched ahead (their input ids written on the device)
+        self.prepared = []  # the keys of captures with no request waiting (capture_short, capture_ahead)
 
     def _host_buffer(self, nbytes):
         self.staging_host = np.zeros(nbytes, dtype=np.uint8)
@@ -39,6 +40,9 @@ class EagerGroupGraphs(DecodeGraphs):
 
     def _replay(self, key, nbytes, fill, forward, keep=None):
         self.keys.append(key)
+        self.graphs[key] = None  # captured, as far as capture_ahead is concerned
+        if self._preparing:
+            self.prepared.append(key)
         if fill is not None:
             self.ahead.append(key)
         static = torch.from_numpy(self.staging_host[:nbytes].copy())
@@ -47,7 +51,7 @@ class EagerGroupGraphs(DecodeGraphs):
         return forward(static)
 
 
-def setup(rank, world, port, ckpt, fp8=False, serving_loop=True, shm=False):
+def setup(rank, world, port, ckpt, fp8=False, serving_loop=True, shm=False, **engine_kw):
     """The rank's engine, stepped by an AsyncLLMEngine's loop unless serving_loop is off; shm:
     the ranks agree on each step through shared memory (as GPU ranks of one host do) rather than
     over the gloo group."""
@@ -55,12 +59,15 @@ def setup(rank, world, port, ckpt, fp8=False, serving_loop=True, shm=False):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     migrate = dist.new_group(backend="gloo")
     exchange = host_exchange(rank, world, GroupStep.WIDTH, dist.new_group(backend="gloo")) if shm else None
-    engine = LLMEngine(*_model_and_tok(ckpt, rank, world, migrate, fp8, exchange))
+    engine = LLMEngine(*_model_and_tok(ckpt, rank, world, migrate, fp8, exchange, **engine_kw))
     return AsyncLLMEngine(engine) if serving_loop else SimpleNamespace(engine=engine, shutdown=lambda: None)
 
 
-def engine_config(fp8=False):
-    return EngineConfig(block_size=4, expert_dtype="fp8_e4m3" if fp8 else "auto")
+def engine_config(fp8=False, **engine_kw):
+    # No graphs captured ahead while idle unless a scenario asks: the ranks' recorded keys would
+    # depend on when each reads them.
+    engine_kw = dict(dict(cuda_graph_ahead_idle_s=None), **engine_kw)
+    return EngineConfig(block_size=4, expert_dtype="fp8_e4m3" if fp8 else "auto", **engine_kw)
 
 
 def slot0(moe):
@@ -68,7 +75,7 @@ def slot0(moe):
     return moe.w13.data[0].float().clone(), None if moe.scales is None else moe.scales.w13[0].clone()
 
 
-def _model_and_tok(ckpt, rank, world, migrate, fp8=False, exchange=None):
+def _model_and_tok(ckpt, rank, world, migrate, fp8=False, exchange=None, **engine_kw):
     from engine.checkpoint import load_model
     from engine.config import ModelConfig
     from engine.tokenizer import Tokenizer
@@ -77,7 +84,7 @@ def _model_and_tok(ckpt, rank, world, migrate, fp8=False, exchange=None):
     ep = ExpertParallel(rank, world, initial_placement(moe_layers, cfg.n_routed_experts, cfg.n_routed_experts),
                         cfg.n_routed_experts, group=dist.group.WORLD, migrate_group=migrate, exchange=exchange)
     model = load_model(ckpt, progress=False, local_phys2log=ep.local_phys2log())
-    return model, Tokenizer(ckpt), engine_config(fp8), ep
+    return model, Tokenizer(ckpt), engine_config(fp8, **engine_kw), ep
 
 
 async def generate_all(aengine, prompts, tag):
@@ -95,8 +102,12 @@ def run(rank, world, port, ckpt, results, scenario):
         os.environ["WIDEEP_CPU_KERNELS"] = "1"
     # "ahead_shm": the "ahead" scenario with the agreement through shared memory
     ahead = scenario in ("ahead", "ahead_shm")
+    # "capture_ahead": graphs from 64 tokens on, captured ahead after 10 idle steps; a prefix hit's
+    # window replayed exactly, so that a request's tokens are the same the second time
+    engine_kw = (dict(cuda_graph_min_tokens=16, cuda_graph_ahead_idle_s=0.05, replay_mode="exact")
+                 if scenario == "capture_ahead" else {})
     aengine = setup(rank, world, port, ckpt, fp8=scenario == "migrate_fp8",
-                    serving_loop=not ahead and scenario != "warmup", shm=scenario == "ahead_shm")
+                    serving_loop=not ahead and scenario != "warmup", shm=scenario == "ahead_shm", **engine_kw)
     engine, ep = aengine.engine, aengine.engine.ep
     out = {"rank": rank}
     try:
@@ -106,6 +117,9 @@ def run(rank, world, port, ckpt, results, scenario):
             return
         if scenario == "warmup":
             warmup_scenario(engine, ep, prompts, out)
+            return
+        if scenario == "capture_ahead":
+            capture_ahead_scenario(aengine, engine, ep, prompts, out)
             return
         if ahead:  # the engine is stepped here, not by a serving loop
             out["exchange"] = type(ep.exchange).__name__
@@ -207,6 +221,27 @@ def graphs_scenario(aengine, engine, ep, prompts, out):
     dist.monitored_barrier(group=ep.migrate_group, timeout=datetime.timedelta(seconds=60))
     out["keys"] = [list(k) for k in graphs.keys]
     out["eager"] = eager
+
+
+def capture_ahead_scenario(aengine, engine, ep, prompts, out):
+    """Serving, then idle: each rank's loop captures ahead (graphs run eagerly, keys recorded) the
+    next width of each shape served, both at the same step, or their forwards' collectives would
+    not meet; then serving again, the same tokens."""
+    with aengine._lock:
+        graphs = engine.runner.graphs = EagerGroupGraphs(engine.runner, 4)
+        ep.reserve(max(graphs.sizes[-1], graphs.chunk_sizes[-1]))
+    out["tokens"] = asyncio.run(generate_all(aengine, prompts, "first"))
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and (aengine.run_locked(lambda e: e.runner.graphs.ahead_shapes())
+                                           or not graphs.prepared):
+        time.sleep(0.02)
+    with aengine._lock:
+        out["widest"] = sorted([*k, *v] for k, v in graphs.widest.items())
+        out["prepared"] = [list(k) for k in graphs.prepared]
+        out["stats"] = engine.stats()
+    dist.monitored_barrier(group=ep.migrate_group, timeout=datetime.timedelta(seconds=60))
+    out["again"] = asyncio.run(generate_all(aengine, prompts, "again"))
+    out["dead"] = repr(aengine.dead) if aengine.dead is not None else None
 
 
 def warmup_scenario(engine, ep, prompts, out):

@@ -62,13 +62,21 @@ def test_the_next_width_of_each_batch_size_served():
     assert g.ahead_shapes() == []
 
 
-def test_nothing_past_the_widest_table_nor_in_a_lockstep_group():
+def test_nothing_past_the_widest_table():
     g = _graphs(max_blocks=40)
     g._served("decode", 4, 40, True)
     assert g.ahead_shapes() == []  # 48 blocks would be past max_model_len
     g._served("decode", 2, 32, True)
-    g.runner.ep = object()  # an expert-parallel group captures its graphs together, at one step
-    assert g.ahead_shapes() == [("decode", 2, 40, True)] and not g.capture_ahead() and not g.asked
+    assert g.ahead_shapes() == [("decode", 2, 40, True)]
+
+
+def test_a_lockstep_rank_pads_its_rows_to_the_groups_shape():
+    """As at start (capture_short), a rank of an expert-parallel group captures with no real row,
+    its MoE layers told the group's padded rows first (tests/test_ep.py runs two ranks)."""
+    pads = []
+    g = _graphs(ep=SimpleNamespace(pad_only=lambda rows: pads.append(rows)))
+    g._served("chunk", 32, 16, True)
+    assert g.capture_ahead() and pads == [32] and g.asked == [("chunk", 32, 20, True)]
 
 
 def test_forget_serving_drops_the_warm_up():

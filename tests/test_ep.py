@@ -87,6 +87,23 @@ def test_ranks_pick_the_same_graph_every_step(ckpt_fixture, request):
     assert forms == {"decode", "chunk"}, forms
 
 
+def test_ranks_capture_ahead_together_when_the_group_is_idle(tiny_v4_ckpt):
+    """Both ranks' serving loops, idle after their requests, capture ahead (run eagerly here) the
+    next table width of every shape the group served, the same graphs in the same order at the
+    same step: a rank alone in a capture's collectives would hang or fail the group. Serving
+    again gives the same tokens; the captures made with no request waiting are not counted."""
+    outs = _run(tiny_v4_ckpt, "capture_ahead", timeout=300)
+    for out in outs.values():
+        assert "error" not in out, out.get("error")
+        assert out["dead"] is None and out["again"] == out["tokens"]
+    assert outs[0]["prepared"] == outs[1]["prepared"] and outs[0]["widest"] == outs[1]["widest"]
+    # one capture a (form, rows) served: the width past the widest it reached, sparse past the
+    # indexer's dense contexts (tiny-v4 keeps 16 keys, window 8)
+    expect = [[form, rows, 20, True] for form, rows, width, sparse in outs[0]["widest"] if width == 16]
+    assert expect and sorted(outs[0]["prepared"]) == sorted(expect), (outs[0]["widest"], outs[0]["prepared"])
+    assert all(out["stats"]["graph_captures_ahead"] == len(expect) for out in outs.values())
+
+
 def test_ranks_warm_up_together_and_generate_until_the_group_is_idle(tiny_ckpt):
     """The start-up warm-up runs on expert-parallel ranks too, all at once: each rank's requests
     step with the group's, and the graphs of every batch size at the shared width are captured

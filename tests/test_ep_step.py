@@ -332,3 +332,45 @@ def test_gpu_rank_warms_up_with_its_group(tiny_v4_ckpt):
         assert {key for key in graphs.graphs if key not in before and not key[3]} == set()
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (NCCL)")
+def test_gpu_rank_captures_ahead_when_its_group_is_idle(tiny_v4_ckpt):
+    """A rank whose group stays idle (steps with no work, as its serving loop takes them) captures
+    ahead, with the MoE collectives inside, the next width of each shape served; requests that
+    then grow into it capture no decode graph and get the lone engine's tokens."""
+    from engine.checkpoint import load_model
+    from engine.config import ModelConfig
+    from engine.tokenizer import Tokenizer
+
+    cfg = ModelConfig.from_file(tiny_v4_ckpt)
+    engine_cfg = EngineConfig(device="cuda", dtype="float32", block_size=4, cuda_graph_max_batch=16,
+                              cuda_graph_max_chunk=64, warmup=False, cuda_graph_min_tokens=16,
+                              cuda_graph_ahead_idle_s=0.05, replay_mode="exact")
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    short = [[5 + i, 17, 40 + 3 * i, 9] * 10 for i in range(2)]   # 40 -> 52 tokens: 16 blocks
+    longer = [[7 + i, 21, 30 + 5 * i, 11] * 15 for i in range(2)]  # 60 -> 72 tokens: 20 blocks
+    plain = LLMEngine.from_pretrained(tiny_v4_ckpt, engine_cfg.model_copy(update={"cuda_graphs": False}),
+                                      progress=False)
+    want = [o.output_token_ids for o in plain.generate(longer, greedy)]
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{_port()}", rank=0, world_size=1,
+                            device_id=torch.device("cuda:0"))
+    try:
+        ep = _one_rank_group(cfg, cfg.n_routed_experts, host_agreement=True)
+        model = load_model(tiny_v4_ckpt, progress=False, local_phys2log=ep.local_phys2log(), device="cuda")
+        engine = LLMEngine(model, Tokenizer(tiny_v4_ckpt), engine_cfg, ep=ep)
+        graphs = engine.runner.graphs
+        engine.generate(short, greedy)
+        assert graphs.widest[("decode", 2)] == (16, True)
+        for _ in range(200):  # the serving loop's idle turns: a step, then housekeeping
+            engine.step()
+            assert not ep.busy
+            engine.housekeeping()
+            if graphs.captures_ahead and not graphs.ahead_shapes():
+                break
+        assert ("decode", 2, 20, True) in graphs.graphs and not graphs.failed
+        before = set(graphs.graphs)
+        assert [o.output_token_ids for o in engine.generate(longer, greedy)] == want
+        assert [key for key in graphs.graphs if key not in before and key[0] == "decode"] == []
+    finally:
+        dist.destroy_process_group()
