@@ -3,6 +3,7 @@ await a stream of outputs per request. The deployments wrap this."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from typing import AsyncIterator, Awaitable, Callable
 
@@ -20,6 +21,12 @@ class AsyncLLMEngine:
         self.engine = engine
         self.lockstep = engine.ep  # expert parallelism: every rank steps together (see engine.ep)
         self._lock = threading.Lock()          # guards the engine between the loop thread and callers
+        # Callers waiting for the lock, and a caller's signal that it has it (_locked): a Lock is
+        # not fair, and a busy loop would take it back step after step while they wait (an abort
+        # waited 200+ steps so on a 2-core host, its event loop blocked all the while).
+        self._waiting = 0
+        self._count_lock = threading.Lock()
+        self._entered = threading.Event()
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = False
@@ -44,7 +51,7 @@ class AsyncLLMEngine:
         loop = asyncio.get_running_loop()
 
         def admit():  # the lock is held for a whole step: take it off the event loop
-            with self._lock:
+            with self._locked():
                 if remote_prefill is None:
                     self.engine.add_request(request_id, prompt, params, messages=messages, hold_kv=hold_kv)
                     reservation = None
@@ -66,7 +73,7 @@ class AsyncLLMEngine:
         try:
             if reservation is not None:
                 first = await remote_prefill(reservation)
-                with self._lock:
+                with self._locked():
                     if first is None:
                         self.engine.fallback_local(request_id)
                     else:
@@ -88,13 +95,26 @@ class AsyncLLMEngine:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        with self._lock:
+        with self._locked():
             self.engine.abort_request(request_id)
         self._streams.pop(request_id, None)
 
+    @contextlib.contextmanager
+    def _locked(self):
+        """The engine's lock for a caller, taken between two of the loop's steps."""
+        with self._count_lock:
+            self._waiting += 1
+        try:
+            with self._lock:
+                self._entered.set()
+                yield
+        finally:
+            with self._count_lock:
+                self._waiting -= 1
+
     def run_locked(self, fn):
         """fn(engine) between two steps (e.g. reading load counters the forward updates)."""
-        with self._lock:
+        with self._locked():
             return fn(self.engine)
 
     @property
@@ -103,15 +123,15 @@ class AsyncLLMEngine:
         return self._dead
 
     def held_blocks(self, request_id: str) -> list[int]:
-        with self._lock:
+        with self._locked():
             return self.engine.held_blocks(request_id)
 
     def release_held(self, request_id: str) -> None:
-        with self._lock:
+        with self._locked():
             self.engine.release_held(request_id)
 
     def stats(self) -> dict:
-        with self._lock:
+        with self._locked():
             return self.engine.stats()
 
     def shutdown(self) -> None:
@@ -133,7 +153,11 @@ class AsyncLLMEngine:
                         busy = self.lockstep.busy
                     if not busy:
                         due = self.engine.housekeeping()
+                    self._entered.clear()  # a caller sets it only once it has the lock: after this
                 self._deliver_all([(out.request_id, out) for out in outputs])
+                if self._waiting:
+                    # let a waiting caller in before the next step (bounded, should it have given up)
+                    self._entered.wait(timeout=0.1)
                 if not busy:
                     # lockstep ranks poll together; a lone engine sleeps until a request comes, or
                     # housekeeping is due (at least a millisecond off the lock, for an admission)

@@ -47,6 +47,31 @@ def test_cancelled_stream_aborts_and_frees_blocks(aengine):
     assert stats["running"] == 0 and stats["waiting"] == 0 and stats["kv_blocks_used"] == 0
 
 
+def test_callers_get_the_engine_between_two_steps(aengine):
+    """While a request decodes step after step, a caller (stats, an abort) gets the engine's lock
+    within a step or two of asking, not after hundreds: a plain Lock is not fair, and the loop
+    would take it back first each time (the abort of a disconnected client then waited 200+
+    steps, its event loop blocked)."""
+    params = SamplingParams(max_tokens=100_000, temperature=0, ignore_eos=True)
+
+    async def main():
+        stream = aengine.generate("long", "hello", params)
+        await anext(stream)
+        waited = []
+        for _ in range(30):
+            asked = aengine.engine.num_steps
+            waited.append(aengine.stats()["steps"] - asked)
+            await asyncio.sleep(0.002)
+        steps = aengine.engine.num_steps
+        aengine.abort("long")
+        aborted_after = aengine.engine.num_steps - steps
+        await stream.aclose()
+        return waited, aborted_after
+    waited, aborted_after = asyncio.run(asyncio.wait_for(main(), 60))
+    assert max(waited) <= 2 and aborted_after <= 2, (waited, aborted_after)
+    assert aengine.stats()["running"] == 0
+
+
 def test_bad_request_raises_to_the_caller(aengine):
     async def main():
         async for _ in aengine.generate("bad", [], SamplingParams()):
