@@ -156,7 +156,7 @@ class AsyncLLMEngine:
                     self._entered.clear()  # a caller sets it only once it has the lock: after this
                 self._deliver_all([(out.request_id, out) for out in outputs])
                 if self._waiting:
-                    # let a waiting caller in before the next step (bounded, should it have given up)
+                    # let a waiting caller in before the next step (bounded, as a safeguard)
                     self._entered.wait(timeout=0.1)
                 if not busy:
                     # lockstep ranks poll together; a lone engine sleeps until a request comes, or
