@@ -1,6 +1,7 @@
 """Expert-parallel steps of fixed shape: the group's agreement on each step, the choice between
 replaying a decode graph and running eagerly on every rank, expert maps updated in place, and
 (GPU) decode graphs with the MoE collectives inside them."""
+import contextlib
 import socket
 from types import SimpleNamespace
 
@@ -237,6 +238,25 @@ def _one_rank_group(cfg, slots: int, host_agreement: bool, no_decode_graphs: boo
                           group=dist.group.WORLD, migrate_group=dist.new_group(backend="gloo"), exchange=exchange)
 
 
+@contextlib.contextmanager
+def _one_rank_engine(ckpt, engine_cfg):
+    """An engine on a one-rank NCCL group agreeing on the host, and its ExpertParallel; the
+    process group is torn down after."""
+    from engine.checkpoint import load_model
+    from engine.config import ModelConfig
+    from engine.tokenizer import Tokenizer
+
+    cfg = ModelConfig.from_file(ckpt)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{_port()}", rank=0, world_size=1,
+                            device_id=torch.device("cuda:0"))
+    try:
+        ep = _one_rank_group(cfg, cfg.n_routed_experts, host_agreement=True)
+        model = load_model(ckpt, progress=False, local_phys2log=ep.local_phys2log(), device="cuda")
+        yield LLMEngine(model, Tokenizer(ckpt), engine_cfg, ep=ep), ep
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (NCCL)")
 @pytest.mark.parametrize("agreement", ["nccl", "host", "host, chunk graphs only"])
 def test_gpu_decode_graphs_with_the_moe_collectives(tiny_ckpt, agreement):
@@ -304,23 +324,13 @@ def test_gpu_rank_warms_up_with_its_group(tiny_v4_ckpt):
     """An expert-parallel rank warms up at start like a lone engine: the graphs of every batch
     size at the shared width, captured with the MoE collectives inside, are there before the
     first request, which then captures none of them and gets the lone engine's tokens."""
-    from engine.checkpoint import load_model
-    from engine.config import ModelConfig
-    from engine.tokenizer import Tokenizer
-
-    cfg = ModelConfig.from_file(tiny_v4_ckpt)
     engine_cfg = EngineConfig(device="cuda", dtype="float32", block_size=4, cuda_graph_max_batch=16,
                               cuda_graph_max_chunk=64)
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     prompts = [[5 + i, 17, 40 + 3 * i, 9] * (i + 1) for i in range(3)]
     plain = LLMEngine.from_pretrained(tiny_v4_ckpt, engine_cfg.model_copy(update={"warmup": False}), progress=False)
     want = [o.output_token_ids for o in plain.generate(prompts, greedy)]
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{_port()}", rank=0, world_size=1,
-                            device_id=torch.device("cuda:0"))
-    try:
-        ep = _one_rank_group(cfg, cfg.n_routed_experts, host_agreement=True)
-        model = load_model(tiny_v4_ckpt, progress=False, local_phys2log=ep.local_phys2log(), device="cuda")
-        engine = LLMEngine(model, Tokenizer(tiny_v4_ckpt), engine_cfg, ep=ep)
+    with _one_rank_engine(tiny_v4_ckpt, engine_cfg) as (engine, _):
         graphs = engine.runner.graphs
         shared = {("decode", rows, graphs.min_blocks, False) for rows in graphs.sizes} | {
             ("chunk", rows, graphs.min_blocks, False) for rows in graphs.chunk_sizes}
@@ -330,8 +340,6 @@ def test_gpu_rank_warms_up_with_its_group(tiny_v4_ckpt):
         assert [o.output_token_ids for o in engine.generate(prompts, greedy)] == want
         assert all(graphs.graphs[key] is before[key] for key in shared)
         assert {key for key in graphs.graphs if key not in before and not key[3]} == set()
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (NCCL)")
@@ -339,26 +347,16 @@ def test_gpu_rank_captures_ahead_when_its_group_is_idle(tiny_v4_ckpt):
     """A rank whose group stays idle (steps with no work, as its serving loop takes them) captures
     ahead, with the MoE collectives inside, the next width of each shape served; requests that
     then grow into it capture no decode graph and get the lone engine's tokens."""
-    from engine.checkpoint import load_model
-    from engine.config import ModelConfig
-    from engine.tokenizer import Tokenizer
-
-    cfg = ModelConfig.from_file(tiny_v4_ckpt)
     engine_cfg = EngineConfig(device="cuda", dtype="float32", block_size=4, cuda_graph_max_batch=16,
                               cuda_graph_max_chunk=64, warmup=False, cuda_graph_min_tokens=16,
-                              cuda_graph_ahead_idle_s=0.05, replay_mode="exact")
+                              cuda_graph_ahead_idle_s=0.05)
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    short = [[5 + i, 17, 40 + 3 * i, 9] * 10 for i in range(2)]   # 40 -> 52 tokens: 16 blocks
-    longer = [[7 + i, 21, 30 + 5 * i, 11] * 15 for i in range(2)]  # 60 -> 72 tokens: 20 blocks
+    short = [[5 + i, 17, 40 + 3 * i, 9] * 10 for i in range(2)]   # 40 -> 52 tokens: tables of 16 blocks
+    longer = [[7 + i, 21, 30 + 5 * i, 11] * 15 for i in range(2)]  # 60 -> 72 tokens: 16, then 20 blocks
     plain = LLMEngine.from_pretrained(tiny_v4_ckpt, engine_cfg.model_copy(update={"cuda_graphs": False}),
                                       progress=False)
     want = [o.output_token_ids for o in plain.generate(longer, greedy)]
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{_port()}", rank=0, world_size=1,
-                            device_id=torch.device("cuda:0"))
-    try:
-        ep = _one_rank_group(cfg, cfg.n_routed_experts, host_agreement=True)
-        model = load_model(tiny_v4_ckpt, progress=False, local_phys2log=ep.local_phys2log(), device="cuda")
-        engine = LLMEngine(model, Tokenizer(tiny_v4_ckpt), engine_cfg, ep=ep)
+    with _one_rank_engine(tiny_v4_ckpt, engine_cfg) as (engine, ep):
         graphs = engine.runner.graphs
         engine.generate(short, greedy)
         assert graphs.widest[("decode", 2)] == (16, True)
@@ -372,5 +370,3 @@ def test_gpu_rank_captures_ahead_when_its_group_is_idle(tiny_v4_ckpt):
         before = set(graphs.graphs)
         assert [o.output_token_ids for o in engine.generate(longer, greedy)] == want
         assert [key for key in graphs.graphs if key not in before and key[0] == "decode"] == []
-    finally:
-        dist.destroy_process_group()
