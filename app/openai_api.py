@@ -57,7 +57,7 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 class _Request(BaseModel):
     # strict: "5" is not a number and 1.0 is not an integer, as in OpenAI's API; extra keys
-    # (logprobs, tools, metadata, ...) are ignored as OpenAI ignores unknown ones.
+    # (tools, metadata, ...) are ignored as OpenAI ignores unknown ones.
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
@@ -100,11 +100,33 @@ class _SamplingFields(_Request):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+    def engine_logprobs(self) -> int | None:
+        """How many alternatives the engine reports per token (None: no logprobs)."""
+        if not self.logprobs:
+            if self.top_logprobs is not None:
+                raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
+            return None
+        k = self.top_logprobs or 0
+        if not 0 <= k <= SamplingParams.MAX_LOGPROBS:
+            raise bad_request(f"top_logprobs must be in 0..{SamplingParams.MAX_LOGPROBS}, got {k}",
+                              param="top_logprobs")
+        return k
 
 
 class CompletionRequest(_SamplingFields):
     # a string, token ids, or OpenAI's batch forms holding exactly one of those
     prompt: str | list[int] | list[str] | list[list[int]]
+    # legacy form: the number of alternatives per token (0: the sampled token's logprob only)
+    logprobs: int | None = None
+
+    def engine_logprobs(self) -> int | None:
+        if self.logprobs is not None and not 0 <= self.logprobs <= SamplingParams.MAX_LOGPROBS:
+            raise bad_request(f"logprobs must be in 0..{SamplingParams.MAX_LOGPROBS}, got {self.logprobs}",
+                              param="logprobs")
+        return self.logprobs
 
 
 # Chat roles the chat template renders; "developer" is OpenAI's newer name for "system".
@@ -221,7 +243,8 @@ def sampling_params(req: _SamplingFields, *, default_max_tokens: int, max_model_
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is None:
         max_tokens = default_max_tokens
-    kwargs: dict[str, Any] = {"max_tokens": max_tokens, "ignore_eos": req.ignore_eos, "n": req.n}
+    kwargs: dict[str, Any] = {"max_tokens": max_tokens, "ignore_eos": req.ignore_eos, "n": req.n,
+                              "logprobs": req.engine_logprobs()}
     for name in ("temperature", "top_p", "seed", "stop", "stop_token_ids"):
         value = getattr(req, name)
         if value is not None:
@@ -253,18 +276,44 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 
 
 def chat_completion(request_id: str, model: str, created: int, text: str, finish_reason: str | None,
-                    usage_obj: dict) -> dict:
+                    usage_obj: dict, logprobs: list[dict] | None = None) -> dict:
+    """logprobs: the engine's records (engine/logprobs.py), one per generated token, when asked for."""
     return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "logprobs": None, "finish_reason": finish_reason}],
+                         "logprobs": chat_logprobs(logprobs), "finish_reason": finish_reason}],
             "usage": usage_obj}
 
 
 def text_completion(request_id: str, model: str, created: int, text: str, finish_reason: str | None,
-                    usage_obj: dict) -> dict:
+                    usage_obj: dict, logprobs: list[dict] | None = None, text_offsets: list[int] | None = None
+                    ) -> dict:
+    """text_offsets: where each logprobs record's token starts in `text`."""
     return {"id": request_id, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+            "choices": [{"index": 0, "text": text, "logprobs": completion_logprobs(logprobs, text_offsets),
+                         "finish_reason": finish_reason}],
             "usage": usage_obj}
+
+
+def chat_logprobs(records: list[dict] | None) -> dict | None:
+    """Chat's form: a content list, each token with its text, UTF-8 bytes and top alternatives."""
+    if records is None:
+        return None
+    return {"content": [dict(_chat_token(r), top_logprobs=[_chat_token(t) for t in r["top"]]) for r in records]}
+
+
+def _chat_token(record: dict) -> dict:
+    return {"token": record["token"], "logprob": record["logprob"], "bytes": list(record["token"].encode())}
+
+
+def completion_logprobs(records: list[dict] | None, text_offsets: list[int] | None) -> dict | None:
+    """The legacy form: parallel lists. Each top_logprobs map holds the alternatives and the
+    sampled token, so up to logprobs + 1 entries, as OpenAI documents."""
+    if records is None:
+        return None
+    return {"tokens": [r["token"] for r in records], "token_logprobs": [r["logprob"] for r in records],
+            "top_logprobs": [{**{t["token"]: t["logprob"] for t in r["top"]}, r["token"]: r["logprob"]}
+                             for r in records],
+            "text_offset": list(text_offsets or [])}
 
 
 class StreamChunks:
@@ -285,22 +334,27 @@ class StreamChunks:
             chunk["usage"] = None  # OpenAI sends null usage on every chunk but the last
         return chunk
 
-    def _choice(self, text: str | None, finish_reason: str | None, role: bool = False) -> dict:
+    def _choice(self, text: str | None, finish_reason: str | None, role: bool = False,
+                logprobs: list[dict] | None = None, text_offset: int = 0) -> dict:
         if self.kind == "chat":
             delta: dict[str, Any] = {}
             if role:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            return {"index": 0, "delta": delta, "logprobs": chat_logprobs(logprobs), "finish_reason": finish_reason}
+        offsets = [text_offset] * len(logprobs or ())
+        return {"index": 0, "text": text or "", "logprobs": completion_logprobs(logprobs, offsets),
+                "finish_reason": finish_reason}
 
     def role(self) -> dict | None:
         """Chat streams open with the assistant role and empty content."""
         return self._chunk([self._choice("", None, role=True)]) if self.kind == "chat" else None
 
-    def delta(self, text: str) -> dict:
-        return self._chunk([self._choice(text, None)])
+    def delta(self, text: str, logprobs: list[dict] | None = None, text_offset: int = 0) -> dict:
+        """logprobs: the records of this delta's tokens; text_offset: where they start in the
+        whole text (legacy completions)."""
+        return self._chunk([self._choice(text, None, logprobs=logprobs, text_offset=text_offset)])
 
     def finish(self, finish_reason: str | None) -> dict:
         return self._chunk([self._choice(None if self.kind == "chat" else "", finish_reason)])

@@ -67,14 +67,30 @@ def _sampling_fields(props: dict, model_name: str, max_tokens_max: int | None) -
                                           "and `user` take precedence.")
 
 
+def _logprobs_fields(chat: dict, completion: dict) -> None:
+    k = {"type": "integer", "minimum": 0, "maximum": SamplingParams.MAX_LOGPROBS}
+    props = chat["properties"]
+    props["logprobs"]["description"] = ("Return the log-probability of each output token: the model's own "
+                                        "distribution, before temperature, top_k and top_p.")
+    _set_branch(props["top_logprobs"], k)
+    props["top_logprobs"]["description"] = "The most likely alternatives per token; needs logprobs true."
+    chat["if"] = {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}}
+    chat["then"] = {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}
+    _set_branch(completion["properties"]["logprobs"], k)
+    completion["properties"]["logprobs"]["description"] = (
+        "The most likely alternatives per token (0: the sampled token's log-probability only); the "
+        "model's own distribution, before temperature, top_k and top_p.")
+
+
 def _request_schemas(components: dict, model_name: str, max_tokens_max: int | None,
                      vocab_size: int | None) -> tuple[dict, dict]:
     chat = _pydantic_schema(oa.ChatCompletionRequest, components)
     completion = _pydantic_schema(oa.CompletionRequest, components)
     for schema in (chat, completion):
         _sampling_fields(schema["properties"], model_name, max_tokens_max)
-        # unknown fields (tools, logprobs, metadata, ...) are ignored, as OpenAI ignores them
+        # unknown fields (tools, metadata, ...) are ignored, as OpenAI ignores them
         schema["additionalProperties"] = True
+    _logprobs_fields(chat, completion)
 
     chat["properties"]["messages"]["minItems"] = 1
     message = components["ChatMessage"]
@@ -136,20 +152,23 @@ def _response_schemas() -> dict:
             },
         }
 
-    def choice(**fields: dict) -> dict:
+    def choice(logprobs: str, **fields: dict) -> dict:
         return {"type": "object", "required": ["index", *fields, "finish_reason"],
                 "properties": {"index": {"type": "integer", "minimum": 0}, **fields,
-                               "logprobs": {"type": "null"}, "finish_reason": finish}}
+                               "logprobs": _nullable(_ref(logprobs)), "finish_reason": finish}}
 
     message = {"type": "object", "required": ["role", "content"],
                "properties": {"role": {"type": "string", "enum": ["assistant"]}, "content": {"type": "string"}}}
     delta = {"type": "object", "properties": {"role": {"type": "string", "enum": ["assistant"]}, "content": text_or_null}}
     return {
         "Usage": usage,
-        "ChatCompletion": envelope("chat.completion", choice(message=message), streamed=False),
-        "TextCompletion": envelope("text_completion", choice(text={"type": "string"}), streamed=False),
-        "ChatCompletionChunk": envelope("chat.completion.chunk", choice(delta=delta), streamed=True),
-        "TextCompletionChunk": envelope("text_completion", choice(text={"type": "string"}), streamed=True),
+        "ChatCompletion": envelope("chat.completion", choice("ChatLogprobs", message=message), streamed=False),
+        "TextCompletion": envelope("text_completion", choice("CompletionLogprobs", text={"type": "string"}),
+                                   streamed=False),
+        "ChatCompletionChunk": envelope("chat.completion.chunk", choice("ChatLogprobs", delta=delta), streamed=True),
+        "TextCompletionChunk": envelope("text_completion", choice("CompletionLogprobs", text={"type": "string"}),
+                                        streamed=True),
+        **_logprobs_schemas(),
         "Error": {
             "type": "object",
             "required": ["error"],
@@ -189,6 +208,29 @@ def _response_schemas() -> dict:
             "type": "object",
             "required": ["status", "error"],
             "properties": {"status": {"type": "string", "enum": ["unhealthy"]}, "error": {"type": "string"}},
+        },
+    }
+
+
+def _logprobs_schemas() -> dict:
+    logprob = {"type": "number", "maximum": 0}
+    token = {"type": "object", "required": ["token", "logprob", "bytes"],
+             "properties": {"token": {"type": "string"}, "logprob": logprob,
+                            "bytes": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 255}}}}
+    with_top = {**token, "required": [*token["required"], "top_logprobs"],
+                "properties": {**token["properties"], "top_logprobs": {"type": "array", "items": token}}}
+    return {
+        "ChatLogprobs": {"type": "object", "required": ["content"],
+                         "properties": {"content": {"type": "array", "items": with_top}}},
+        "CompletionLogprobs": {
+            "type": "object",
+            "required": ["tokens", "token_logprobs", "top_logprobs", "text_offset"],
+            "properties": {
+                "tokens": {"type": "array", "items": {"type": "string"}},
+                "token_logprobs": {"type": "array", "items": logprob},
+                "top_logprobs": {"type": "array", "items": {"type": "object", "additionalProperties": logprob}},
+                "text_offset": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+            },
         },
     }
 

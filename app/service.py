@@ -63,6 +63,10 @@ def _usage(last: dict, completion_tokens: int) -> dict:
     return oa.usage(last.get("num_prompt_tokens", 0), completion_tokens, last.get("num_cached_tokens", 0))
 
 
+def _wants_logprobs(engine_request: dict) -> bool:
+    return engine_request.get("sampling", {}).get("logprobs") is not None
+
+
 class OpenAIService:
     def __init__(self, backend: Backend, max_tokens_limit: int | None = None):
         self.backend = backend
@@ -118,10 +122,16 @@ class OpenAIService:
                       first: dict) -> dict:
         """The whole (non-streaming) response object."""
         pieces, num_tokens, last = [], 0, {}
+        logprobs: list[dict] | None = [] if _wants_logprobs(engine_request) else None
+        offsets, text_len = [], 0
         try:
             out: dict | None = first
             while out is not None:
+                if logprobs is not None and out.get("logprobs"):
+                    logprobs += out["logprobs"]
+                    offsets += [text_len] * len(out["logprobs"])
                 pieces.append(out.get("text_delta", ""))
+                text_len += len(pieces[-1])
                 num_tokens += len(out.get("new_token_ids", ()))
                 last = out
                 if out.get("finished") or out.get("error"):
@@ -136,16 +146,16 @@ class OpenAIService:
         if last.get("error"):
             log.error("request %s failed: %s", rid, last["error"])
             raise APIError(500, f"generation failed: {last['error']}", type="server_error")
-        build = oa.chat_completion if kind == "chat" else oa.text_completion
-        return build(rid, self.backend.model_name, int(time.time()), "".join(pieces), last.get("finish_reason"),
-                     _usage(last, num_tokens))
+        args = (rid, self.backend.model_name, int(time.time()), "".join(pieces), last.get("finish_reason"),
+                _usage(last, num_tokens), logprobs)
+        return oa.chat_completion(*args) if kind == "chat" else oa.text_completion(*args, offsets)
 
     async def chunks(self, kind: Kind, req, engine_request: dict, stream: AsyncIterator[dict],
                      first: dict) -> AsyncIterator[dict]:
         """The stream-chunk objects of a streaming response. A failure mid-stream ends it with
         an error object ({"error": ...}); the backend stream is closed however it ends."""
         chunks = oa.StreamChunks(kind, engine_request["request_id"], self.backend.model_name, req.include_usage)
-        num_tokens, last = 0, first
+        num_tokens, last, text_len = 0, first, 0
         try:
             role = chunks.role()
             if role is not None:
@@ -158,8 +168,9 @@ class OpenAIService:
                     yield oa.error_body(f"generation failed: {out['error']}", "server_error")
                     return
                 num_tokens += len(out.get("new_token_ids", ()))
-                if out.get("text_delta"):
-                    yield chunks.delta(out["text_delta"])
+                if out.get("text_delta") or out.get("logprobs"):
+                    yield chunks.delta(out.get("text_delta", ""), out.get("logprobs"), text_len)
+                    text_len += len(out.get("text_delta", ""))
                 if out.get("finished"):
                     break
                 out = await anext(stream, None)

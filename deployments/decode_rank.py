@@ -141,7 +141,7 @@ class DecodeRank:
             yield out.stream_dict()
 
     def _remote_prefill(self, rid: str, params: SamplingParams, session_id: str | None):
-        async def run(reservation: dict) -> int | None:
+        async def run(reservation: dict) -> dict | None:
             uncached = len(reservation["prompt_token_ids"]) - reservation["cached_blocks"] * reservation["block_size"]
             if uncached <= self.local_max:
                 self._count("local")
@@ -149,7 +149,7 @@ class DecodeRank:
             notif = f"kv:{rid}".encode()
             payload = dict(reservation, request_id=rid, notif=notif,
                            sampling={"temperature": params.temperature, "top_p": params.top_p,
-                                     "top_k": params.top_k, "seed": params.seed})
+                                     "top_k": params.top_k, "seed": params.seed, "logprobs": params.logprobs})
             if self.transport is not None:
                 payload["kv_peer"] = self.transport.metadata()
             if self.ipc is not None:
@@ -183,7 +183,7 @@ class DecodeRank:
             self.kv_bytes += reply["bytes"]
             self.prefill_side_hits += reply["prefix_hit_tokens"]
             self.metrics.kv_bytes.inc(reply["bytes"], self.metrics.tags)
-            return reply["first_token"]
+            return {"first_token": reply["first_token"], "first_logprobs": reply.get("first_logprobs")}
         return run
 
     def _count(self, path: str) -> None:

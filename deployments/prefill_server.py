@@ -69,8 +69,8 @@ class PrefillWorker:
         self.metrics.kv_bytes.inc(nbytes, self.metrics.tags)
         self.served += 1
         self.transfers[via] += 1
-        return {"first_token": last.output_token_ids[0], "bytes": nbytes,
-                "prefix_hit_tokens": last.num_cached_tokens, "transport": via}
+        return {"first_token": last.output_token_ids[0], "first_logprobs": (last.logprobs or [None])[0],
+                "bytes": nbytes, "prefix_hit_tokens": last.num_cached_tokens, "transport": via}
 
     async def _write(self, payload: dict, src: list[int]) -> tuple[str, int]:
         peer = self._ipc_peer(payload)

@@ -36,14 +36,14 @@ class AsyncLLMEngine:
 
     async def generate(self, request_id: str, prompt=None, params: SamplingParams | None = None,
                        messages: list[dict] | None = None, hold_kv: bool = False,
-                       remote_prefill: Callable[[dict], Awaitable[int | None]] | None = None,
+                       remote_prefill: Callable[[dict], Awaitable[dict | None]] | None = None,
                        ) -> AsyncIterator[RequestOutput]:
         """Yields one RequestOutput per new token; the last has finished=True.
         Cancelling the iteration (e.g. a client disconnect) aborts the request.
 
         remote_prefill (decode side): called with the block reservation; it has a prefill
-        server write the prompt's KV and returns the first token, or None when the transfer
-        failed, in which case the prompt is prefilled here. hold_kv (prefill side): keep the
+        server write the prompt's KV and returns {"first_token", "first_logprobs" (optional)},
+        or None when the transfer failed, in which case the prompt is prefilled here. hold_kv (prefill side): keep the
         KV blocks after finishing, until release_held()."""
         if self._dead is not None:
             raise EngineDeadError(f"engine loop died: {self._dead!r}")
@@ -77,7 +77,8 @@ class AsyncLLMEngine:
                     if first is None:
                         self.engine.fallback_local(request_id)
                     else:
-                        out = self.engine.commit_remote(request_id, first)
+                        out = self.engine.commit_remote(request_id, first["first_token"],
+                                                        first.get("first_logprobs"))
                         if out is not None:
                             queue.put_nowait(out)
             self._wake.set()

@@ -10,6 +10,7 @@ import torch
 from wideep_kernels.indexer import warm_up as indexer_warm_up
 from wideep_kernels.mla_decode import warm_up as mla_warm_up
 
+from .logprobs import logprob_records, token_logprobs
 from .checkpoint import ensure_checkpoint, load_model
 from .config import EngineConfig, ModelConfig
 from .model import DeepseekForCausalLM
@@ -72,6 +73,8 @@ class LaunchedStep:
     done: list[int] = field(default_factory=list)   # rows whose next token was sampled
     tokens: torch.Tensor | None = None              # on the device, one per done row
     host: torch.Tensor | None = None                # their pinned copy, valid once `ready`
+    logprob_rows: list[int] = field(default_factory=list)  # of `done`, those whose request asked for logprobs
+    logprobs: torch.Tensor | None = None            # their token_logprobs(), then its pinned copy
     ready: torch.cuda.Event | None = None
     error: Exception | None = None
     write_blocks: list[int] = field(default_factory=list)  # a step ahead: the block of each row's position
@@ -238,13 +241,15 @@ class LLMEngine:
         return {"prompt_token_ids": list(seq.prompt_ids), "cached_blocks": cached_blocks,
                 "dst_blocks": dst_blocks, "block_size": self.cfg.block_size}
 
-    def commit_remote(self, request_id: str, first_token: int) -> RequestOutput | None:
-        """Decode side: the prompt's KV has landed and the prefill server sampled first_token."""
+    def commit_remote(self, request_id: str, first_token: int, first_logprobs: dict | None = None
+                      ) -> RequestOutput | None:
+        """Decode side: the prompt's KV has landed and the prefill server sampled first_token
+        (first_logprobs: its record, when the request asked for logprobs)."""
         seq = self.requests.get(request_id)
         if seq is None:
             return None  # aborted meanwhile; its blocks are already free
         self.scheduler.kv_arrived(seq)
-        return self._append(seq, first_token)
+        return self._append(seq, first_token, first_logprobs)
 
     def fallback_local(self, request_id: str) -> None:
         """Decode side: the transfer failed or timed out; prefill here instead. The reserved
@@ -360,7 +365,12 @@ class LLMEngine:
             else:
                 step.done, logits = list(range(len(batch))), self.runner.run_ahead(batch, ahead_ids)
             if step.done:
-                step.tokens = self.runner.sample([batch.seqs[i] for i in step.done], logits)
+                seqs = [batch.seqs[i] for i in step.done]
+                step.tokens = self.runner.sample(seqs, logits)
+                step.logprob_rows = [j for j, seq in enumerate(seqs) if seq.params.logprobs is not None]
+                if step.logprob_rows:
+                    k = max(seqs[j].params.logprobs for j in step.logprob_rows)
+                    step.logprobs = token_logprobs(logits, step.tokens, step.logprob_rows, k)
         except Exception as e:  # a failed step fails its requests, never leaks their blocks
             step.error = e
             return step
@@ -372,6 +382,8 @@ class LLMEngine:
             # for everything queued after them, the step launched ahead included.
             step.host = self._token_buffers[self.num_steps % 2][:len(step.done)]
             step.host.copy_(step.tokens, non_blocking=True)
+            if step.logprobs is not None:
+                step.logprobs = step.logprobs.to("cpu", non_blocking=True)
             step.ready = torch.cuda.Event()
             step.ready.record()
         return step
@@ -392,8 +404,19 @@ class LLMEngine:
         if step.ready is not None:
             step.ready.synchronize()
         tokens = (step.host if step.host is not None else step.tokens).tolist()
-        return [self._append(step.batch.seqs[i], token) for i, token in zip(step.done, tokens)
-                if not step.batch.seqs[i].is_finished]
+        records: list[dict | None] = [None] * len(tokens)
+        if step.logprobs is not None:
+            rows = step.logprob_rows
+            ks = [step.batch.seqs[step.done[j]].params.logprobs for j in rows]
+            for j, record in zip(rows, logprob_records(step.logprobs.tolist(), [tokens[j] for j in rows], ks,
+                                                       self._token_text)):
+                records[j] = record
+        return [self._append(step.batch.seqs[i], token, record)
+                for i, token, record in zip(step.done, tokens, records) if not step.batch.seqs[i].is_finished]
+
+    def _token_text(self, token: int) -> str:
+        # special tokens by name too (an end-of-sequence token shows as such, not as "")
+        return self.tokenizer.token_text(token) if self.tokenizer is not None else f"token_id:{token}"
 
     def _ahead_rows(self, cur: "LaunchedStep") -> list[int]:
         """The rows of `cur` whose next step can be launched before cur's tokens are known: those
@@ -447,7 +470,7 @@ class LLMEngine:
         free = self.scheduler.blocks.free
         return [b for seq, b in zip(step.batch.seqs, step.write_blocks) if seq.is_finished and b in free]
 
-    def _append(self, seq: Sequence, token: int) -> RequestOutput:
+    def _append(self, seq: Sequence, token: int, logprob: dict | None = None) -> RequestOutput:
         seq.output_ids.append(token)
         p = seq.params
         reason = None
@@ -471,16 +494,18 @@ class LLMEngine:
         if reason is not None:
             self.scheduler.finish(seq, reason)
             self.requests.pop(seq.request_id, None)
-        return self._output(seq, [token], delta)
+        return self._output(seq, [token], delta, None if logprob is None else [logprob])
 
-    def _output(self, seq: Sequence, new_ids: list[int], delta: str) -> RequestOutput:
+    def _output(self, seq: Sequence, new_ids: list[int], delta: str, logprobs: list[dict] | None = None
+                ) -> RequestOutput:
         first = len(seq.output_ids) == 1 and bool(new_ids)
         return RequestOutput(
             prompt_token_ids=list(seq.prompt_ids) if first else None,
             request_id=seq.request_id, new_token_ids=new_ids,
             output_ids_source=seq.output_ids, num_output_ids=len(seq.output_ids),
             text_delta=delta, text=seq.text, finished=seq.is_finished, finish_reason=seq.finish_reason,
-            num_prompt_tokens=len(seq.prompt_ids), num_cached_tokens=seq.prefix_hit_tokens, error=seq.error)
+            num_prompt_tokens=len(seq.prompt_ids), num_cached_tokens=seq.prefix_hit_tokens, error=seq.error,
+            logprobs=logprobs)
 
     # one-process convenience ------------------------------------------------------------
     def generate(self, prompts: list, params: SamplingParams | list[SamplingParams] | None = None

@@ -22,8 +22,12 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     n: int = 1
+    # The log-probability of each sampled token and of this many most likely alternatives
+    # (0: the sampled token's only); None: none.
+    logprobs: int | None = None
 
     MAX_STOP_STRINGS = 64
+    MAX_LOGPROBS = 20
     MAX_STOP_LEN = 256
 
     def __post_init__(self):
@@ -51,6 +55,9 @@ class SamplingParams:
             bad("top_k", f"must be -1 (off) or an integer >= 1, got {self.top_k!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             bad("seed", f"must be an integer, got {self.seed!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
+                                          or not 0 <= self.logprobs <= self.MAX_LOGPROBS):
+            bad("logprobs", f"must be an integer in 0..{self.MAX_LOGPROBS}, got {self.logprobs!r}")
         if self.n != 1:
             bad("n", f"only n=1 is supported, got {self.n!r}")
         if len(self.stop) > self.MAX_STOP_STRINGS:

@@ -81,6 +81,8 @@ class RequestOutput:
     num_cached_tokens: int      # prompt tokens served from the prefix cache
     error: str | None = None
     prompt_token_ids: list[int] | None = None  # on a request's first token only
+    # a record per new token (engine/logprobs.py entries) when the request asked for logprobs
+    logprobs: list[dict] | None = None
     # The sequence's output ids (a list that only grows by appends) and how many of them are this
     # output's: copied when read, not per token (a copy per token costs a step O(length) per
     # sequence, 10 us at 8K output tokens, and streaming never reads it).
@@ -100,4 +102,5 @@ class RequestOutput:
         return {"text_delta": self.text_delta, "new_token_ids": list(self.new_token_ids), "finished": self.finished,
                 "finish_reason": self.finish_reason, "num_prompt_tokens": self.num_prompt_tokens,
                 "num_cached_tokens": self.num_cached_tokens, "error": self.error,
-                **({"prompt_token_ids": self.prompt_token_ids} if self.prompt_token_ids is not None else {})}
+                **({"prompt_token_ids": self.prompt_token_ids} if self.prompt_token_ids is not None else {}),
+                **({"logprobs": self.logprobs} if self.logprobs is not None else {})}

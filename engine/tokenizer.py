@@ -77,6 +77,11 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.hf.decode(ids, skip_special_tokens=True)
 
+    def token_text(self, token: int) -> str:
+        """One token's text, special tokens included (a lone byte of a multi-byte character
+        shows as U+FFFD)."""
+        return self.hf.decode([token], skip_special_tokens=False)
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         if not self.hf.chat_template:
             raise ValueError("this checkpoint has no chat template")

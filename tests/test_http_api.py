@@ -133,6 +133,57 @@ def test_completion_with_text_and_with_token_ids(client, offline):
         assert resp.usage.prompt_tokens == len(ids) and resp.usage.completion_tokens == 8
 
 
+def test_chat_logprobs_are_the_engines_in_openais_form(client, offline):
+    out = offline.generate([MESSAGES], greedy(10, logprobs=3))[0]
+    records = _engine_records(offline, MESSAGES, greedy(10, logprobs=3))
+    args = dict(model=MODEL, messages=MESSAGES, max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
+    resp = client.chat.completions.create(logprobs=True, top_logprobs=3, **args)
+    content = resp.choices[0].logprobs.content
+    assert resp.choices[0].message.content == out.text and len(content) == resp.usage.completion_tokens == 10
+    for got, want in zip(content, records):
+        assert got.token == want["token"] and got.bytes == list(want["token"].encode())
+        assert got.logprob == pytest.approx(want["logprob"], abs=1e-4)
+        assert [t.token for t in got.top_logprobs] == [t["token"] for t in want["top"]]
+        assert [t.logprob for t in got.top_logprobs] == pytest.approx([t["logprob"] for t in want["top"]], abs=1e-4)
+    streamed = [e for c in client.chat.completions.create(logprobs=True, top_logprobs=3, stream=True, **args)
+                if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    plain = client.chat.completions.create(**args)
+    assert plain.choices[0].logprobs is None
+    bare = client.chat.completions.create(logprobs=True, **args).choices[0].logprobs.content
+    assert len(bare) == 10 and all(e.top_logprobs == [] for e in bare)
+
+
+def test_completion_logprobs_in_the_legacy_form(client, offline):
+    prompt = "The quick brown fox"
+    records = _engine_records(offline, prompt, greedy(8, logprobs=2))
+    args = dict(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, logprobs=2, extra_body={"ignore_eos": True})
+    choice = client.completions.create(**args).choices[0]
+    lp = choice.logprobs
+    assert lp.tokens == [r["token"] for r in records]
+    assert lp.token_logprobs == pytest.approx([r["logprob"] for r in records], abs=1e-4)
+    for top, r in zip(lp.top_logprobs, records):
+        # the two alternatives and the sampled token (here the first alternative: greedy)
+        assert set(top) == {t["token"] for t in r["top"]} | {r["token"]} and len(top) <= 3
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    assert all(o <= len(choice.text) for o in lp.text_offset)
+    chunks = list(client.completions.create(stream=True, **args))
+    assert [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens] == lp.tokens
+    assert [o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset] == lp.text_offset
+
+
+def _engine_records(engine, prompt, params) -> list[dict]:
+    rid = f"records-{engine.num_steps}"
+    if isinstance(prompt, list):
+        engine.add_request(rid, None, params, messages=prompt)
+    else:
+        engine.add_request(rid, prompt, params)
+    records = []
+    while engine.has_unfinished_requests():
+        records += [r for out in engine.step() for r in out.logprobs or ()]
+    return records
+
+
 def test_completion_default_max_tokens_is_openais_16(client):
     resp = client.completions.create(model=MODEL, prompt="hello", temperature=0, extra_body={"ignore_eos": True})
     assert resp.usage.completion_tokens == 16 and resp.choices[0].finish_reason == "length"
@@ -247,6 +298,12 @@ BAD_REQUESTS = {
     "n of two": ("POST", CHAT, _chat(n=2), 400, "n"),
     "empty stop string": ("POST", CHAT, _chat(stop=[""]), 400, "stop"),
     "seed too large": ("POST", CHAT, _chat(seed=2**64), 400, "seed"),
+    "top_logprobs without logprobs": ("POST", CHAT, _chat(top_logprobs=2), 400, "top_logprobs"),
+    "top_logprobs over 20": ("POST", CHAT, _chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
+    "top_logprobs negative": ("POST", CHAT, _chat(logprobs=True, top_logprobs=-1), 400, "top_logprobs"),
+    "chat logprobs a number": ("POST", CHAT, _chat(logprobs=3), 400, "logprobs"),
+    "completion logprobs over 20": ("POST", COMPLETIONS, _completion(logprobs=21), 400, "logprobs"),
+    "completion logprobs a boolean": ("POST", COMPLETIONS, _completion(logprobs=True), 400, "logprobs"),
     "unknown model": ("POST", CHAT, _chat(model="gpt-4o"), 404, "model"),
     "unknown route": ("POST", "/v1/embeddings", _chat(), 404, None),
     "unknown path": ("GET", "/nowhere", None, 404, None),

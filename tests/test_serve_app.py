@@ -77,6 +77,26 @@ def test_pd_output_equals_decode_rank_alone(served, tiny_ckpt):
     assert r.choices[0].message.content == expect.text
 
 
+def test_pd_carries_the_first_tokens_logprobs(served, tiny_ckpt):
+    """The prefill server samples the first token; its logprobs travel back with it."""
+    client, _ = served
+    before = sum(s["prefill_remote"] for s in _decode_stats())
+    text = "Log-probabilities say how sure the model was of each token. " * 6
+    r = client.chat.completions.create(model="tiny", messages=_messages(text), max_tokens=5, temperature=0,
+                                       logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    assert sum(s["prefill_remote"] for s in _decode_stats()) == before + 1
+    alone = LLMEngine.from_pretrained(tiny_ckpt, EngineConfig(**ENGINE), progress=False)
+    alone.add_request("alone", None, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=2),
+                      messages=_messages(text))
+    want = []
+    while alone.has_unfinished_requests():
+        want += [rec for out in alone.step() for rec in out.logprobs or ()]
+    got = r.choices[0].logprobs.content
+    assert [e.token for e in got] == [w["token"] for w in want] and len(got) == 5
+    assert [e.logprob for e in got] == pytest.approx([w["logprob"] for w in want], abs=1e-4)
+    assert [[t.token for t in e.top_logprobs] for e in got] == [[t["token"] for t in w["top"]] for w in want]
+
+
 def test_second_turn_hits_prefix_cache(served):
     client, _ = served
     session = f"s-{uuid.uuid4().hex[:6]}"
