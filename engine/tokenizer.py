@@ -70,6 +70,7 @@ class Tokenizer:
             raise FileNotFoundError(f"no tokenizer in {path} (tokenizer.json / tokenizer_config.json)")
         self.hf = AutoTokenizer.from_pretrained(str(path))
         self.eos_token_id = self.hf.eos_token_id
+        self._token_texts: dict[int, str] = {}  # at most one entry per vocabulary token
 
     def encode(self, text: str) -> list[int]:
         return self.hf.encode(text, add_special_tokens=False)
@@ -80,7 +81,10 @@ class Tokenizer:
     def token_text(self, token: int) -> str:
         """One token's text, special tokens included (a lone byte of a multi-byte character
         shows as U+FFFD)."""
-        return self.hf.decode([token], skip_special_tokens=False)
+        text = self._token_texts.get(token)
+        if text is None:  # a decode call costs microseconds; a step with logprobs names up to 21 tokens a row
+            text = self._token_texts[token] = self.hf.decode([token], skip_special_tokens=False)
+        return text
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         if not self.hf.chat_template:
