@@ -92,6 +92,11 @@ class _SamplingFields(_Request):
     user: str | None = None
     ignore_eos: bool = False
     session_id: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    # JSON object keys are strings: {"1234": -100}
+    logit_bias: dict[str, float] | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -245,10 +250,13 @@ def sampling_params(req: _SamplingFields, *, default_max_tokens: int, max_model_
         max_tokens = default_max_tokens
     kwargs: dict[str, Any] = {"max_tokens": max_tokens, "ignore_eos": req.ignore_eos, "n": req.n,
                               "logprobs": req.engine_logprobs()}
-    for name in ("temperature", "top_p", "seed", "stop", "stop_token_ids"):
+    for name in ("temperature", "top_p", "seed", "stop", "stop_token_ids", "presence_penalty",
+                 "frequency_penalty", "repetition_penalty"):
         value = getattr(req, name)
         if value is not None:
             kwargs[name] = value
+    if req.logit_bias:
+        kwargs["logit_bias"] = _logit_bias(req.logit_bias)
     if req.top_k is not None:
         kwargs["top_k"] = -1 if req.top_k == 0 else req.top_k  # 0 means "off" in vLLM and SGLang too
     try:
@@ -256,6 +264,15 @@ def sampling_params(req: _SamplingFields, *, default_max_tokens: int, max_model_
     except SamplingError as e:
         m = _SAMPLING_ERROR_FIELD.match(str(e))
         raise bad_request(str(e), param=m.group(1) if m else None) from None
+
+
+def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
+    out = {}
+    for key, value in bias.items():
+        if not key.isascii() or not key.isdigit() or len(key) > 12:
+            raise bad_request(f"logit_bias keys must be token ids, got {_short(key)}", param="logit_bias")
+        out[int(key)] = value
+    return out
 
 
 def sampling_dict(params: SamplingParams) -> dict:

@@ -62,6 +62,15 @@ def _sampling_fields(props: dict, model_name: str, max_tokens_max: int | None) -
     _set_branch(props["stop_token_ids"], {"type": "array", "items": {"type": "integer", "minimum": 0}})
     props["stop_token_ids"]["description"] = "Extension: token ids that end the generation."
     props["n"].update(type="integer", enum=[1], description="Only one choice per request is supported.")
+    for name in ("presence_penalty", "frequency_penalty"):
+        _set_branch(props[name], {"type": "number", "minimum": -2, "maximum": 2})
+    _set_branch(props["repetition_penalty"], {"type": "number", "exclusiveMinimum": 0, "maximum": 100})
+    props["repetition_penalty"]["description"] = ("Extension (as in vLLM): divides a positive logit of a token "
+                                                  "already in the prompt or output, multiplies a negative one.")
+    _set_branch(props["logit_bias"], {"type": "object", "maxProperties": SamplingParams.MAX_LOGIT_BIAS,
+                                      "propertyNames": {"pattern": "^[0-9]{1,12}$"},
+                                      "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}})
+    props["logit_bias"]["description"] = "Token id (as a string) -> a bias added to its logit before sampling."
     props["ignore_eos"]["description"] = "Extension: keep generating past the end-of-sequence token."
     props["session_id"]["description"] = ("Extension: session key for cache affinity; the session header "
                                           "and `user` take precedence.")

@@ -147,9 +147,10 @@ class DecodeRank:
                 self._count("local")
                 return None
             notif = f"kv:{rid}".encode()
-            payload = dict(reservation, request_id=rid, notif=notif,
-                           sampling={"temperature": params.temperature, "top_p": params.top_p,
-                                     "top_k": params.top_k, "seed": params.seed, "logprobs": params.logprobs})
+            # what the first token's choice depends on (the prefill server samples it)
+            sampling = {k: getattr(params, k) for k in ("temperature", "top_p", "top_k", "seed", "logprobs",
+                                                        "repetition_penalty", "logit_bias")}
+            payload = dict(reservation, request_id=rid, notif=notif, sampling=sampling)
             if self.transport is not None:
                 payload["kv_peer"] = self.transport.metadata()
             if self.ipc is not None:

@@ -202,6 +202,10 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self.requests or request_id in self.scheduler.held:
             raise RequestError(f"duplicate request id {request_id!r}")
+        outside = [t for t in params.logit_bias if t >= self.model_cfg.vocab_size]
+        if outside:
+            raise RequestError(f"logit_bias token id {outside[0]} is outside the vocabulary "
+                               f"(0..{self.model_cfg.vocab_size - 1})")
         ids = self._prompt_ids(prompt, messages)
         if len(ids) >= self.max_model_len:
             raise ContextLengthError(f"prompt is {len(ids)} tokens; the context limit is {self.max_model_len} "
@@ -435,6 +439,8 @@ class LLMEngine:
         if s.waiting and len(s.running) < self.cfg.max_num_seqs:
             return []
         rows, need = [], 0
+        if any(seq.params.penalized for seq in seqs):  # their penalties read the token still in flight
+            return []
         for i, seq in enumerate(seqs):
             if (seq.is_finished or seq.hold_kv or len(seq.output_ids) + 1 >= seq.params.max_tokens
                     or seq.num_tokens + 1 >= self.max_model_len):

@@ -13,6 +13,7 @@ from .ep_step import run_lockstep
 from .config import ConfigError, EngineConfig
 from .model import DeepseekForCausalLM
 from .moe import MoE, expert_fp8_block
+from .penalties import adjust_logits, token_counts
 from .sampling import Sampler
 from .scheduler import ScheduledBatch
 
@@ -535,4 +536,8 @@ class ModelRunner:
 
     def sample(self, seqs, logits: torch.Tensor) -> torch.Tensor:
         """The next token of each sequence, on the device (not waited for)."""
-        return self.sampler.sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        params = [s.params for s in seqs]
+        if any(p.adjusts_logits for p in params):
+            counts = [token_counts(s, logits.shape[-1], logits.device) if s.params.penalized else None for s in seqs]
+            logits = adjust_logits(logits, params, counts)
+        return self.sampler.sample(logits, params, [s.generator for s in seqs])

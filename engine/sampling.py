@@ -25,9 +25,18 @@ class SamplingParams:
     # The log-probability of each sampled token and of this many most likely alternatives
     # (0: the sampled token's only); None: none.
     logprobs: int | None = None
+    # OpenAI's penalties: subtracted from a token's logit, once if it is in the output so far
+    # (presence) and once per time it is (frequency).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # vLLM's and transformers': a logit of a token in the prompt or the output so far is divided
+    # by it when positive, multiplied when negative (1: off).
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
 
     MAX_STOP_STRINGS = 64
     MAX_LOGPROBS = 20
+    MAX_LOGIT_BIAS = 300
     MAX_STOP_LEN = 256
 
     def __post_init__(self):
@@ -35,6 +44,7 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = dict(self.logit_bias or {})
         self.validate()
 
     def validate(self) -> None:
@@ -58,6 +68,19 @@ class SamplingParams:
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
                                           or not 0 <= self.logprobs <= self.MAX_LOGPROBS):
             bad("logprobs", f"must be an integer in 0..{self.MAX_LOGPROBS}, got {self.logprobs!r}")
+        for name, low, high in (("presence_penalty", -2, 2), ("frequency_penalty", -2, 2)):
+            v = getattr(self, name)
+            if not _is_number(v) or not low <= v <= high:
+                bad(name, f"must be a number in [{low}, {high}], got {v!r}")
+        if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty <= 100:
+            bad("repetition_penalty", f"must be a number in (0, 100] (1: off), got {self.repetition_penalty!r}")
+        if len(self.logit_bias) > self.MAX_LOGIT_BIAS:
+            bad("logit_bias", f"at most {self.MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
+        for t, b in self.logit_bias.items():
+            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                bad("logit_bias", f"keys must be token ids (non-negative integers), got {t!r}")
+            if not _is_number(b) or not -100 <= b <= 100:
+                bad("logit_bias", f"values must be numbers in [-100, 100], got {b!r} for token {t}")
         if self.n != 1:
             bad("n", f"only n=1 is supported, got {self.n!r}")
         if len(self.stop) > self.MAX_STOP_STRINGS:
@@ -72,6 +95,19 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        """Whether sampling reads the tokens so far."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def adjusts_logits(self) -> bool:
+        return self.penalized or bool(self.logit_bias)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def host_to_device(device: torch.device, data: list, dtype: torch.dtype | None = None) -> torch.Tensor:

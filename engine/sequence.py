@@ -40,6 +40,7 @@ class Sequence:
     window_slot: int | None = None
     table_cache: tuple | None = field(default=None, repr=False)  # (block_table list, its int32 array)
     generator: torch.Generator | None = None
+    token_counts: object = field(default=None, repr=False)  # engine.penalties.TokenCounts, when penalized
     hold_kv: bool = False           # prefill side: keep the blocks after finishing, until released
     # statistics
     prefix_hit_tokens: int = 0

@@ -172,6 +172,16 @@ def test_completion_logprobs_in_the_legacy_form(client, offline):
     assert [o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset] == lp.text_offset
 
 
+def test_penalties_and_logit_bias_reach_the_engine(client, offline):
+    args = dict(model=MODEL, prompt="The quick brown fox", max_tokens=8, temperature=0)
+    forced = client.completions.create(logit_bias={"77": 100}, logprobs=0, extra_body={"ignore_eos": True}, **args)
+    assert forced.choices[0].logprobs.tokens == [offline.tokenizer.token_text(77)] * 8
+    pen = dict(presence_penalty=0.5, frequency_penalty=1.0, extra_body={"ignore_eos": True, "repetition_penalty": 1.5})
+    expect = offline.generate(["The quick brown fox"], greedy(8, presence_penalty=0.5, frequency_penalty=1.0,
+                                                              repetition_penalty=1.5))[0]
+    assert client.completions.create(**pen, **args).choices[0].text == expect.text
+
+
 def _engine_records(engine, prompt, params) -> list[dict]:
     rid = f"records-{engine.num_steps}"
     if isinstance(prompt, list):
@@ -304,6 +314,14 @@ BAD_REQUESTS = {
     "chat logprobs a number": ("POST", CHAT, _chat(logprobs=3), 400, "logprobs"),
     "completion logprobs over 20": ("POST", COMPLETIONS, _completion(logprobs=21), 400, "logprobs"),
     "completion logprobs a boolean": ("POST", COMPLETIONS, _completion(logprobs=True), 400, "logprobs"),
+    "presence_penalty over 2": ("POST", CHAT, _chat(presence_penalty=2.5), 400, "presence_penalty"),
+    "frequency_penalty a string": ("POST", COMPLETIONS, _completion(frequency_penalty="1"), 400, "frequency_penalty"),
+    "repetition_penalty zero": ("POST", CHAT, _chat(repetition_penalty=0), 400, "repetition_penalty"),
+    "logit_bias key not an id": ("POST", CHAT, _chat(logit_bias={"hello": 1}), 400, "logit_bias"),
+    "logit_bias key negative": ("POST", COMPLETIONS, _completion(logit_bias={"-5": 1}), 400, "logit_bias"),
+    "logit_bias value over 100": ("POST", CHAT, _chat(logit_bias={"5": 101}), 400, "logit_bias"),
+    "logit_bias a list": ("POST", CHAT, _chat(logit_bias=[5]), 400, "logit_bias"),
+    "logit_bias outside the vocabulary": ("POST", COMPLETIONS, _completion(logit_bias={"99999999": 1}), 400, None),
     "unknown model": ("POST", CHAT, _chat(model="gpt-4o"), 404, "model"),
     "unknown route": ("POST", "/v1/embeddings", _chat(), 404, None),
     "unknown path": ("GET", "/nowhere", None, 404, None),

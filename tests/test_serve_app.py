@@ -95,6 +95,12 @@ def test_pd_carries_the_first_tokens_logprobs(served, tiny_ckpt):
     assert [e.token for e in got] == [w["token"] for w in want] and len(got) == 5
     assert [e.logprob for e in got] == pytest.approx([w["logprob"] for w in want], abs=1e-4)
     assert [[t.token for t in e.top_logprobs] for e in got] == [[t["token"] for t in w["top"]] for w in want]
+    # the first token's logit bias is applied where it is sampled, on the prefill server
+    forced = client.chat.completions.create(model="tiny", messages=_messages("Forced. " + text), max_tokens=3,
+                                            temperature=0, logprobs=True, logit_bias={"77": 100},
+                                            extra_body={"ignore_eos": True})
+    assert sum(s["prefill_remote"] for s in _decode_stats()) == before + 2
+    assert [e.token for e in forced.choices[0].logprobs.content] == [alone.tokenizer.token_text(77)] * 3
 
 
 def test_second_turn_hits_prefix_cache(served):

@@ -1,0 +1,135 @@
+"""Presence, frequency and repetition penalties and logit bias: the adjustment against its
+formula, and the engine's choices against the raw logits it recorded, adjusted by hand."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine, RequestError
+from engine.penalties import TokenCounts, adjust_logits, token_counts
+from engine.sampling import SamplingError, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def recording(tiny_ckpt):
+    """An engine whose raw logits per step and request are kept, before any adjustment."""
+    engine = LLMEngine.from_pretrained(tiny_ckpt, EngineConfig(block_size=4), progress=False)
+    engine.recorded = []
+    sample = engine.runner.sample
+
+    def record(seqs, logits):
+        engine.recorded.append({s.request_id: logits[i].float().clone() for i, s in enumerate(seqs)})
+        return sample(seqs, logits)
+    engine.runner.sample = record
+    return engine
+
+
+def _run(engine, rid, prompt, params):
+    engine.recorded.clear()
+    engine.add_request(rid, prompt, params)
+    out = None
+    while engine.has_unfinished_requests():
+        out = {o.request_id: o for o in engine.step()}.get(rid, out)
+    return out.output_token_ids, [step[rid] for step in engine.recorded if rid in step]
+
+
+def _greedy(n, **kw):
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, **kw)
+
+
+PROMPT = [5, 9, 5, 17, 33, 9, 41]
+
+
+def test_adjustment_follows_the_formula_and_leaves_the_raw_logits():
+    vocab = 12
+    logits = torch.linspace(-3, 3, 2 * vocab).reshape(2, vocab).to(torch.bfloat16)
+    raw = logits.clone()
+    p0 = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=2.0, logit_bias={3: -7.5})
+    p1 = SamplingParams(logit_bias={0: 4.0})
+    counts = TokenCounts(vocab, torch.device("cpu"), [1, 11], repetition=True).update([2, 2, 10, 2])
+    got = adjust_logits(logits, [p0, p1], [counts, None])
+    assert torch.equal(logits, raw)
+    want = raw.float().clone()
+    c = torch.bincount(torch.tensor([2, 2, 10, 2]), minlength=vocab).float()
+    for t in (1, 11, 2, 10):  # seen in the prompt or the output
+        want[0, t] = want[0, t] / 2 if want[0, t] > 0 else want[0, t] * 2
+    want[0] -= 0.25 * c + 0.5 * (c > 0).float()
+    want[0, 3] -= 7.5
+    want[1, 0] += 4.0
+    torch.testing.assert_close(got, want)
+
+
+def test_counts_grow_by_the_new_tokens_only():
+    counts = TokenCounts(8, torch.device("cpu"), [], repetition=False)
+    out = [1, 1, 3]
+    counts.update(out)
+    out += [1, 7]
+    counts.update(out)
+    counts.update(out)  # nothing new: nothing counted twice
+    assert counts.counts.tolist() == torch.bincount(torch.tensor(out), minlength=8).float().tolist()
+    assert counts.in_prompt is None
+    seq = SimpleNamespace(token_counts=None, prompt_ids=[2], output_ids=[4, 4],
+                          params=SamplingParams(repetition_penalty=1.3))
+    made = token_counts(seq, 8, torch.device("cpu"))
+    assert made is seq.token_counts and made.counts[4] == 2 and made.in_prompt.nonzero().flatten().tolist() == [2]
+
+
+@pytest.mark.parametrize("kwargs", [dict(frequency_penalty=1.5), dict(presence_penalty=2.0),
+                                    dict(repetition_penalty=3.0), dict(frequency_penalty=-2.0),
+                                    dict(presence_penalty=0.7, frequency_penalty=0.4, repetition_penalty=1.5)])
+def test_each_greedy_choice_is_the_argmax_of_the_adjusted_logits(recording, kwargs):
+    plain, _ = _run(recording, "plain", PROMPT, _greedy(16))
+    tokens, raw = _run(recording, "pen", PROMPT, _greedy(16, **kwargs))
+    assert len(raw) == len(tokens) == 16
+    p = SamplingParams(**kwargs)
+    for i, (logits, token) in enumerate(zip(raw, tokens)):
+        c = torch.bincount(torch.tensor(tokens[:i], dtype=torch.long), minlength=logits.numel()).float()
+        seen = (c > 0).clone()
+        seen[PROMPT] = True
+        want = torch.where(seen, torch.where(logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty),
+                           logits) - p.frequency_penalty * c - p.presence_penalty * (c > 0).float()
+        assert token == want.argmax().item(), f"step {i}"
+    assert tokens != plain  # the penalty changed something, so the check above was not vacuous
+
+
+def test_logit_bias_forces_and_forbids_tokens(recording):
+    plain, _ = _run(recording, "plain-b", PROMPT, _greedy(6))
+    forced, _ = _run(recording, "force", PROMPT, _greedy(6, logit_bias={77: 100.0}))
+    assert forced == [77] * 6
+    banned = sorted(set(plain))
+    avoided, _ = _run(recording, "ban", PROMPT, _greedy(6, logit_bias={t: -100.0 for t in banned}))
+    assert not set(avoided) & set(banned)
+    sampled, _ = _run(recording, "force-sampled", PROMPT, SamplingParams(max_tokens=6, temperature=1.0, seed=3,
+                                                                         ignore_eos=True, logit_bias={77: 100.0}))
+    assert sampled == [77] * 6
+
+
+def test_penalized_rows_do_not_run_ahead_and_match(tiny_ckpt):
+    """A step launched ahead would not know the token in flight: penalized batches wait for it."""
+    ahead = LLMEngine.from_pretrained(tiny_ckpt, EngineConfig(block_size=4, async_scheduling=True), progress=False)
+    plain = LLMEngine.from_pretrained(tiny_ckpt, EngineConfig(block_size=4, async_scheduling=False), progress=False)
+    p = _greedy(12, frequency_penalty=1.0)
+    want = plain.generate([PROMPT], p)[0].output_token_ids
+    assert ahead.generate([PROMPT], p)[0].output_token_ids == want
+    assert ahead.num_steps_ahead == 0
+    ahead.generate([PROMPT], _greedy(12))
+    assert ahead.num_steps_ahead > 0  # unpenalized, the same engine runs ahead
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(presence_penalty=2.5), "presence_penalty"), (dict(frequency_penalty=float("nan")), "frequency_penalty"),
+    (dict(repetition_penalty=0), "repetition_penalty"), (dict(repetition_penalty=True), "repetition_penalty"),
+    (dict(logit_bias={-1: 1.0}), "logit_bias"), (dict(logit_bias={5: 101}), "logit_bias"),
+    (dict(logit_bias={"5": 1.0}), "logit_bias"), (dict(logit_bias={i: 1.0 for i in range(301)}), "logit_bias"),
+])
+def test_invalid_penalties(kwargs, match):
+    with pytest.raises(SamplingError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_logit_bias_outside_the_vocabulary_is_refused_at_admission(recording):
+    vocab = recording.model_cfg.vocab_size
+    with pytest.raises(RequestError, match="logit_bias"):
+        recording.add_request("outside", PROMPT, _greedy(2, logit_bias={vocab: 1.0}))
+    assert "outside" not in recording.requests and recording.stats()["kv_blocks_used"] == 0
