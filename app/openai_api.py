@@ -102,11 +102,29 @@ class _SamplingFields(_Request):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    def refuse_unsupported(self) -> None:
+        """A 400 for a known field asking for what this server does not do: answering as if it
+        were absent would give the client something other than it asked for, silently."""
+
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def refuse_unsupported(self) -> None:
+        if self.tools and self.tool_choice != "none":
+            raise bad_request("tool calling is not supported; send no tools, or tool_choice \"none\"",
+                              param="tools")
+        if self.tool_choice is not None and self.tool_choice not in ("none", "auto"):
+            raise bad_request(f"tool_choice {_short(self.tool_choice)} is not supported (tool calling is not)",
+                              param="tool_choice")
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise bad_request(f"response_format {_short(self.response_format.get('type'))} is not supported; "
+                              "structured output is not, only \"text\"", param="response_format")
 
     def engine_logprobs(self) -> int | None:
         """How many alternatives the engine reports per token (None: no logprobs)."""
@@ -126,6 +144,17 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     # legacy form: the number of alternatives per token (0: the sampled token's logprob only)
     logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def refuse_unsupported(self) -> None:
+        if self.echo:
+            raise bad_request("echo is not supported", param="echo")
+        if self.best_of not in (None, 1):
+            raise bad_request(f"only best_of=1 is supported, got {self.best_of}", param="best_of")
+        if self.suffix:
+            raise bad_request("suffix (insertion) is not supported", param="suffix")
 
     def engine_logprobs(self) -> int | None:
         if self.logprobs is not None and not 0 <= self.logprobs <= SamplingParams.MAX_LOGPROBS:
@@ -176,7 +205,7 @@ def _json_path(loc: tuple) -> str:
 
 def _is_union_label(part: Any) -> bool:
     return isinstance(part, str) and (part in ("str", "int", "float", "bool", "none")
-                                      or part.startswith(("list[", "function-", "constrained-"))
+                                      or part.startswith(("list[", "dict[", "function-", "constrained-"))
                                       or part in {"TextPart", "ChatMessage", "StreamOptions"})
 
 
@@ -232,6 +261,7 @@ _SAMPLING_ERROR_FIELD = re.compile(r"^invalid (\w+):")
 def sampling_params(req: _SamplingFields, *, default_max_tokens: int, max_model_len: int,
                     max_tokens_limit: int | None = None) -> SamplingParams:
     """Validated engine parameters; every problem is a 400 naming the field."""
+    req.refuse_unsupported()
     # both limits are checked when both are given; the newer max_completion_tokens wins
     for field in ("max_tokens", "max_completion_tokens"):
         value = getattr(req, field)

@@ -86,9 +86,24 @@ def _logprobs_fields(chat: dict, completion: dict) -> None:
     chat["if"] = {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}}
     chat["then"] = {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}
     _set_branch(completion["properties"]["logprobs"], k)
+    _unsupported_fields(chat["properties"], completion["properties"])
     completion["properties"]["logprobs"]["description"] = (
         "The most likely alternatives per token (0: the sampled token's log-probability only); the "
         "model's own distribution, before temperature, top_k and top_p.")
+
+
+def _unsupported_fields(chat: dict, completion: dict) -> None:
+    """Fields narrowed to the values that ask for nothing this server lacks (the rest are 400s)."""
+    completion["echo"].update(type="boolean", enum=[False], description="Not supported: only false.")
+    _set_branch(completion["best_of"], {"type": "integer", "enum": [1]})
+    _set_branch(completion["suffix"], {"type": "string", "maxLength": 0})
+    completion["suffix"]["description"] = "Not supported: only empty."
+    _set_branch(chat["tools"], {"type": "array", "maxItems": 0})
+    chat["tools"]["description"] = "Tool calling is not supported: tools are refused unless tool_choice is \"none\"."
+    chat["tool_choice"]["anyOf"] = [{"type": "string", "enum": ["none", "auto"]}, {"type": "null"}]
+    _set_branch(chat["response_format"], {"type": "object", "required": ["type"],
+                                          "properties": {"type": {"type": "string", "enum": ["text"]}}})
+    chat["response_format"]["description"] = "Structured output is not supported: only {\"type\": \"text\"}."
 
 
 def _request_schemas(components: dict, model_name: str, max_tokens_max: int | None,

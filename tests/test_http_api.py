@@ -194,6 +194,14 @@ def _engine_records(engine, prompt, params) -> list[dict]:
     return records
 
 
+def test_fields_asking_for_nothing_unsupported_are_accepted(raw):
+    for path, body in ((CHAT, _chat(tools=[{"type": "function"}], tool_choice="none", response_format={"type": "text"})),
+                       (CHAT, _chat(tools=[], tool_choice="auto")),
+                       (COMPLETIONS, _completion(echo=False, best_of=1, suffix=""))):
+        resp = raw.post(path, content=body)
+        assert resp.status_code == 200, resp.text
+
+
 def test_completion_default_max_tokens_is_openais_16(client):
     resp = client.completions.create(model=MODEL, prompt="hello", temperature=0, extra_body={"ignore_eos": True})
     assert resp.usage.completion_tokens == 16 and resp.choices[0].finish_reason == "length"
@@ -322,6 +330,16 @@ BAD_REQUESTS = {
     "logit_bias value over 100": ("POST", CHAT, _chat(logit_bias={"5": 101}), 400, "logit_bias"),
     "logit_bias a list": ("POST", CHAT, _chat(logit_bias=[5]), 400, "logit_bias"),
     "logit_bias outside the vocabulary": ("POST", COMPLETIONS, _completion(logit_bias={"99999999": 1}), 400, None),
+    "tools": ("POST", CHAT, _chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
+    "tools with tool_choice auto": ("POST", CHAT, _chat(tools=[{"type": "function"}], tool_choice="auto"), 400,
+                                    "tools"),
+    "tool_choice required": ("POST", CHAT, _chat(tool_choice="required"), 400, "tool_choice"),
+    "tool_choice a number": ("POST", CHAT, _chat(tool_choice=3), 400, "tool_choice"),
+    "response_format json_object": ("POST", CHAT, _chat(response_format={"type": "json_object"}), 400,
+                                    "response_format"),
+    "echo": ("POST", COMPLETIONS, _completion(echo=True), 400, "echo"),
+    "best_of two": ("POST", COMPLETIONS, _completion(best_of=2), 400, "best_of"),
+    "suffix": ("POST", COMPLETIONS, _completion(suffix="end"), 400, "suffix"),
     "unknown model": ("POST", CHAT, _chat(model="gpt-4o"), 404, "model"),
     "unknown route": ("POST", "/v1/embeddings", _chat(), 404, None),
     "unknown path": ("GET", "/nowhere", None, 404, None),
