@@ -17,6 +17,8 @@ from engine.sampling import SamplingError, SamplingParams
 SEED_MIN, SEED_MAX_EXCLUSIVE = -(2**63), 2**64
 # OpenAI's own default for legacy completions when max_tokens is absent.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+# Choices per request (n): each is an engine request of its own.
+MAX_CHOICES = 64
 
 
 class APIError(Exception):
@@ -278,7 +280,10 @@ def sampling_params(req: _SamplingFields, *, default_max_tokens: int, max_model_
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is None:
         max_tokens = default_max_tokens
-    kwargs: dict[str, Any] = {"max_tokens": max_tokens, "ignore_eos": req.ignore_eos, "n": req.n,
+    if not 1 <= req.n <= MAX_CHOICES:
+        raise bad_request(f"n must be in 1..{MAX_CHOICES}, got {req.n}", param="n")
+    # n choices are n engine requests (app/service.py), each of one
+    kwargs: dict[str, Any] = {"max_tokens": max_tokens, "ignore_eos": req.ignore_eos,
                               "logprobs": req.engine_logprobs()}
     for name in ("temperature", "top_p", "seed", "stop", "stop_token_ids", "presence_penalty",
                  "frequency_penalty", "repetition_penalty"):
@@ -322,23 +327,31 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def chat_completion(request_id: str, model: str, created: int, text: str, finish_reason: str | None,
-                    usage_obj: dict, logprobs: list[dict] | None = None) -> dict:
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """Choice `index`'s seed: seeded choices differ from each other and repeat run to run."""
+    if seed is None:
+        return None
+    seed += index
+    return seed - 2**64 if seed >= SEED_MAX_EXCLUSIVE else seed
+
+
+def completion_response(kind: Literal["chat", "completion"], request_id: str, model: str, created: int,
+                        choices: list[dict], usage_obj: dict) -> dict:
+    return {"id": request_id, "object": "chat.completion" if kind == "chat" else "text_completion",
+            "created": created, "model": model, "choices": choices, "usage": usage_obj}
+
+
+def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: list[dict] | None = None) -> dict:
     """logprobs: the engine's records (engine/logprobs.py), one per generated token, when asked for."""
-    return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "logprobs": chat_logprobs(logprobs), "finish_reason": finish_reason}],
-            "usage": usage_obj}
+    return {"index": index, "message": {"role": "assistant", "content": text},
+            "logprobs": chat_logprobs(logprobs), "finish_reason": finish_reason}
 
 
-def text_completion(request_id: str, model: str, created: int, text: str, finish_reason: str | None,
-                    usage_obj: dict, logprobs: list[dict] | None = None, text_offsets: list[int] | None = None
-                    ) -> dict:
+def text_choice(index: int, text: str, finish_reason: str | None, logprobs: list[dict] | None = None,
+                text_offsets: list[int] | None = None) -> dict:
     """text_offsets: where each logprobs record's token starts in `text`."""
-    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": completion_logprobs(logprobs, text_offsets),
-                         "finish_reason": finish_reason}],
-            "usage": usage_obj}
+    return {"index": index, "text": text, "logprobs": completion_logprobs(logprobs, text_offsets),
+            "finish_reason": finish_reason}
 
 
 def chat_logprobs(records: list[dict] | None) -> dict | None:
@@ -381,7 +394,7 @@ class StreamChunks:
             chunk["usage"] = None  # OpenAI sends null usage on every chunk but the last
         return chunk
 
-    def _choice(self, text: str | None, finish_reason: str | None, role: bool = False,
+    def _choice(self, index: int, text: str | None, finish_reason: str | None, role: bool = False,
                 logprobs: list[dict] | None = None, text_offset: int = 0) -> dict:
         if self.kind == "chat":
             delta: dict[str, Any] = {}
@@ -389,22 +402,23 @@ class StreamChunks:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            return {"index": 0, "delta": delta, "logprobs": chat_logprobs(logprobs), "finish_reason": finish_reason}
+            return {"index": index, "delta": delta, "logprobs": chat_logprobs(logprobs),
+                    "finish_reason": finish_reason}
         offsets = [text_offset] * len(logprobs or ())
-        return {"index": 0, "text": text or "", "logprobs": completion_logprobs(logprobs, offsets),
+        return {"index": index, "text": text or "", "logprobs": completion_logprobs(logprobs, offsets),
                 "finish_reason": finish_reason}
 
-    def role(self) -> dict | None:
-        """Chat streams open with the assistant role and empty content."""
-        return self._chunk([self._choice("", None, role=True)]) if self.kind == "chat" else None
+    def role(self, index: int = 0) -> dict | None:
+        """Chat streams open each choice with the assistant role and empty content."""
+        return self._chunk([self._choice(index, "", None, role=True)]) if self.kind == "chat" else None
 
-    def delta(self, text: str, logprobs: list[dict] | None = None, text_offset: int = 0) -> dict:
+    def delta(self, text: str, logprobs: list[dict] | None = None, text_offset: int = 0, index: int = 0) -> dict:
         """logprobs: the records of this delta's tokens; text_offset: where they start in the
-        whole text (legacy completions)."""
-        return self._chunk([self._choice(text, None, logprobs=logprobs, text_offset=text_offset)])
+        choice's whole text (legacy completions)."""
+        return self._chunk([self._choice(index, text, None, logprobs=logprobs, text_offset=text_offset)])
 
-    def finish(self, finish_reason: str | None) -> dict:
-        return self._chunk([self._choice(None if self.kind == "chat" else "", finish_reason)])
+    def finish(self, finish_reason: str | None, index: int = 0) -> dict:
+        return self._chunk([self._choice(index, None if self.kind == "chat" else "", finish_reason)])
 
     def usage(self, usage_obj: dict) -> dict:
         chunk = self._chunk([])

@@ -61,7 +61,8 @@ def _sampling_fields(props: dict, model_name: str, max_tokens_max: int | None) -
                               {"type": "null"}]
     _set_branch(props["stop_token_ids"], {"type": "array", "items": {"type": "integer", "minimum": 0}})
     props["stop_token_ids"]["description"] = "Extension: token ids that end the generation."
-    props["n"].update(type="integer", enum=[1], description="Only one choice per request is supported.")
+    props["n"].update(type="integer", minimum=1, maximum=oa.MAX_CHOICES,
+                      description="Choices: each is sampled apart (with a seed, choice i uses seed + i).")
     for name in ("presence_penalty", "frequency_penalty"):
         _set_branch(props[name], {"type": "number", "minimum": -2, "maximum": 2})
     _set_branch(props["repetition_penalty"], {"type": "number", "exclusiveMinimum": 0, "maximum": 100})

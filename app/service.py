@@ -13,8 +13,10 @@ num_prompt_tokens, num_cached_tokens and error.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from contextlib import aclosing
 from typing import Any, AsyncIterator, Literal, Protocol
 
 import anyio
@@ -59,8 +61,11 @@ def api_error_from(exc: BaseException, prompt_param: str | None = None) -> APIEr
     return APIError(500, f"internal error: {type(exc).__name__}", type="server_error")
 
 
-def _usage(last: dict, completion_tokens: int) -> dict:
-    return oa.usage(last.get("num_prompt_tokens", 0), completion_tokens, last.get("num_cached_tokens", 0))
+def _usage(choices: list["_Choice"]) -> dict:
+    """The prompt counted once (choice 0's cached tokens), the completions added up."""
+    first = choices[0].last
+    return oa.usage(first.get("num_prompt_tokens", 0), sum(c.num_tokens for c in choices),
+                    first.get("num_cached_tokens", 0))
 
 
 def _wants_logprobs(engine_request: dict) -> bool:
@@ -94,14 +99,35 @@ class OpenAIService:
         params = oa.sampling_params(req, default_max_tokens=default_max, max_model_len=b.max_model_len,
                                     max_tokens_limit=self.max_tokens_limit)
         return req, {"request_id": oa.new_request_id(kind), "prompt": text, "prompt_token_ids": token_ids,
-                     "messages": messages, "sampling": oa.sampling_dict(params)}
+                     "messages": messages, "sampling": oa.sampling_dict(params), "n": req.n}
 
     # running ----------------------------------------------------------------------------
     async def open(self, kind: Kind, engine_request: dict, session_id: str | None
-                   ) -> tuple[AsyncIterator[dict], dict]:
-        """Starts the request and waits for its first output, so a rejected request is an
-        APIError before any response byte goes out."""
-        stream = self.backend.generate(engine_request, session_id)
+                   ) -> tuple[AsyncIterator[dict], list[dict]]:
+        """Starts the request's choices and waits for the first output of each, so a rejected
+        request is an APIError before any response byte goes out. Returns the stream of the
+        outputs after those, and those first outputs; each output's "index" is its choice's
+        (absent: 0). n choices are n backend requests, in one session, so that they share the
+        prompt's cached KV."""
+        n = engine_request.get("n", 1)
+        if n == 1:
+            stream = self.backend.generate(engine_request, session_id)
+            return stream, [await self._first(kind, engine_request, stream)]
+        rid, sampling = engine_request["request_id"], engine_request["sampling"]
+        requests = [dict(engine_request, request_id=f"{rid}-{i}", n=1,
+                         sampling=dict(sampling, seed=oa.choice_seed(sampling.get("seed"), i))) for i in range(n)]
+        streams = [self.backend.generate(r, session_id) for r in requests]
+        firsts = await asyncio.gather(*[self._first(kind, r, st) for r, st in zip(requests, streams)],
+                                      return_exceptions=True)
+        failed = [f for f in firsts if isinstance(f, BaseException)]
+        if failed:
+            with anyio.CancelScope(shield=True):
+                for st in streams:
+                    await st.aclose()
+            raise failed[0]
+        return _merge(streams), [dict(f, index=i) for i, f in enumerate(firsts)]
+
+    async def _first(self, kind: Kind, engine_request: dict, stream: AsyncIterator[dict]) -> dict:
         try:
             first = await stream.__anext__()
         except StopAsyncIteration:
@@ -116,70 +142,140 @@ class OpenAIService:
             await stream.aclose()
             log.error("request %s failed: %s", engine_request["request_id"], first["error"])
             raise APIError(500, f"generation failed: {first['error']}", type="server_error")
-        return stream, first
+        return first
 
     async def collect(self, kind: Kind, req, engine_request: dict, stream: AsyncIterator[dict],
-                      first: dict) -> dict:
+                      firsts: list[dict]) -> dict:
         """The whole (non-streaming) response object."""
-        pieces, num_tokens, last = [], 0, {}
-        logprobs: list[dict] | None = [] if _wants_logprobs(engine_request) else None
-        offsets, text_len = [], 0
+        choices = [_Choice(_wants_logprobs(engine_request)) for _ in firsts]
+        rid = engine_request["request_id"]
         try:
-            out: dict | None = first
-            while out is not None:
-                if logprobs is not None and out.get("logprobs"):
-                    logprobs += out["logprobs"]
-                    offsets += [text_len] * len(out["logprobs"])
-                pieces.append(out.get("text_delta", ""))
-                text_len += len(pieces[-1])
-                num_tokens += len(out.get("new_token_ids", ()))
-                last = out
-                if out.get("finished") or out.get("error"):
-                    break
-                out = await anext(stream, None)
+            async with aclosing(_outputs(firsts, stream, len(choices))) as outputs:
+                async for out in outputs:
+                    choices[out.get("index", 0)].add(out)
+                    if out.get("error"):
+                        log.error("request %s failed: %s", rid, out["error"])
+                        raise APIError(500, f"generation failed: {out['error']}", type="server_error")
+        except APIError:
+            raise
         except Exception as e:
             raise api_error_from(e) from None
         finally:
             with anyio.CancelScope(shield=True):
                 await stream.aclose()
-        rid = engine_request["request_id"]
-        if last.get("error"):
-            log.error("request %s failed: %s", rid, last["error"])
-            raise APIError(500, f"generation failed: {last['error']}", type="server_error")
-        args = (rid, self.backend.model_name, int(time.time()), "".join(pieces), last.get("finish_reason"),
-                _usage(last, num_tokens), logprobs)
-        return oa.chat_completion(*args) if kind == "chat" else oa.text_completion(*args, offsets)
+        build = oa.chat_choice if kind == "chat" else oa.text_choice
+        return oa.completion_response(kind, rid, self.backend.model_name, int(time.time()),
+                                      [build(i, *c.result(kind)) for i, c in enumerate(choices)], _usage(choices))
 
     async def chunks(self, kind: Kind, req, engine_request: dict, stream: AsyncIterator[dict],
-                     first: dict) -> AsyncIterator[dict]:
+                     firsts: list[dict]) -> AsyncIterator[dict]:
         """The stream-chunk objects of a streaming response. A failure mid-stream ends it with
-        an error object ({"error": ...}); the backend stream is closed however it ends."""
+        an error object ({"error": ...}); the backend streams are closed however it ends."""
         chunks = oa.StreamChunks(kind, engine_request["request_id"], self.backend.model_name, req.include_usage)
-        num_tokens, last, text_len = 0, first, 0
+        choices = [_Choice(False) for _ in firsts]
         try:
-            role = chunks.role()
-            if role is not None:
-                yield role
-            out: dict | None = first
-            while out is not None:
-                last = out
-                if out.get("error"):
-                    log.error("request %s failed mid-stream: %s", chunks.request_id, out["error"])
-                    yield oa.error_body(f"generation failed: {out['error']}", "server_error")
-                    return
-                num_tokens += len(out.get("new_token_ids", ()))
-                if out.get("text_delta") or out.get("logprobs"):
-                    yield chunks.delta(out.get("text_delta", ""), out.get("logprobs"), text_len)
-                    text_len += len(out.get("text_delta", ""))
-                if out.get("finished"):
-                    break
-                out = await anext(stream, None)
-            yield chunks.finish(last.get("finish_reason"))
+            async with aclosing(_outputs(firsts, stream, len(choices))) as outputs:
+                async for out in outputs:
+                    i = out.get("index", 0)
+                    c = choices[i]
+                    if out.get("error"):
+                        log.error("request %s failed mid-stream: %s", chunks.request_id, out["error"])
+                        yield oa.error_body(f"generation failed: {out['error']}", "server_error")
+                        return
+                    if not c.opened:
+                        c.opened = True
+                        role = chunks.role(i)
+                        if role is not None:
+                            yield role
+                    offset = c.text_len
+                    c.add(out)
+                    if out.get("text_delta") or out.get("logprobs"):
+                        yield chunks.delta(out.get("text_delta", ""), out.get("logprobs"), offset, index=i)
+                    if out.get("finished"):
+                        yield chunks.finish(out.get("finish_reason"), index=i)
             if chunks.include_usage:
-                yield chunks.usage(_usage(last, num_tokens))
+                yield chunks.usage(_usage(choices))
         except Exception as e:
             err = api_error_from(e)
             yield oa.error_body(err.message, err.type, None, err.code)
         finally:
             with anyio.CancelScope(shield=True):  # a cancelled response must still abort upstream
                 await stream.aclose()
+
+
+class _Choice:
+    """One choice's outputs, added up."""
+
+    def __init__(self, logprobs: bool):
+        self.pieces: list[str] = []
+        self.text_len = self.num_tokens = 0
+        self.logprobs: list[dict] | None = [] if logprobs else None
+        self.offsets: list[int] = []  # where each logprobs record's token starts in the text
+        self.last: dict = {}
+        self.opened = False  # streaming: its role chunk went out
+
+    def add(self, out: dict) -> None:
+        if self.logprobs is not None and out.get("logprobs"):
+            self.logprobs += out["logprobs"]
+            self.offsets += [self.text_len] * len(out["logprobs"])
+        self.pieces.append(out.get("text_delta", ""))
+        self.text_len += len(self.pieces[-1])
+        self.num_tokens += len(out.get("new_token_ids", ()))
+        self.last = out
+
+    def result(self, kind: Kind) -> tuple:
+        base = ("".join(self.pieces), self.last.get("finish_reason"), self.logprobs)
+        return base if kind == "chat" else (*base, self.offsets)
+
+
+async def _outputs(firsts: list[dict], stream: AsyncIterator[dict], n: int) -> AsyncIterator[dict]:
+    """The first outputs, then the stream's, up to the n-th choice's last (or an error): the
+    stream is not read past it. Closing this leaves the stream to its owner."""
+    finished, pending = 0, iter(firsts)
+    while True:
+        out = next(pending, None)
+        if out is None:
+            out = await anext(stream, None)
+            if out is None:
+                return
+        yield out
+        if out.get("error"):
+            return
+        if out.get("finished"):
+            finished += 1
+            if finished == n:
+                return
+
+
+async def _merge(streams: list[AsyncIterator[dict]]) -> AsyncIterator[dict]:
+    """The outputs of several choices' streams as they come, each tagged with its index.
+    Closing it closes every stream (aborting what is still running)."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[dict]) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait(dict(out, index=i))
+        except Exception as e:
+            queue.put_nowait(e)
+        finally:
+            queue.put_nowait(None)
+
+    tasks = [asyncio.ensure_future(pump(i, st)) for i, st in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        with anyio.CancelScope(shield=True):
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for st in streams:
+                await st.aclose()

@@ -334,6 +334,8 @@ def hand_cases(vocab_size: int, max_body: int, max_model_len: int) -> list[HandC
                  bad),
         HandCase("logit_bias key of 5000 digits", CHAT, _j(_chat(logit_bias={"9" * 5000: 1})), bad),
         HandCase("logit_bias value infinite", CHAT, _with_raw(_chat(), "logit_bias", '{"5": 1e999}'), bad),
+        HandCase("the most choices allowed, streamed", CHAT, _j(_chat(n=64, stream=True, max_tokens=2)), ok),
+        HandCase("one choice too many", COMPLETIONS, _j(_completion(n=65)), bad),
         HandCase("every penalty at its limit", COMPLETIONS, _j(_completion(presence_penalty=-2, frequency_penalty=2,
                                                                            repetition_penalty=100)), ok),
         HandCase("token id = vocab size", COMPLETIONS, _j(_completion(prompt=[vocab_size])), bad),

@@ -162,6 +162,14 @@ def test_python_handle_api(served):
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     done = handle.completions.remote({"prompt": [5, 6, 7, 8], "max_tokens": 3}).result()
     assert done["object"] == "text_completion" and done["usage"]["prompt_tokens"] == 4
+    # choices through the decode group, on the session's rank, with the same prompt cache
+    many = handle.chat.remote(dict(req, n=3, temperature=1.0, seed=5), session_id="agent-1").result()
+    assert [c["index"] for c in many["choices"]] == [0, 1, 2] and many["usage"]["completion_tokens"] == 15
+    streamed = list(handle.options(stream=True).chat_stream.remote(dict(req, n=3, temperature=1.0, seed=5),
+                                                                   session_id="agent-1"))
+    for c in many["choices"]:
+        assert "".join(ch["choices"][0]["delta"].get("content") or "" for ch in streamed
+                       if ch["choices"] and ch["choices"][0]["index"] == c["index"]) == c["message"]["content"]
     from app.openai_api import APIError
     with pytest.raises(APIError) as bad:
         handle.chat.remote({"messages": [], "max_tokens": 3}).result()
