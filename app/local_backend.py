@@ -20,7 +20,8 @@ class LocalBackend:
         prompt = request.get("prompt")
         if prompt is None:
             prompt = request.get("prompt_token_ids")
-        outputs = self.async_engine.generate(request["request_id"], prompt, params, messages=request.get("messages"))
+        outputs = self.async_engine.generate(request["request_id"], prompt, params, messages=request.get("messages"),
+                                              tools=request.get("tools"))
         try:
             async for out in outputs:
                 yield out.stream_dict()

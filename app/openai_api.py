@@ -68,10 +68,34 @@ class TextPart(_Request):
     text: str | None = None
 
 
+class FunctionCall(_Request):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class MessageToolCall(_Request):
+    id: str | None = None
+    type: str = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
     role: str
     # assistant turns that only carried tool calls have null content
     content: str | list[TextPart] | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None                   # a tool's answer: to which call
+
+
+class ToolFunction(_Request):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+
+
+class Tool(_Request):
+    type: str
+    function: ToolFunction
 
 
 class StreamOptions(_Request):
@@ -113,16 +137,18 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Tool] | None = None
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
 
     def refuse_unsupported(self) -> None:
-        if self.tools and self.tool_choice != "none":
-            raise bad_request("tool calling is not supported; send no tools, or tool_choice \"none\"",
-                              param="tools")
+        for i, tool in enumerate(self.tools or ()):
+            if tool.type != "function":
+                raise bad_request(f"tools[{i}].type {tool.type!r} is not supported; only \"function\"",
+                                  param="tools")
         if self.tool_choice is not None and self.tool_choice not in ("none", "auto"):
-            raise bad_request(f"tool_choice {_short(self.tool_choice)} is not supported (tool calling is not)",
+            # forcing a call needs constrained decoding
+            raise bad_request(f"tool_choice {_short(self.tool_choice)} is not supported; use \"auto\" or \"none\"",
                               param="tool_choice")
         if self.response_format is not None and self.response_format.get("type") != "text":
             raise bad_request(f"response_format {_short(self.response_format.get('type'))} is not supported; "
@@ -166,7 +192,8 @@ class CompletionRequest(_SamplingFields):
 
 
 # Chat roles the chat template renders; "developer" is OpenAI's newer name for "system".
-_ROLE_ALIASES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_ROLE_ALIASES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+                 "tool": "tool"}
 
 
 def parse_request(cls: type[_Request], body: Any) -> Any:
@@ -208,7 +235,8 @@ def _json_path(loc: tuple) -> str:
 def _is_union_label(part: Any) -> bool:
     return isinstance(part, str) and (part in ("str", "int", "float", "bool", "none")
                                       or part.startswith(("list[", "dict[", "function-", "constrained-"))
-                                      or part in {"TextPart", "ChatMessage", "StreamOptions"})
+                                      or part in {"TextPart", "ChatMessage", "StreamOptions", "Tool",
+                                                  "ToolFunction", "MessageToolCall", "FunctionCall"})
 
 
 def _json_type(value: Any) -> str:
@@ -229,8 +257,8 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
     for i, m in enumerate(req.messages):
         role = _ROLE_ALIASES.get(m.role)
         if role is None:
-            raise bad_request(f"messages[{i}].role {m.role!r} is not supported; use system, developer, user or "
-                              "assistant (tool calls are not supported)", param="messages")
+            raise bad_request(f"messages[{i}].role {m.role!r} is not supported; use system, developer, user, "
+                              "assistant or tool", param="messages")
         if isinstance(m.content, list):
             texts = []
             for j, part in enumerate(m.content):
@@ -241,8 +269,22 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
             content = "\n".join(texts)
         else:
             content = m.content or ""
-        out.append({"role": role, "content": content})
+        message: dict[str, Any] = {"role": role, "content": content}
+        if m.tool_calls and role == "assistant":
+            message["tool_calls"] = [{"id": c.id, "type": "function",
+                                      "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                                     for c in m.tool_calls]
+        if role == "tool":
+            message["tool_call_id"] = m.tool_call_id
+        out.append(message)
     return out
+
+
+def chat_tools(req: ChatCompletionRequest) -> list[dict] | None:
+    """The tools the chat template describes to the model; none with tool_choice "none"."""
+    if not req.tools or req.tool_choice == "none":
+        return None
+    return [{"type": "function", "function": t.function.model_dump(exclude_none=True)} for t in req.tools]
 
 
 def completion_prompt(req: CompletionRequest) -> tuple[str | None, list[int] | None]:
@@ -341,10 +383,14 @@ def completion_response(kind: Literal["chat", "completion"], request_id: str, mo
             "created": created, "model": model, "choices": choices, "usage": usage_obj}
 
 
-def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: list[dict] | None = None) -> dict:
-    """logprobs: the engine's records (engine/logprobs.py), one per generated token, when asked for."""
-    return {"index": index, "message": {"role": "assistant", "content": text},
-            "logprobs": chat_logprobs(logprobs), "finish_reason": finish_reason}
+def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: list[dict] | None = None,
+                tool_calls: list[dict] | None = None) -> dict:
+    """logprobs: the engine's records (engine/logprobs.py), one per generated token, when asked for;
+    tool_calls: in the API's form (app/tool_calls.py), the content then being what came before them."""
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if tool_calls:
+        message.update(content=text or None, tool_calls=tool_calls)
+    return {"index": index, "message": message, "logprobs": chat_logprobs(logprobs), "finish_reason": finish_reason}
 
 
 def text_choice(index: int, text: str, finish_reason: str | None, logprobs: list[dict] | None = None,
@@ -416,6 +462,10 @@ class StreamChunks:
         """logprobs: the records of this delta's tokens; text_offset: where they start in the
         choice's whole text (legacy completions)."""
         return self._chunk([self._choice(index, text, None, logprobs=logprobs, text_offset=text_offset)])
+
+    def tool_calls(self, calls: list[dict], index: int = 0) -> dict:
+        """A chat delta of whole tool calls (each with its \"index\" in the answer)."""
+        return self._chunk([{"index": index, "delta": {"tool_calls": calls}, "logprobs": None, "finish_reason": None}])
 
     def finish(self, finish_reason: str | None, index: int = 0) -> dict:
         return self._chunk([self._choice(index, None if self.kind == "chat" else "", finish_reason)])

@@ -99,9 +99,10 @@ def _unsupported_fields(chat: dict, completion: dict) -> None:
     _set_branch(completion["best_of"], {"type": "integer", "enum": [1]})
     _set_branch(completion["suffix"], {"type": "string", "maxLength": 0})
     completion["suffix"]["description"] = "Not supported: only empty."
-    _set_branch(chat["tools"], {"type": "array", "maxItems": 0})
-    chat["tools"]["description"] = "Tool calling is not supported: tools are refused unless tool_choice is \"none\"."
+    chat["tools"]["description"] = ("Functions the model may call (DeepSeek's tool-call format); its calls come "
+                                    "back as message.tool_calls with finish_reason \"tool_calls\".")
     chat["tool_choice"]["anyOf"] = [{"type": "string", "enum": ["none", "auto"]}, {"type": "null"}]
+    chat["tool_choice"]["description"] = "\"none\" leaves the tools out of the prompt; forcing a call is not supported."
     _set_branch(chat["response_format"], {"type": "object", "required": ["type"],
                                           "properties": {"type": {"type": "string", "enum": ["text"]}}})
     chat["response_format"]["description"] = "Structured output is not supported: only {\"type\": \"text\"}."
@@ -119,7 +120,8 @@ def _request_schemas(components: dict, model_name: str, max_tokens_max: int | No
 
     chat["properties"]["messages"]["minItems"] = 1
     message = components["ChatMessage"]
-    message["properties"]["role"]["enum"] = sorted({"system", "developer", "user", "assistant"})
+    message["properties"]["role"]["enum"] = sorted({"system", "developer", "user", "assistant", "tool"})
+    components["Tool"]["properties"]["type"]["enum"] = ["function"]
     message["additionalProperties"] = True
     part = components["TextPart"]
     # the model accepts any part and leaves the rejection of non-text ones to chat_messages()
@@ -157,7 +159,13 @@ def _response_schemas() -> dict:
                                       "properties": {"cached_tokens": {"type": "integer", "minimum": 0}}},
         },
     }
-    finish = {"anyOf": [{"type": "string", "enum": ["stop", "length"]}, {"type": "null"}]}
+    finish = {"anyOf": [{"type": "string", "enum": ["stop", "length", "tool_calls"]}, {"type": "null"}]}
+    call = {"type": "object", "required": ["id", "type", "function"],
+            "properties": {"id": {"type": "string"}, "type": {"type": "string", "enum": ["function"]},
+                           "function": {"type": "object", "required": ["name", "arguments"],
+                                        "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}}}}}
+    call_delta = {**call, "required": ["index", *call["required"]],
+                  "properties": {"index": {"type": "integer", "minimum": 0}, **call["properties"]}}
     text_or_null = {"anyOf": [{"type": "string"}, {"type": "null"}]}
 
     def envelope(obj: str, choice: dict, *, streamed: bool) -> dict:
@@ -182,9 +190,12 @@ def _response_schemas() -> dict:
                 "properties": {"index": {"type": "integer", "minimum": 0}, **fields,
                                "logprobs": _nullable(_ref(logprobs)), "finish_reason": finish}}
 
+    # content is null only beside tool calls
     message = {"type": "object", "required": ["role", "content"],
-               "properties": {"role": {"type": "string", "enum": ["assistant"]}, "content": {"type": "string"}}}
-    delta = {"type": "object", "properties": {"role": {"type": "string", "enum": ["assistant"]}, "content": text_or_null}}
+               "properties": {"role": {"type": "string", "enum": ["assistant"]}, "content": text_or_null,
+                              "tool_calls": {"type": "array", "items": call, "minItems": 1}}}
+    delta = {"type": "object", "properties": {"role": {"type": "string", "enum": ["assistant"]}, "content": text_or_null,
+                                              "tool_calls": {"type": "array", "items": call_delta, "minItems": 1}}}
     return {
         "Usage": usage,
         "ChatCompletion": envelope("chat.completion", choice("ChatLogprobs", message=message), streamed=False),

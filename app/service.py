@@ -27,6 +27,7 @@ from engine.sampling import SamplingError
 
 from . import openai_api as oa
 from .openai_api import APIError, bad_request
+from .tool_calls import ToolCallStream, openai_tool_call, split_tool_calls
 
 log = logging.getLogger(__name__)
 
@@ -84,9 +85,11 @@ class OpenAIService:
         if isinstance(body, BaseModel):
             body = body.model_dump(exclude_unset=True)
         b = self.backend
+        tools = None
         if kind == "chat":
             req = oa.parse_request(oa.ChatCompletionRequest, body)
             messages, text, token_ids = oa.chat_messages(req), None, None
+            tools = oa.chat_tools(req)
             # chat has no default cap in OpenAI's API; the engine ends the answer at the context
             default_max = min(self.max_tokens_limit or b.max_model_len, b.max_model_len - 1)
         else:
@@ -99,7 +102,7 @@ class OpenAIService:
         params = oa.sampling_params(req, default_max_tokens=default_max, max_model_len=b.max_model_len,
                                     max_tokens_limit=self.max_tokens_limit)
         return req, {"request_id": oa.new_request_id(kind), "prompt": text, "prompt_token_ids": token_ids,
-                     "messages": messages, "sampling": oa.sampling_dict(params), "n": req.n}
+                     "messages": messages, "tools": tools, "sampling": oa.sampling_dict(params), "n": req.n}
 
     # running ----------------------------------------------------------------------------
     async def open(self, kind: Kind, engine_request: dict, session_id: str | None
@@ -163,9 +166,12 @@ class OpenAIService:
         finally:
             with anyio.CancelScope(shield=True):
                 await stream.aclose()
-        build = oa.chat_choice if kind == "chat" else oa.text_choice
-        return oa.completion_response(kind, rid, self.backend.model_name, int(time.time()),
-                                      [build(i, *c.result(kind)) for i, c in enumerate(choices)], _usage(choices))
+        if kind == "chat":
+            built = [_chat_choice(i, c, bool(engine_request.get("tools"))) for i, c in enumerate(choices)]
+        else:
+            built = [oa.text_choice(i, "".join(c.pieces), c.last.get("finish_reason"), c.logprobs, c.offsets)
+                     for i, c in enumerate(choices)]
+        return oa.completion_response(kind, rid, self.backend.model_name, int(time.time()), built, _usage(choices))
 
     async def chunks(self, kind: Kind, req, engine_request: dict, stream: AsyncIterator[dict],
                      firsts: list[dict]) -> AsyncIterator[dict]:
@@ -173,6 +179,9 @@ class OpenAIService:
         an error object ({"error": ...}); the backend streams are closed however it ends."""
         chunks = oa.StreamChunks(kind, engine_request["request_id"], self.backend.model_name, req.include_usage)
         choices = [_Choice(False) for _ in firsts]
+        if engine_request.get("tools"):
+            for c in choices:
+                c.tool_calls = ToolCallStream()
         try:
             async with aclosing(_outputs(firsts, stream, len(choices))) as outputs:
                 async for out in outputs:
@@ -189,10 +198,22 @@ class OpenAIService:
                             yield role
                     offset = c.text_len
                     c.add(out)
-                    if out.get("text_delta") or out.get("logprobs"):
-                        yield chunks.delta(out.get("text_delta", ""), out.get("logprobs"), offset, index=i)
+                    text, calls = out.get("text_delta", ""), []
+                    if c.tool_calls is not None:
+                        made = c.tool_calls.num_calls
+                        text, calls = c.tool_calls.feed(text)
+                        if out.get("finished"):
+                            text += c.tool_calls.finish()
+                        calls = [openai_tool_call(call, made + k) for k, call in enumerate(calls)]
+                    if text or out.get("logprobs"):
+                        yield chunks.delta(text, out.get("logprobs"), offset, index=i)
+                    if calls:
+                        yield chunks.tool_calls(calls, index=i)
                     if out.get("finished"):
-                        yield chunks.finish(out.get("finish_reason"), index=i)
+                        reason = out.get("finish_reason")
+                        if reason == "stop" and c.tool_calls is not None and c.tool_calls.num_calls:
+                            reason = "tool_calls"
+                        yield chunks.finish(reason, index=i)
             if chunks.include_usage:
                 yield chunks.usage(_usage(choices))
         except Exception as e:
@@ -213,6 +234,7 @@ class _Choice:
         self.offsets: list[int] = []  # where each logprobs record's token starts in the text
         self.last: dict = {}
         self.opened = False  # streaming: its role chunk went out
+        self.tool_calls: ToolCallStream | None = None  # streaming with tools: the calls found so far
 
     def add(self, out: dict) -> None:
         if self.logprobs is not None and out.get("logprobs"):
@@ -223,9 +245,15 @@ class _Choice:
         self.num_tokens += len(out.get("new_token_ids", ()))
         self.last = out
 
-    def result(self, kind: Kind) -> tuple:
-        base = ("".join(self.pieces), self.last.get("finish_reason"), self.logprobs)
-        return base if kind == "chat" else (*base, self.offsets)
+
+
+def _chat_choice(index: int, c: _Choice, tools: bool) -> dict:
+    text, reason, calls = "".join(c.pieces), c.last.get("finish_reason"), []
+    if tools:
+        text, calls = split_tool_calls(text)
+        if calls and reason == "stop":
+            reason = "tool_calls"
+    return oa.chat_choice(index, text, reason, c.logprobs, [openai_tool_call(call) for call in calls])
 
 
 async def _outputs(firsts: list[dict], stream: AsyncIterator[dict], n: int) -> AsyncIterator[dict]:

@@ -130,6 +130,7 @@ class DecodeRank:
                   if self.transport is not None or self.ipc is not None else None)
         start, last = time.monotonic(), None
         async for out in self.engine.generate(rid, prompt, params, messages=request.get("messages"),
+                                              tools=request.get("tools"),
                                               remote_prefill=remote):
             now = time.monotonic()
             if out.new_token_ids:

@@ -35,7 +35,7 @@ class AsyncLLMEngine:
         self._thread.start()
 
     async def generate(self, request_id: str, prompt=None, params: SamplingParams | None = None,
-                       messages: list[dict] | None = None, hold_kv: bool = False,
+                       messages: list[dict] | None = None, hold_kv: bool = False, tools: list[dict] | None = None,
                        remote_prefill: Callable[[dict], Awaitable[dict | None]] | None = None,
                        ) -> AsyncIterator[RequestOutput]:
         """Yields one RequestOutput per new token; the last has finished=True.
@@ -53,10 +53,12 @@ class AsyncLLMEngine:
         def admit():  # the lock is held for a whole step: take it off the event loop
             with self._locked():
                 if remote_prefill is None:
-                    self.engine.add_request(request_id, prompt, params, messages=messages, hold_kv=hold_kv)
+                    self.engine.add_request(request_id, prompt, params, messages=messages, hold_kv=hold_kv,
+                                            tools=tools)
                     reservation = None
                 else:
-                    reservation = self.engine.reserve_remote(request_id, prompt, params, messages=messages)
+                    reservation = self.engine.reserve_remote(request_id, prompt, params, messages=messages,
+                                                             tools=tools)
                 self._streams[request_id] = (loop, queue)
                 return reservation
         admission = asyncio.ensure_future(asyncio.to_thread(admit))

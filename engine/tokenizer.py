@@ -5,13 +5,27 @@ from pathlib import Path
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"
+# DeepSeek's tool-call markers (V3.1's form: <calls_begin><call_begin>name<sep>arguments<call_end>...
+# <calls_end>). They decode as text, not as special tokens: the API finds tool calls in the text.
+CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+CALL_BEGIN, CALL_END, CALL_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+OUTPUT_BEGIN, OUTPUT_END = "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"
+TOOL_MARKERS = [CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, CALL_SEP, OUTPUT_BEGIN, OUTPUT_END]
 
-# DeepSeek-style chat template: system text first, user/assistant turns marked by special tokens.
+# DeepSeek-style chat template: the tools described first, then system text, user/assistant turns
+# marked by special tokens, an assistant's tool calls and the tools' outputs by the markers.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}## Tools\nYou have access to the following tools:\n{% for t in tools %}"
+    "\n### {{ t['function']['name'] }}\nDescription: {{ t['function'].get('description', '') }}\n"
+    "Parameters: {{ t['function'].get('parameters', {}) | tojson }}\n{% endfor %}\n{% endif %}"
     "{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}"
     "{% elif m['role'] == 'user' %}" + USER + "{{ m['content'] }}"
-    "{% elif m['role'] == 'assistant' %}" + ASSISTANT + "{{ m['content'] }}" + EOS + "{% endif %}{% endfor %}"
+    "{% elif m['role'] == 'assistant' %}" + ASSISTANT + "{{ m['content'] or '' }}"
+    "{% if m.get('tool_calls') %}" + CALLS_BEGIN + "{% for c in m['tool_calls'] %}" + CALL_BEGIN
+    + "{{ c['function']['name'] }}" + CALL_SEP + "{{ c['function']['arguments'] }}" + CALL_END
+    + "{% endfor %}" + CALLS_END + "{% endif %}" + EOS
+    + "{% elif m['role'] == 'tool' %}" + OUTPUT_BEGIN + "{{ m['content'] }}" + OUTPUT_END + "{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}" + ASSISTANT + "{% endif %}"
 )
 
@@ -30,16 +44,18 @@ Numbers 0 1 2 3 4 5 6 7 8 9 10 100 1000 and punctuation , . ; : ! ? ( ) [ ] { } 
 
 def build_tokenizer(vocab_size: int):
     """A byte-level BPE tokenizer with DeepSeek's special tokens, trained offline in well under a second."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     specials = [BOS, EOS, USER, ASSISTANT]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=max(vocab_size, 256 + len(specials)), special_tokens=specials,
+    learned = max(vocab_size, 256 + len(specials) + len(TOOL_MARKERS)) - len(TOOL_MARKERS)
+    trainer = trainers.BpeTrainer(vocab_size=learned, special_tokens=specials,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator([_CORPUS], trainer)
+    tok.add_tokens([AddedToken(m, special=False, normalized=False) for m in TOOL_MARKERS])
     if tok.get_vocab_size() > vocab_size:
         raise ValueError(f"vocab_size {vocab_size} is too small for a byte-level tokenizer")
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS,
@@ -86,10 +102,12 @@ class Tokenizer:
             text = self._token_texts[token] = self.hf.decode([token], skip_special_tokens=False)
         return text
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> list[int]:
         if not self.hf.chat_template:
             raise ValueError("this checkpoint has no chat template")
-        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        text = self.hf.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                           add_generation_prompt=add_generation_prompt)
         return self.encode(text)
 
 

@@ -195,7 +195,8 @@ def _engine_records(engine, prompt, params) -> list[dict]:
 
 
 def test_fields_asking_for_nothing_unsupported_are_accepted(raw):
-    for path, body in ((CHAT, _chat(tools=[{"type": "function"}], tool_choice="none", response_format={"type": "text"})),
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    for path, body in ((CHAT, _chat(tools=[tool], tool_choice="none", response_format={"type": "text"})),
                        (CHAT, _chat(tools=[], tool_choice="auto")),
                        (COMPLETIONS, _completion(echo=False, best_of=1, suffix=""))):
         resp = raw.post(path, content=body)
@@ -301,7 +302,7 @@ BAD_REQUESTS = {
     "missing messages": ("POST", CHAT, json.dumps({"model": MODEL}).encode(), 400, "messages"),
     "missing prompt": ("POST", COMPLETIONS, json.dumps({"model": MODEL}).encode(), 400, "prompt"),
     "empty messages": ("POST", CHAT, _chat(messages=[]), 400, "messages"),
-    "tool role": ("POST", CHAT, _chat(messages=[{"role": "tool", "content": "x"}]), 400, "messages"),
+    "function role": ("POST", CHAT, _chat(messages=[{"role": "function", "content": "x"}]), 400, "messages"),
     "image part": ("POST", CHAT, _chat(messages=[{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]), 400, "messages"),
     "two prompts": ("POST", COMPLETIONS, _completion(prompt=["a", "b"]), 400, "prompt"),
@@ -331,9 +332,12 @@ BAD_REQUESTS = {
     "logit_bias value over 100": ("POST", CHAT, _chat(logit_bias={"5": 101}), 400, "logit_bias"),
     "logit_bias a list": ("POST", CHAT, _chat(logit_bias=[5]), 400, "logit_bias"),
     "logit_bias outside the vocabulary": ("POST", COMPLETIONS, _completion(logit_bias={"99999999": 1}), 400, None),
-    "tools": ("POST", CHAT, _chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
-    "tools with tool_choice auto": ("POST", CHAT, _chat(tools=[{"type": "function"}], tool_choice="auto"), 400,
-                                    "tools"),
+    "tool of another type": ("POST", CHAT, _chat(tools=[{"type": "retrieval", "function": {"name": "f"}}]), 400,
+                             "tools"),
+    "tool without a function": ("POST", CHAT, _chat(tools=[{"type": "function"}]), 400, "tools"),
+    "tool function without a name": ("POST", CHAT, _chat(tools=[{"type": "function", "function": {}}]), 400, "tools"),
+    "tool call arguments not a string": ("POST", CHAT, _chat(messages=[{"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]}]), 400, "messages"),
     "tool_choice required": ("POST", CHAT, _chat(tool_choice="required"), 400, "tool_choice"),
     "tool_choice a number": ("POST", CHAT, _chat(tool_choice=3), 400, "tool_choice"),
     "response_format json_object": ("POST", CHAT, _chat(response_format={"type": "json_object"}), 400,

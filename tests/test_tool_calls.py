@@ -1,0 +1,184 @@
+"""Tool calls: DeepSeek's markers in the chat template, the calls found in an answer whole and as
+it streams, and the API's response and stream shapes (checked against the OpenAPI document)."""
+import asyncio
+import json
+import random
+
+import jsonschema
+import pytest
+
+from app.openapi import openapi_spec
+from app.service import OpenAIService
+from app.tool_calls import ToolCallStream, split_tool_calls
+from engine.sampling import SamplingParams
+from engine.tokenizer import (CALL_BEGIN, CALL_END, CALL_SEP, CALLS_BEGIN, CALLS_END, OUTPUT_BEGIN, TOOL_MARKERS,
+                              Tokenizer)
+from tests.test_http_api import MODEL, client, offline, served  # noqa: F401
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather at a place.",
+                                            "parameters": {"type": "object",
+                                                           "properties": {"city": {"type": "string"}}}}}
+
+
+def _calls(*calls, v3=False) -> str:
+    if v3:
+        body = "".join(f"{CALL_BEGIN}function{CALL_SEP}{n}\n```json\n{a}\n```{CALL_END}" for n, a in calls)
+    else:
+        body = "".join(f"{CALL_BEGIN}{n}{CALL_SEP}{a}{CALL_END}" for n, a in calls)
+    return CALLS_BEGIN + body + CALLS_END
+
+
+@pytest.mark.parametrize("v3", [False, True])
+def test_calls_are_split_from_the_content_in_both_forms(v3):
+    text = "Let me look. " + _calls(("get_weather", '{"city": "Paris"}'), ("get_time", "{}"), v3=v3)
+    content, calls = split_tool_calls(text)
+    assert content == "Let me look. "
+    assert calls == [{"name": "get_weather", "arguments": '{"city": "Paris"}'}, {"name": "get_time", "arguments": "{}"}]
+
+
+@pytest.mark.parametrize("text, content, names", [
+    ("no calls at all <｜not a marker", "no calls at all <｜not a marker", []),
+    ("held < back", "held < back", []),
+    ("cut " + CALLS_BEGIN + CALL_BEGIN + "get_weather" + CALL_SEP + '{"ci', "cut ", []),  # ran out of tokens
+    (CALLS_BEGIN + CALL_BEGIN + "no separator" + CALL_END + CALL_BEGIN + "f" + CALL_SEP + "{}" + CALL_END, "", ["f"]),
+])
+def test_odd_answers(text, content, names):
+    got, calls = split_tool_calls(text)
+    assert got == content and [c["name"] for c in calls] == names
+
+
+def test_a_stream_cut_anywhere_gives_the_whole_answers_result():
+    text = "Sure: " + _calls(("get_weather", '{"city": "Paris"}'), ("f", "{}"))
+    want = split_tool_calls(text)
+    rng = random.Random(0)
+    for trial in range(200):
+        cuts = sorted(rng.sample(range(1, len(text)), rng.randint(1, 30))) if trial else list(range(1, len(text)))
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+        stream, content, calls = ToolCallStream(), "", []
+        for piece in pieces:
+            c, done = stream.feed(piece)
+            content, calls = content + c, calls + done
+            # content is never a marker's start: it goes out as soon as it is known not to be one
+            assert CALLS_BEGIN[:2] not in content
+        content += stream.finish()
+        assert (content, calls) == want and stream.num_calls == 2
+
+
+def test_markers_are_single_tokens_that_decode_as_text(tiny_ckpt):
+    tok = Tokenizer(tiny_ckpt)
+    for marker in TOOL_MARKERS:
+        (token,) = tok.encode(marker)
+        assert tok.decode([token]) == marker == tok.token_text(token)
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                {"role": "tool", "content": "sunny", "tool_call_id": "c1"}]
+    text = tok.decode(tok.apply_chat_template(messages, tools=[WEATHER]))
+    assert "### get_weather" in text and '"city"' in text
+    assert _calls(("get_weather", '{"city": "Paris"}')) in text and OUTPUT_BEGIN + "sunny" in text
+    assert "get_weather" not in tok.decode(tok.apply_chat_template(messages[:1]))
+
+
+class ScriptedBackend:
+    """Answers every request with the same text, a few characters per output."""
+    model_name, max_model_len = "scripted", 4096
+
+    def __init__(self, text: str, finish_reason: str = "stop"):
+        self.text, self.finish_reason, self.requests = text, finish_reason, []
+
+    async def generate(self, request, session_id):
+        self.requests.append(request)
+        pieces = [self.text[i:i + 5] for i in range(0, len(self.text), 5)]
+        for i, piece in enumerate(pieces):
+            last = i == len(pieces) - 1
+            yield {"text_delta": piece, "new_token_ids": [1], "finished": last,
+                   "finish_reason": self.finish_reason if last else None, "num_prompt_tokens": 7, "num_cached_tokens": 0}
+
+    async def health(self):
+        return {}
+
+
+def _schema(name):
+    spec = openapi_spec("scripted")
+    return jsonschema.Draft202012Validator({"$ref": f"#/components/schemas/{name}", "components": spec["components"]})
+
+
+def _respond(backend, body, stream=False):
+    service = OpenAIService(backend)
+
+    async def run():
+        req, engine_request = service.parse("chat", dict(body, stream=stream))
+        outputs, firsts = await service.open("chat", engine_request, None)
+        if stream:
+            return [c async for c in service.chunks("chat", req, engine_request, outputs, firsts)]
+        return await service.collect("chat", req, engine_request, outputs, firsts)
+    return asyncio.run(run())
+
+
+BODY = {"messages": [{"role": "user", "content": "Weather in Paris and Rome?"}], "tools": [WEATHER]}
+
+
+def test_the_answers_calls_come_back_as_tool_calls():
+    backend = ScriptedBackend("Checking. " + _calls(("get_weather", '{"city": "Paris"}'),
+                                                    ("get_weather", '{"city": "Rome"}')))
+    resp = _respond(backend, BODY)
+    _schema("ChatCompletion").validate(resp)
+    (choice,) = resp["choices"]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Checking. "
+    calls = choice["message"]["tool_calls"]
+    assert [json.loads(c["function"]["arguments"])["city"] for c in calls] == ["Paris", "Rome"]
+    assert len({c["id"] for c in calls}) == 2 and all(c["id"].startswith("call_") for c in calls)
+    assert backend.requests[0]["tools"] == [WEATHER]
+
+    chunks = _respond(backend, BODY, stream=True)
+    chunk_schema = _schema("ChatCompletionChunk")
+    for c in chunks:
+        chunk_schema.validate(c)
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert "".join(d.get("content") or "" for d in deltas) == "Checking. "
+    streamed = [call for d in deltas for call in d.get("tool_calls", ())]
+    assert [(c["index"], c["function"]["name"], c["function"]["arguments"]) for c in streamed] == [
+        (0, "get_weather", '{"city": "Paris"}'), (1, "get_weather", '{"city": "Rome"}')]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_without_tools_or_with_tool_choice_none_the_text_is_content():
+    text = "Plain " + _calls(("get_weather", "{}"))
+    for body in ({"messages": BODY["messages"]}, dict(BODY, tool_choice="none")):
+        backend = ScriptedBackend(text)
+        resp = _respond(backend, body)
+        assert resp["choices"][0]["message"] == {"role": "assistant", "content": text}
+        assert resp["choices"][0]["finish_reason"] == "stop" and backend.requests[0]["tools"] is None
+
+
+def test_a_call_cut_by_the_length_limit_is_dropped():
+    backend = ScriptedBackend("Let me " + CALLS_BEGIN + CALL_BEGIN + "get_weather" + CALL_SEP + '{"ci', "length")
+    resp = _respond(backend, BODY)
+    assert resp["choices"][0]["message"] == {"role": "assistant", "content": "Let me "}
+    assert resp["choices"][0]["finish_reason"] == "length"
+    chunks = _respond(backend, BODY, stream=True)
+    assert not any("tool_calls" in c["choices"][0]["delta"] for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_conversation_with_tools_reaches_the_engine(client, offline):
+    """Tools, an assistant's earlier call and the tool's answer go through the chat template."""
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    engine_messages = [{"role": "user", "content": "Weather in Paris?"},
+                       {"role": "assistant", "content": "", "tool_calls": messages[1]["tool_calls"]},
+                       {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}]
+    offline.add_request("tools", None, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+                        messages=engine_messages, tools=[WEATHER])
+    want = None
+    while offline.has_unfinished_requests():
+        want = next((o for o in offline.step() if o.request_id == "tools"), want)
+    resp = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], max_tokens=6,
+                                          temperature=0, extra_body={"ignore_eos": True})
+    assert resp.usage.prompt_tokens == len(offline.tokenizer.apply_chat_template(engine_messages, tools=[WEATHER]))
+    assert resp.choices[0].message.content == want.text
+    plain = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], tool_choice="none",
+                                           max_tokens=1)
+    assert plain.usage.prompt_tokens == len(offline.tokenizer.apply_chat_template(engine_messages))
