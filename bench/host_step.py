@@ -14,6 +14,14 @@ each context's tokens were generated (outputs), not prompted. Median microsecond
 `--whole-step`: instead, the median of the engine's whole `step()` (schedule, inputs, sampling,
 outputs) with the model's forward replaced by zero logits, for `batch` requests decoding.
 
+    python -m bench.host_step --whole-step --batch 64 --contexts 2048 \
+        --sampling plain logprobs=0 logprobs=5 logprobs=20 penalties logit_bias
+
+`--sampling`: the whole step once per kind of request, side by side in one run, with the tiny
+model's tokenizer (naming tokens and detokenizing, as served): `logprobs=K` asks for logprobs
+with K alternatives, `penalties` for presence, frequency and repetition penalties, `logit_bias`
+for a bias on 50 tokens.
+
 `--admission`: the prefix-cache lookup of a request whose whole prompt of `context` tokens is
 cached, as admission runs it on every attempt (each step while the pool is full): the first
 attempt, a retry, and hashing every block's tokens again (what each attempt cost before the
@@ -24,7 +32,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -35,6 +45,7 @@ from engine.config import EngineConfig, preset
 from engine.llm_engine import LLMEngine
 from engine.sampling import SamplingParams
 from engine.sequence import Sequence
+from engine.tokenizer import Tokenizer, build_tokenizer
 
 
 def measure(model, batch_size: int, context: int, iters: int, output_tokens: int = 1) -> dict:
@@ -69,17 +80,29 @@ def measure(model, batch_size: int, context: int, iters: int, output_tokens: int
                 total_us=round(sum(row.values()), 1))
 
 
-def whole_step(model, batch_size: int, prompt: int, iters: int) -> dict:
-    engine = LLMEngine(model, None, EngineConfig(device="cpu", dtype="float32", block_size=64,
-                                                 num_blocks=batch_size * (-(-(prompt + 3 * iters) // 64) + 2),
-                                                 max_num_seqs=batch_size, max_model_len=prompt + 3 * iters + 8))
+SAMPLING_KINDS = {"plain": {}, "penalties": dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2),
+                  "logit_bias": dict(logit_bias={t: -5.0 for t in range(10, 60)})}
+
+
+def sampling_kind(name: str) -> dict:
+    if name.startswith("logprobs="):
+        return {"logprobs": int(name.split("=", 1)[1])}
+    return SAMPLING_KINDS[name]
+
+
+def whole_step(model, batch_size: int, prompt: int, iters: int, sampling: dict | None = None,
+               tokenizer=None) -> dict:
+    engine = LLMEngine(model, tokenizer, EngineConfig(device="cpu", dtype="float32", block_size=64,
+                                                      num_blocks=batch_size * (-(-(prompt + 3 * iters) // 64) + 2),
+                                                      max_num_seqs=batch_size, max_model_len=prompt + 3 * iters + 8))
     for i in range(batch_size):
         engine.add_request(f"r{i}", list(range(5, 5 + prompt)), SamplingParams(max_tokens=3 * iters, temperature=0,
-                                                                              ignore_eos=True))
+                                                                              ignore_eos=True, **(sampling or {})))
     while any(s.num_computed_tokens < len(s.prompt_ids) for s in engine.scheduler.running + list(engine.scheduler.waiting)):
         engine.step()  # the prefills, with the real forward
     vocab = model.cfg.vocab_size
-    engine.runner.decode_forward = lambda ids, *rest: torch.zeros(ids.shape[0], vocab)
+    # varied logits, so that the sampled tokens (and the tokens logprobs name) vary
+    engine.runner.decode_forward = lambda ids, *rest: torch.randn(ids.shape[0], vocab)
     for _ in range(10):
         engine.step()
     times = []
@@ -88,6 +111,12 @@ def whole_step(model, batch_size: int, prompt: int, iters: int) -> dict:
         engine.step()
         times.append((time.perf_counter() - t0) * 1e6)
     return dict(batch=batch_size, prompt=prompt, step_us=round(statistics.median(times), 1))
+
+
+def _tiny_tokenizer(vocab: int) -> Tokenizer:
+    path = Path(tempfile.mkdtemp(prefix="host-step-tok-"))
+    build_tokenizer(vocab).save_pretrained(str(path))
+    return Tokenizer(path)
 
 
 def admission(context: int, block_size: int = 64) -> dict:
@@ -124,17 +153,24 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--admission", action="store_true", help="time the prefix-cache lookup of admission instead")
     ap.add_argument("--whole-step", action="store_true", help="time engine.step() with the forward stubbed instead")
+    ap.add_argument("--sampling", nargs="+", default=None,
+                    help="--whole-step: plain, logprobs=K, penalties, logit_bias; each side by side")
     ap.add_argument("--json", default=None, help="append JSON lines here")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     if args.whole_step:
         model = build_ours(preset("tiny", max_position_embeddings=max(args.contexts) + 3 * args.iters + 16), "cpu",
                            torch.float32)
-        rows = [whole_step(model, args.batch, c, args.iters) for c in args.contexts]
-        print("| batch | prompt | engine step us (forward stubbed) |")
-        print("|---|---|---|")
+        if args.sampling:
+            tokenizer = _tiny_tokenizer(model.cfg.vocab_size)
+            rows = [dict(whole_step(model, args.batch, c, args.iters, sampling_kind(k), tokenizer), sampling=k)
+                    for c in args.contexts for k in args.sampling]
+        else:
+            rows = [dict(whole_step(model, args.batch, c, args.iters), sampling="plain") for c in args.contexts]
+        print("| batch | prompt | requests | engine step us (forward stubbed) |")
+        print("|---|---|---|---|")
         for r in rows:
-            print(f"| {r['batch']} | {r['prompt']} | {r['step_us']} |")
+            print(f"| {r['batch']} | {r['prompt']} | {r['sampling']} | {r['step_us']} |")
     elif args.admission:
         rows = [admission(c) for c in args.contexts]
         print("| context | cached blocks | hash every block ms | first lookup ms | retry ms |")
