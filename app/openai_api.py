@@ -59,7 +59,7 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 class _Request(BaseModel):
     # strict: "5" is not a number and 1.0 is not an integer, as in OpenAI's API; extra keys
-    # (tools, metadata, ...) are ignored as OpenAI ignores unknown ones.
+    # (metadata, store, parallel_tool_calls, ...) are ignored as OpenAI ignores unknown ones.
     model_config = ConfigDict(strict=True, extra="ignore")
 
 

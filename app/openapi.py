@@ -114,7 +114,7 @@ def _request_schemas(components: dict, model_name: str, max_tokens_max: int | No
     completion = _pydantic_schema(oa.CompletionRequest, components)
     for schema in (chat, completion):
         _sampling_fields(schema["properties"], model_name, max_tokens_max)
-        # unknown fields (tools, metadata, ...) are ignored, as OpenAI ignores them
+        # unknown fields (metadata, store, ...) are ignored, as OpenAI ignores them
         schema["additionalProperties"] = True
     _logprobs_fields(chat, completion)
 
