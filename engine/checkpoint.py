@@ -256,6 +256,9 @@ def random_weights(cfg: ModelConfig, seed: int = 0, std: float = 0.02, device="c
 
 
 RANDOM_MARKER = "random_weights.json"
+# What a preset's random checkpoint holds; one written by an older format is written again:
+# 1 masked output rows, 2 the tokenizer's tool-call markers.
+RANDOM_FORMAT = 2
 
 
 def mask_output_rows(weight: torch.Tensor, keep: list[int]) -> torch.Tensor:
@@ -330,8 +333,16 @@ def write_random_checkpoint(cfg: ModelConfig, out: str | Path, seed: int = 0, dt
     (out / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
     tokenizer.save_pretrained(str(out))
     # marks a random checkpoint written with the masked output rows (older ones lack it)
-    (out / RANDOM_MARKER).write_text(json.dumps({"seed": seed, "output_rows_kept": len(keep)}) + "\n")
+    (out / RANDOM_MARKER).write_text(json.dumps({"seed": seed, "output_rows_kept": len(keep),
+                                                 "format": RANDOM_FORMAT}) + "\n")
     return out
+
+
+def _random_format(path: Path) -> int:
+    marker = path / RANDOM_MARKER
+    if not marker.exists():
+        return 0  # from before the output rows were masked
+    return json.loads(marker.read_text()).get("format", 1)
 
 
 def ensure_checkpoint(name_or_path: str, root: str | Path = "checkpoints") -> Path:
@@ -340,8 +351,7 @@ def ensure_checkpoint(name_or_path: str, root: str | Path = "checkpoints") -> Pa
     if p.is_dir():
         return p
     target = Path(root) / name_or_path
-    # a preset's checkpoint from before the output rows were masked is written again
-    if not (target / "config.json").exists() or not (target / RANDOM_MARKER).exists():
+    if not (target / "config.json").exists() or _random_format(target) < RANDOM_FORMAT:
         try:
             cfg = preset(name_or_path)
         except ConfigError:

@@ -140,3 +140,18 @@ def test_random_checkpoint_streams_text_for_every_greedy_token(tiny_ckpt, tmp_pa
         assert len(pieces) == 24
         assert all(t in keep for t, _ in pieces), rid
         assert all(text for _, text in pieces), f"{rid}: a token streamed no text: {pieces}"
+
+
+def test_a_presets_checkpoint_of_an_older_format_is_written_again(tmp_path):
+    from engine.checkpoint import RANDOM_FORMAT, RANDOM_MARKER, ensure_checkpoint
+    from engine.tokenizer import CALLS_BEGIN, Tokenizer
+
+    path = ensure_checkpoint("tiny", tmp_path)
+    marker = path / RANDOM_MARKER
+    assert json.loads(marker.read_text())["format"] == RANDOM_FORMAT
+    written = marker.stat().st_mtime_ns
+    assert ensure_checkpoint("tiny", tmp_path) == path and marker.stat().st_mtime_ns == written  # kept
+    marker.write_text(json.dumps({"seed": 0, "output_rows_kept": 1}))  # as format 1 wrote it
+    ensure_checkpoint("tiny", tmp_path)
+    assert json.loads(marker.read_text())["format"] == RANDOM_FORMAT
+    assert len(Tokenizer(path).encode(CALLS_BEGIN)) == 1  # the new tokenizer came with it
