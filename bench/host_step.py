@@ -95,12 +95,12 @@ def whole_step(model, batch_size: int, prompt: int, iters: int, sampling: dict |
     engine = LLMEngine(model, tokenizer, EngineConfig(device="cpu", dtype="float32", block_size=64,
                                                       num_blocks=batch_size * (-(-(prompt + 3 * iters) // 64) + 2),
                                                       max_num_seqs=batch_size, max_model_len=prompt + 3 * iters + 8))
+    vocab = model.cfg.vocab_size
     for i in range(batch_size):
-        engine.add_request(f"r{i}", list(range(5, 5 + prompt)), SamplingParams(max_tokens=3 * iters, temperature=0,
+        engine.add_request(f"r{i}", [5 + t % (vocab - 5) for t in range(prompt)], SamplingParams(max_tokens=3 * iters, temperature=0,
                                                                               ignore_eos=True, **(sampling or {})))
     while any(s.num_computed_tokens < len(s.prompt_ids) for s in engine.scheduler.running + list(engine.scheduler.waiting)):
         engine.step()  # the prefills, with the real forward
-    vocab = model.cfg.vocab_size
     # varied logits, so that the sampled tokens (and the tokens logprobs name) vary
     engine.runner.decode_forward = lambda ids, *rest: torch.randn(ids.shape[0], vocab)
     for _ in range(10):

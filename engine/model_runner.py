@@ -13,7 +13,7 @@ from .ep_step import run_lockstep
 from .config import ConfigError, EngineConfig
 from .model import DeepseekForCausalLM
 from .moe import MoE, expert_fp8_block
-from .penalties import adjust_logits, token_counts
+from .penalties import TokenCounts, adjust_logits
 from .sampling import Sampler
 from .scheduler import ScheduledBatch
 
@@ -116,6 +116,7 @@ class ModelRunner:
         for layer, scores in zip(model.model.layers, cfg.index_scoring_layers(model.cfg)):
             layer.self_attn.reuse_topk = not scores
         self.sampler = Sampler()
+        self.token_counts: TokenCounts | None = None  # made when a penalized request first samples
         self.graphs = (DecodeGraphs(self, cfg.cuda_graph_max_batch)
                        if cfg.cuda_graphs and self.device.type == "cuda" else None)
         self.ep = None  # engine.ep.ExpertParallel: this runner is one rank of a lockstep group
@@ -538,6 +539,8 @@ class ModelRunner:
         """The next token of each sequence, on the device (not waited for)."""
         params = [s.params for s in seqs]
         if any(p.adjusts_logits for p in params):
-            counts = [token_counts(s, logits.shape[-1], logits.device) if s.params.penalized else None for s in seqs]
-            logits = adjust_logits(logits, params, counts)
+            penalized = [s for s in seqs if s.params.penalized]
+            if penalized and self.token_counts is None:
+                self.token_counts = TokenCounts(logits.shape[-1], logits.device)
+            logits = adjust_logits(logits, params, self.token_counts.rows(penalized) if penalized else None)
         return self.sampler.sample(logits, params, [s.generator for s in seqs])

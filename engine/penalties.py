@@ -1,7 +1,4 @@
-"""Penalties and logit bias: the logits of the rows that ask for them, adjusted before sampling.
-
-A penalized sequence keeps its output-token counts on the device (TokenCounts), grown by the
-tokens added since its last step: a step costs its new tokens, not the whole output."""
+"""Penalties and logit bias: the logits of the rows that ask for them, adjusted before sampling."""
 from __future__ import annotations
 
 import torch
@@ -10,54 +7,71 @@ from .sampling import SamplingParams, host_to_device
 
 
 class TokenCounts:
-    """One sequence's output tokens counted per vocabulary entry, and for the repetition
-    penalty which tokens its prompt holds."""
+    """The output tokens of the penalized sequences counted per vocabulary entry, a row each in
+    one tensor on the device, and for the repetition penalty which tokens each one's prompt
+    holds. A step adds its rows' new tokens in one scatter and reads its rows in one gather,
+    whatever the batch: a launch or two per row would cost a batch of 64 a millisecond.
+    A sequence keeps its row (`seq.penalty_row`) until it finishes; rows grow in number as needed."""
 
-    def __init__(self, vocab: int, device: torch.device, prompt_ids: list[int], repetition: bool):
-        self.counts = torch.zeros(vocab, device=device)
-        self.counted = 0  # output ids already in `counts`
-        self.in_prompt = None
-        if repetition:
-            self.in_prompt = torch.zeros(vocab, dtype=torch.bool, device=device)
-            self.in_prompt[host_to_device(device, prompt_ids)] = True
+    def __init__(self, vocab: int, device: torch.device):
+        self.vocab, self.device = vocab, device
+        self.counts = torch.zeros(0, vocab, device=device)
+        self.in_prompt = torch.zeros(0, vocab, dtype=torch.bool, device=device)
+        self.owners: list = []  # the sequence holding each row, or None
 
-    def update(self, output_ids: list[int]) -> "TokenCounts":
-        new = output_ids[self.counted:]
-        if new:
-            ids = host_to_device(self.counts.device, new)
-            self.counts.index_put_((ids,), torch.ones(len(new), device=ids.device), accumulate=True)
-            self.counted = len(output_ids)
-        return self
+    def rows(self, seqs: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """(counts, seen) [len(seqs), vocab] of these sequences, their outputs so far counted;
+        seen: in the output so far or in the prompt."""
+        rows, new_rows, new_tokens = [], [], []
+        for seq in seqs:
+            if seq.penalty_row is None or self.owners[seq.penalty_row] is not seq:
+                self._assign(seq)
+            new = seq.output_ids[seq.penalty_counted:]
+            new_rows += [seq.penalty_row] * len(new)
+            new_tokens += new
+            seq.penalty_counted += len(new)
+            rows.append(seq.penalty_row)
+        if new_tokens:
+            at = host_to_device(self.device, [new_rows, new_tokens])
+            self.counts.index_put_((at[0], at[1]), torch.ones(len(new_tokens), device=self.device), accumulate=True)
+        idx = host_to_device(self.device, rows)
+        counts = self.counts.index_select(0, idx)
+        return counts, (counts > 0) | self.in_prompt.index_select(0, idx)
 
-
-def token_counts(seq, vocab: int, device: torch.device) -> TokenCounts:
-    """The sequence's counts, up to date with its output so far (made on its first step)."""
-    if seq.token_counts is None:
-        seq.token_counts = TokenCounts(vocab, device, seq.prompt_ids, seq.params.repetition_penalty != 1)
-    return seq.token_counts.update(seq.output_ids)
+    def _assign(self, seq) -> None:
+        free = [r for r, owner in enumerate(self.owners) if owner is None or owner.is_finished]
+        if not free:
+            grow = max(len(self.owners), 8)
+            self.counts = torch.cat([self.counts, self.counts.new_zeros(grow, self.vocab)])
+            self.in_prompt = torch.cat([self.in_prompt, self.in_prompt.new_zeros(grow, self.vocab)])
+            free = [len(self.owners)]
+            self.owners += [None] * grow
+        row = free[0]
+        self.owners[row] = seq
+        seq.penalty_row, seq.penalty_counted = row, 0
+        self.counts[row].zero_()
+        self.in_prompt[row].zero_()
+        if seq.params.repetition_penalty != 1:
+            self.in_prompt[row, host_to_device(self.device, seq.prompt_ids)] = True
 
 
 def adjust_logits(logits: torch.Tensor, params: list[SamplingParams],
-                  counts: list[TokenCounts | None] | None) -> torch.Tensor:
-    """A fp32 copy of `logits` [rows, vocab] with each row's penalties (counts[i] for a
-    penalized row i), then its logit bias. The input is left as it is: logprobs report the
-    model's own distribution."""
+                  penalized: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """A fp32 copy of `logits` [rows, vocab] with each row's penalties, then its logit bias.
+    penalized: TokenCounts.rows() of the penalized rows, in order. The input is left as it is:
+    logprobs report the model's own distribution."""
     logits = logits.float().clone()
     dev, vocab = logits.device, logits.shape[-1]
     pen = [i for i, p in enumerate(params) if p.penalized]
     if pen:
+        counts, seen = penalized
         idx = host_to_device(dev, pen)
-        c = torch.stack([counts[i].counts for i in pen])
-        seen = c > 0
-        for j, i in enumerate(pen):
-            if counts[i].in_prompt is not None:
-                seen[j] |= counts[i].in_prompt
         sub = logits.index_select(0, idx)
         rep = host_to_device(dev, [params[i].repetition_penalty for i in pen])[:, None]
         sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
         freq = host_to_device(dev, [params[i].frequency_penalty for i in pen])[:, None]
         pres = host_to_device(dev, [params[i].presence_penalty for i in pen])[:, None]
-        logits[idx] = sub - freq * c - pres * (c > 0).float()
+        logits[idx] = sub - freq * counts - pres * (counts > 0).float()
     flat, bias = [], []
     for i, p in enumerate(params):
         for token, b in p.logit_bias.items():

@@ -40,7 +40,8 @@ class Sequence:
     window_slot: int | None = None
     table_cache: tuple | None = field(default=None, repr=False)  # (block_table list, its int32 array)
     generator: torch.Generator | None = None
-    token_counts: object = field(default=None, repr=False)  # engine.penalties.TokenCounts, when penalized
+    penalty_row: int | None = None   # its row of engine.penalties.TokenCounts, when penalized
+    penalty_counted: int = 0         # output ids already counted there
     hold_kv: bool = False           # prefill side: keep the blocks after finishing, until released
     # statistics
     prefix_hit_tokens: int = 0

@@ -7,7 +7,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, RequestError
-from engine.penalties import TokenCounts, adjust_logits, token_counts
+from engine.penalties import TokenCounts, adjust_logits
 from engine.sampling import SamplingError, SamplingParams
 
 
@@ -41,14 +41,19 @@ def _greedy(n, **kw):
 PROMPT = [5, 9, 5, 17, 33, 9, 41]
 
 
+def _seq(prompt, output, **params):
+    return SimpleNamespace(prompt_ids=prompt, output_ids=list(output), params=SamplingParams(**params),
+                           penalty_row=None, penalty_counted=0, is_finished=False)
+
+
 def test_adjustment_follows_the_formula_and_leaves_the_raw_logits():
     vocab = 12
     logits = torch.linspace(-3, 3, 2 * vocab).reshape(2, vocab).to(torch.bfloat16)
     raw = logits.clone()
     p0 = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=2.0, logit_bias={3: -7.5})
     p1 = SamplingParams(logit_bias={0: 4.0})
-    counts = TokenCounts(vocab, torch.device("cpu"), [1, 11], repetition=True).update([2, 2, 10, 2])
-    got = adjust_logits(logits, [p0, p1], [counts, None])
+    counts = TokenCounts(vocab, torch.device("cpu"))
+    got = adjust_logits(logits, [p0, p1], counts.rows([_seq([1, 11], [2, 2, 10, 2], repetition_penalty=2.0)]))
     assert torch.equal(logits, raw)
     want = raw.float().clone()
     c = torch.bincount(torch.tensor([2, 2, 10, 2]), minlength=vocab).float()
@@ -60,19 +65,28 @@ def test_adjustment_follows_the_formula_and_leaves_the_raw_logits():
     torch.testing.assert_close(got, want)
 
 
-def test_counts_grow_by_the_new_tokens_only():
-    counts = TokenCounts(8, torch.device("cpu"), [], repetition=False)
-    out = [1, 1, 3]
-    counts.update(out)
-    out += [1, 7]
-    counts.update(out)
-    counts.update(out)  # nothing new: nothing counted twice
-    assert counts.counts.tolist() == torch.bincount(torch.tensor(out), minlength=8).float().tolist()
-    assert counts.in_prompt is None
-    seq = SimpleNamespace(token_counts=None, prompt_ids=[2], output_ids=[4, 4],
-                          params=SamplingParams(repetition_penalty=1.3))
-    made = token_counts(seq, 8, torch.device("cpu"))
-    assert made is seq.token_counts and made.counts[4] == 2 and made.in_prompt.nonzero().flatten().tolist() == [2]
+def _bincount(ids, vocab=8):
+    return torch.bincount(torch.tensor(ids, dtype=torch.long), minlength=vocab).float().tolist()
+
+
+def test_counts_grow_by_the_new_tokens_only_and_rows_are_reused():
+    counts = TokenCounts(8, torch.device("cpu"))
+    a, b = _seq([2], [1, 1, 3], frequency_penalty=1.0), _seq([2, 5], [4, 4], repetition_penalty=1.3)
+    c, seen = counts.rows([a, b])
+    assert c.tolist() == [_bincount([1, 1, 3]), _bincount([4, 4])]
+    assert seen[0].nonzero().flatten().tolist() == [1, 3]  # no repetition penalty: the prompt is not "seen"
+    assert seen[1].nonzero().flatten().tolist() == [2, 4, 5]
+    a.output_ids += [1, 7]
+    counts.rows([b, a])
+    c, _ = counts.rows([a])  # nothing new: nothing counted twice
+    assert c.tolist() == [_bincount([1, 1, 3, 1, 7])]
+    many = [_seq([0], [i % 8], presence_penalty=1.0) for i in range(20)]  # more rows than made at first
+    c, _ = counts.rows(many)
+    assert c.tolist() == [_bincount([i % 8]) for i in range(20)]
+    a.is_finished = True
+    fresh = _seq([0], [6, 6, 6], frequency_penalty=1.0)
+    c, _ = counts.rows([fresh])
+    assert fresh.penalty_row == a.penalty_row and c.tolist() == [_bincount([6, 6, 6])]  # a's row, cleared
 
 
 @pytest.mark.parametrize("kwargs", [dict(frequency_penalty=1.5), dict(presence_penalty=2.0),
