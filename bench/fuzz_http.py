@@ -228,6 +228,17 @@ class HandCase:
     headers: dict[str, str | bytes] = field(default_factory=dict)
 
 
+def _tool(name: str, parameters: dict | None = None) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": parameters or {"type": "object"}}}
+
+
+def _nested(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"x": schema}}
+    return schema
+
+
 def _chat(**fields: Any) -> dict:
     return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **fields}
 
@@ -334,6 +345,17 @@ def hand_cases(vocab_size: int, max_body: int, max_model_len: int) -> list[HandC
                  bad),
         HandCase("logit_bias key of 5000 digits", CHAT, _j(_chat(logit_bias={"9" * 5000: 1})), bad),
         HandCase("logit_bias value infinite", CHAT, _with_raw(_chat(), "logit_bias", '{"5": 1e999}'), bad),
+        HandCase("tools filling the context", CHAT, _j(_chat(tools=[_tool(f"f{i}") for i in range(2000)])), bad),
+        HandCase("a tool with a deeply nested schema", CHAT, _j(_chat(tools=[_tool("f", _nested(200))])), ok_or_bad),
+        HandCase("a tool call and its answer, streamed", CHAT, _j(_chat(stream=True, tools=[_tool("f")], messages=[
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+            {"role": "tool", "content": "done"}])), ok),
+        HandCase("a tool call's arguments an object", CHAT, _j(_chat(messages=[{"role": "assistant", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": {}}}]}])), bad),
+        HandCase("tool_choice naming a function", CHAT,
+                 _j(_chat(tools=[_tool("f")], tool_choice={"type": "function", "function": {"name": "f"}})), bad),
         HandCase("the most choices allowed, streamed", CHAT, _j(_chat(n=64, stream=True, max_tokens=2)), ok),
         HandCase("one choice too many", COMPLETIONS, _j(_completion(n=65)), bad),
         HandCase("every penalty at its limit", COMPLETIONS, _j(_completion(presence_penalty=-2, frequency_penalty=2,
