@@ -10,9 +10,9 @@ import torch
 from wideep_kernels.indexer import warm_up as indexer_warm_up
 from wideep_kernels.mla_decode import warm_up as mla_warm_up
 
-from .logprobs import logprob_records, token_logprobs
 from .checkpoint import ensure_checkpoint, load_model
 from .config import EngineConfig, ModelConfig
+from .logprobs import logprob_records, token_logprobs
 from .model import DeepseekForCausalLM
 from .model_runner import ModelRunner
 from .sampling import SamplingParams, host_to_device
