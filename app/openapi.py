@@ -81,16 +81,15 @@ def _logprobs_fields(chat: dict, completion: dict) -> None:
     k = {"type": "integer", "minimum": 0, "maximum": SamplingParams.MAX_LOGPROBS}
     props = chat["properties"]
     props["logprobs"]["description"] = ("Return the log-probability of each output token: the model's own "
-                                        "distribution, before temperature, top_k and top_p.")
+                                        "distribution, before temperature, penalties, logit_bias, top_k and top_p.")
     _set_branch(props["top_logprobs"], k)
     props["top_logprobs"]["description"] = "The most likely alternatives per token; needs logprobs true."
     chat["if"] = {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}}
     chat["then"] = {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}
     _set_branch(completion["properties"]["logprobs"], k)
-    _unsupported_fields(chat["properties"], completion["properties"])
     completion["properties"]["logprobs"]["description"] = (
         "The most likely alternatives per token (0: the sampled token's log-probability only); the "
-        "model's own distribution, before temperature, top_k and top_p.")
+        "model's own distribution, before temperature, penalties, logit_bias, top_k and top_p.")
 
 
 def _unsupported_fields(chat: dict, completion: dict) -> None:
@@ -117,6 +116,7 @@ def _request_schemas(components: dict, model_name: str, max_tokens_max: int | No
         # unknown fields (metadata, store, ...) are ignored, as OpenAI ignores them
         schema["additionalProperties"] = True
     _logprobs_fields(chat, completion)
+    _unsupported_fields(chat["properties"], completion["properties"])
 
     chat["properties"]["messages"]["minItems"] = 1
     message = components["ChatMessage"]
