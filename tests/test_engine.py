@@ -129,6 +129,17 @@ def test_block_pool_empty_after_random_mix(ckpt, request):
     _pool_is_empty(engine)
 
 
+def test_a_chat_template_that_fails_is_a_request_error(tiny_ckpt):
+    engine = LLMEngine.from_pretrained(tiny_ckpt, EngineConfig(block_size=4), progress=False)
+    engine.tokenizer.hf.chat_template = "{{ raise_exception('tool messages must follow a call') }}"
+    with pytest.raises(RequestError, match="chat template failed.*must follow a call"):
+        engine.add_request("t", messages=[{"role": "tool", "content": "x"}])
+    engine.tokenizer.hf.chat_template = None
+    with pytest.raises(RequestError, match="no chat template"):
+        engine.add_request("t", messages=[{"role": "user", "content": "x"}])
+    assert not engine.requests and engine.stats()["kv_blocks_used"] == 0
+
+
 def test_request_errors_name_the_problem(tiny_ckpt):
     engine = LLMEngine.from_pretrained(tiny_ckpt, EngineConfig(block_size=4, num_blocks=16), progress=False)
     with pytest.raises(RequestError, match="context limit is 64"):
