@@ -447,17 +447,22 @@ def _assert_aborted_early(engine, steps_at_disconnect: int) -> None:
 
 
 def test_stream_disconnect_aborts_the_request(served, raw):
+    _disconnect_mid_stream(served, raw, _chat(stream=True, max_tokens=LONG_ANSWER, temperature=0, ignore_eos=True))
+
+
+def _disconnect_mid_stream(served, raw, body: bytes, events: int = 4, running: int = 1) -> None:
+    """Reads `events` events of a streamed chat, checks `running` requests run, leaves, and
+    checks they were all aborted early."""
     _wait_until_idle(served.engine)
-    body = _chat(stream=True, max_tokens=LONG_ANSWER, temperature=0, ignore_eos=True)
     with raw.stream("POST", CHAT, content=body) as resp:
         assert resp.status_code == 200
         # hold the line iterator: dropping it early would close the connection before the check below
         lines = resp.iter_lines()
-        events = 0
-        while events < 4:
-            events += next(lines).startswith("data: ")
+        seen = 0
+        while seen < events:
+            seen += next(lines).startswith("data: ")
         stats = served.engine.stats()
-        assert stats["running"] == 1, stats
+        assert stats["running"] == running, stats
     _assert_aborted_early(served.engine, steps_at_disconnect=stats["steps"])
 
 

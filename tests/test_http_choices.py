@@ -5,7 +5,7 @@ import json
 import pytest
 
 from engine.sampling import SamplingParams
-from tests.test_http_api import (CHAT, COMPLETIONS, MESSAGES, MODEL, _assert_aborted_early, _wait_until_idle,  # noqa: F401
+from tests.test_http_api import (COMPLETIONS, MESSAGES, MODEL, _disconnect_mid_stream, _wait_until_idle,  # noqa: F401
                                  client, offline, raw, served)
 
 
@@ -58,18 +58,9 @@ def test_choices_share_the_prompts_cached_blocks(client, served):
 
 
 def test_disconnect_aborts_every_choice(served, raw):
-    _wait_until_idle(served.engine)
     body = json.dumps({"model": MODEL, "messages": MESSAGES, "stream": True, "max_tokens": 200, "n": 3,
                        "temperature": 0, "ignore_eos": True}).encode()
-    with raw.stream("POST", CHAT, content=body) as resp:
-        assert resp.status_code == 200
-        lines = resp.iter_lines()
-        events = 0
-        while events < 8:
-            events += next(lines).startswith("data: ")
-        stats = served.engine.stats()
-        assert stats["running"] == 3, stats
-    _assert_aborted_early(served.engine, steps_at_disconnect=stats["steps"])
+    _disconnect_mid_stream(served, raw, body, events=8, running=3)
 
 
 def test_a_rejected_choice_rejects_the_request_and_leaves_nothing(served, raw):
