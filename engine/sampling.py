@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -96,12 +97,14 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
 
-    @property
+    # Asked of every row on every step, so computed once: a request's parameters do not change
+    # once it is admitted.
+    @cached_property
     def penalized(self) -> bool:
         """Whether sampling reads the tokens so far."""
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
-    @property
+    @cached_property
     def adjusts_logits(self) -> bool:
         return self.penalized or bool(self.logit_bias)
 
