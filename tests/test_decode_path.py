@@ -31,9 +31,9 @@ def _run(ckpt, prompts, **cfg):
         logits.append(lg.clone())
         return sample(seqs, lg)
 
-    def counted(*args):
+    def counted(*args, **kwargs):  # graphs pass the shared logits buffer by keyword
         decode_steps.append(args[0].shape[0])
-        return fwd(*args)
+        return fwd(*args, **kwargs)
     engine.runner.sample, engine.runner.decode_forward = record, counted
     outs = engine.generate(prompts, GREEDY)
     assert engine.scheduler.blocks.num_used_blocks == 0
