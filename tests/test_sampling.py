@@ -32,6 +32,44 @@ def test_top_k_and_top_p_filters():
     assert torch.isfinite(f[0, :2]).all() and torch.isinf(f[0, 2:]).all()  # 0.5 + 0.3 reaches 0.7
 
 
+MIXES = {
+    "top_k": [dict(top_k=k) for k in (1, 5, 50, 400)],
+    "top_p": [dict(top_p=p) for p in (0.1, 0.5, 0.9, 0.99)],
+    "both": [dict(top_k=40, top_p=0.8), dict(top_k=3, top_p=0.99), dict(top_k=200, top_p=0.3)],
+    # rows that filter nothing beside rows that do: the unfiltered rows must stay whole
+    "mixed": [dict(), dict(top_k=8), dict(top_p=0.7), dict(top_k=20, top_p=0.9), dict(), dict(top_k=2000)],
+    "wide_k": [dict(top_k=3000), dict(top_k=5)],  # past TOPK_LIMIT: the rows are sorted
+}
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no GPU"))])
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_filter_keeps_the_same_tokens_as_sorting_whole_rows(mix, device):
+    """The top-k / top-p cuts found among each row's largest logits keep exactly the tokens that
+    sorting whole rows keeps (distinct logits: the two may treat ties at the cut apart)."""
+    g = torch.Generator().manual_seed(3)
+    rows = MIXES[mix] * 3
+    vocab = 4096
+    # each row's values distinct (sorted, strictly increasing steps added, then shuffled), spread
+    # so that the top-p cuts fall anywhere from 2 to over a thousand tokens
+    tail = (torch.randn(len(rows), vocab, generator=g) * 2).sort(-1).values + torch.arange(vocab) * 1e-3
+    shuffle = torch.stack([torch.randperm(vocab, generator=g) for _ in rows])
+    logits = tail.gather(1, shuffle).to(device)
+    assert all(row.unique().numel() == vocab for row in logits)
+    params = [SamplingParams(temperature=1.0, **kw) for kw in rows]
+    fast = torch.isfinite(Sampler._filter(logits, params))
+    ref = torch.isfinite(Sampler.filter_by_sort(logits, params))
+    assert torch.equal(fast, ref)
+    kept = fast.sum(-1).tolist()
+    for kw, n in zip(rows, kept):
+        if not kw:
+            assert n == vocab  # untouched
+        if kw.get("top_k"):
+            assert n <= kw["top_k"]
+    assert min(kept) >= 1 and len(set(kept)) > 1  # the cuts did cut, to different widths
+
+
 def test_greedy_rows_take_the_argmax_in_the_logits_dtype_first_index_on_ties():
     g = torch.Generator().manual_seed(0)
     logits = (torch.randn(6, 50, generator=g) * 3).bfloat16()
