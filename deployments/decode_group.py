@@ -188,7 +188,8 @@ class DecodeGroup:
                 current = dict(request, request_id=f"{request['request_id']}:retry{attempt}",
                                sampling=dict(sampling, max_tokens=left))
                 if prompt_ids is not None:  # continue from the tokens the client already has
-                    current.update(prompt=None, messages=None, prompt_token_ids=prompt_ids + produced)
+                    current.update(prompt=None, messages=None, prompt_token_ids=prompt_ids + produced,
+                                   prior_output_ids=list(produced))
             finally:
                 if generation == self.generation:
                     self.running[rank] -= 1

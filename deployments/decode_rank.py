@@ -126,12 +126,16 @@ class DecodeRank:
         rid = request["request_id"]
         params = SamplingParams(**request.get("sampling", {}))
         prompt = request.get("prompt_token_ids") or request.get("prompt")
+        prior = request.get("prior_output_ids")
+        # A prefill server samples the first token knowing no earlier outputs: a retried request
+        # whose penalties count them is prefilled here.
+        counts_prior = bool(prior) and (params.frequency_penalty != 0 or params.presence_penalty != 0)
         remote = (self._remote_prefill(rid, params, session_id)
-                  if self.transport is not None or self.ipc is not None else None)
+                  if (self.transport is not None or self.ipc is not None) and not counts_prior else None)
         start, last = time.monotonic(), None
         async for out in self.engine.generate(rid, prompt, params, messages=request.get("messages"),
-                                              tools=request.get("tools"),
-                                              remote_prefill=remote):
+                                              tools=request.get("tools"), remote_prefill=remote,
+                                              prior_output_ids=prior):
             now = time.monotonic()
             if out.new_token_ids:
                 if last is None:

@@ -190,16 +190,19 @@ class LLMEngine:
     # requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int] | None = None,
                     params: SamplingParams | None = None, messages: list[dict] | None = None,
-                    hold_kv: bool = False, tools: list[dict] | None = None) -> Sequence:
+                    hold_kv: bool = False, tools: list[dict] | None = None,
+                    prior_output_ids: list[int] | None = None) -> Sequence:
         """Queue a request. hold_kv (prefill servers): keep its KV blocks after it finishes,
         until release_held(), so they can be sent to a decode engine. tools: function definitions
-        the chat template describes to the model (with messages)."""
-        seq = self._new_sequence(request_id, prompt, params, messages, tools)
+        the chat template describes to the model (with messages). prior_output_ids: the end of
+        the prompt (token ids) was produced by an earlier attempt at this request; penalties
+        count it as output."""
+        seq = self._new_sequence(request_id, prompt, params, messages, tools, prior_output_ids)
         seq.hold_kv = hold_kv
         self.scheduler.add(seq)
         return seq
 
-    def _new_sequence(self, request_id, prompt, params, messages, tools=None) -> Sequence:
+    def _new_sequence(self, request_id, prompt, params, messages, tools=None, prior_output_ids=None) -> Sequence:
         params = params or SamplingParams()
         if request_id in self.requests or request_id in self.scheduler.held:
             raise RequestError(f"duplicate request id {request_id!r}")
@@ -211,7 +214,11 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise ContextLengthError(f"prompt is {len(ids)} tokens; the context limit is {self.max_model_len} "
                                "(prompt plus at least one output token)")
-        seq = Sequence(request_id, ids, params, arrival=time.monotonic())
+        prior = list(prior_output_ids or [])
+        if prior and (not all(isinstance(t, int) and not isinstance(t, bool) for t in prior)
+                      or ids[len(ids) - len(prior):] != prior or len(prior) >= len(ids)):
+            raise RequestError("prior_output_ids must be token ids ending the prompt's token ids")
+        seq = Sequence(request_id, ids, params, arrival=time.monotonic(), prior_output_ids=prior)
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
         if self.tokenizer is not None:
@@ -221,11 +228,12 @@ class LLMEngine:
 
     # prefill/decode hand-off ------------------------------------------------------------
     def reserve_remote(self, request_id: str, prompt=None, params: SamplingParams | None = None,
-                       messages: list[dict] | None = None, tools: list[dict] | None = None) -> dict | None:
+                       messages: list[dict] | None = None, tools: list[dict] | None = None,
+                       prior_output_ids: list[int] | None = None) -> dict | None:
         """Decode side: allocate blocks for the prompt's KV, to be written by a prefill server.
         Returns what the prefill server needs, or None when the pool is full right now (the
         request is then queued for local prefill instead)."""
-        seq = self._new_sequence(request_id, prompt, params, messages, tools)
+        seq = self._new_sequence(request_id, prompt, params, messages, tools, prior_output_ids)
         # The step in flight may still write into free blocks (those of its sequences that ended
         # since its launch); a writer outside the device's stream order must not get them. They
         # sit out this reservation, rather than the host waiting out the step, which would cost

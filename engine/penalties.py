@@ -53,6 +53,10 @@ class TokenCounts:
         self.in_prompt[row].zero_()
         if seq.params.repetition_penalty != 1:
             self.in_prompt[row, host_to_device(self.device, seq.prompt_ids)] = True
+        if seq.prior_output_ids:
+            at = host_to_device(self.device, seq.prior_output_ids)
+            self.counts[row].index_put_((at,), torch.ones(len(seq.prior_output_ids), device=self.device),
+                                        accumulate=True)
 
 
 def adjust_logits(logits: torch.Tensor, params: list[SamplingParams],

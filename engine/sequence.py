@@ -42,6 +42,9 @@ class Sequence:
     generator: torch.Generator | None = None
     penalty_row: int | None = None   # its row of engine.penalties.TokenCounts, when penalized
     penalty_counted: int = 0         # output ids already counted there
+    # A request retried after a rank failed continues from a prompt that ends with the tokens
+    # produced before: the frequency and presence penalties still count these as outputs.
+    prior_output_ids: list[int] = field(default_factory=list, repr=False)
     hold_kv: bool = False           # prefill side: keep the blocks after finishing, until released
     # statistics
     prefix_hit_tokens: int = 0

@@ -40,9 +40,13 @@ def app_factory(tiny_ckpt, tmp_path_factory):
         ray.shutdown()
 
 
-def _req(rid, n=30, prompt=None):
+def _req(rid, n=30, prompt=None, **sampling):
     return {"request_id": rid, "prompt_token_ids": prompt or list(range(10, 40)),
-            "sampling": {"max_tokens": n, "temperature": 0, "ignore_eos": True}}
+            "sampling": {"max_tokens": n, "temperature": 0, "ignore_eos": True, **sampling}}
+
+
+# Penalties read the tokens produced so far, which a retry moves into the prompt.
+PENALIZED = {"frequency_penalty": 1.5, "presence_penalty": 0.5}
 
 
 def _drained(group, bound_s=20):
@@ -62,10 +66,13 @@ def test_decode_rank_killed_during_streams_and_prefill_replica_killed(app_factor
                               routing={"max_requests_per_rank": 16, "token_timeout_s": 30})
     streaming = group.options(stream=True)
     expected = [t for out in streaming.generate.remote(_req("ref"), None) for t in out["new_token_ids"]]
+    expected_penalized = [t for out in streaming.generate.remote(_req("ref-p", **PENALIZED), None)
+                          for t in out["new_token_ids"]]
+    assert expected_penalized != expected
 
     async def one(i, seen_tokens):
         tokens, last = [], None
-        async for out in streaming.generate.remote(_req(f"s{i}"), f"session-{i}"):
+        async for out in streaming.generate.remote(_req(f"s{i}", **(PENALIZED if i % 2 else {})), f"session-{i}"):
             tokens += out["new_token_ids"]
             seen_tokens[0] += len(out["new_token_ids"])
             last = out
@@ -83,12 +90,12 @@ def test_decode_rank_killed_during_streams_and_prefill_replica_killed(app_factor
         return results, t_kill
 
     results, t_kill = asyncio.run(main())
-    for tokens, last in results:
+    for i, (tokens, last) in enumerate(results):
         assert last["finished"]
         if last["finish_reason"] == "error":
             assert "decode failed" in last["error"]
         else:  # retried from its tokens so far: the same greedy continuation
-            assert tokens == expected
+            assert tokens == (expected_penalized if i % 2 else expected)
     assert sum(last["finish_reason"] == "length" for _, last in results) >= 14
     info = group.info.remote().result()
     assert info["generation"] == 1 and info["recoveries"]

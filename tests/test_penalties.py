@@ -147,3 +147,26 @@ def test_logit_bias_outside_the_vocabulary_is_refused_at_admission(recording):
     with pytest.raises(RequestError, match="logit_bias"):
         recording.add_request("outside", PROMPT, _greedy(2, logit_bias={vocab: 1.0}))
     assert "outside" not in recording.requests and recording.stats()["kv_blocks_used"] == 0
+
+
+def test_a_retry_from_the_tokens_so_far_still_counts_them(tiny_ckpt):
+    """A decode group retries a request whose rank failed from its prompt plus the tokens produced
+    so far: with those named as prior outputs the continuation is the uninterrupted one's."""
+    engine = LLMEngine.from_pretrained(tiny_ckpt, EngineConfig(block_size=4), progress=False)
+    p = dict(frequency_penalty=1.5, presence_penalty=0.5)
+    whole = engine.generate([PROMPT], _greedy(16, **p))[0].output_token_ids
+    cut = 6
+    resumed = PROMPT + whole[:cut]
+
+    def retry(rid, prior):
+        engine.add_request(rid, resumed, _greedy(16 - cut, **p), prior_output_ids=prior)
+        out = None
+        while engine.has_unfinished_requests():
+            out = {o.request_id: o for o in engine.step()}.get(rid, out)
+        return out.output_token_ids
+    assert retry("counted", whole[:cut]) == whole[cut:]
+    assert retry("forgotten", None) != whole[cut:]  # without them the penalties differ: the check can fail
+    for bad in ([999_999], whole[1:cut] + [whole[0] + 1], [True]):  # not the prompt's end
+        with pytest.raises(RequestError, match="prior_output_ids"):
+            engine.add_request("bad", resumed, _greedy(2, **p), prior_output_ids=bad)
+    assert engine.stats()["kv_blocks_used"] == 0
