@@ -58,7 +58,7 @@ def make_call(kind: str, batch: int, vocab: int, outputs: int, device: str, dtyp
     params = [SamplingParams(max_tokens=outputs + 1000, **KINDS[kind]) for _ in range(batch)]
     gen = torch.Generator().manual_seed(0)
     logits = (torch.randn(batch, vocab, generator=gen) * 3).to(device, dtype)
-    seqs = [SimpleNamespace(params=p, penalty_row=None, penalty_counted=0, is_finished=False,
+    seqs = [SimpleNamespace(params=p, penalty_row=None, penalty_counted=0, is_finished=False, prior_output_ids=[],
                             prompt_ids=torch.randint(vocab, (outputs,), generator=gen).tolist(),
                             output_ids=torch.randint(vocab, (outputs,), generator=gen).tolist())
             for p in params]

@@ -93,9 +93,13 @@ class SamplingParams:
             if not isinstance(t, int) or isinstance(t, bool) or t < 0:
                 bad("stop_token_ids", f"must be non-negative integers, got {t!r}")
 
+    # Below this temperature sampling is greedy: the distribution is a point anyway, and dividing
+    # the logits by a tiny temperature overflows to infinities whose softmax is NaN (vLLM's bound).
+    GREEDY_TEMPERATURE = 1e-5
+
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < self.GREEDY_TEMPERATURE or self.top_k == 1
 
     # Asked of every row on every step, so computed once: a request's parameters do not change
     # once it is admitted.
@@ -192,6 +196,7 @@ class Sampler:
             probs = (values.masked_fill(values < threshold, float("-inf")) - lse).exp()
             # keep tokens until the mass before them reaches top_p; the top token always stays
             kept = ((probs.cumsum(-1) - probs) < host_to_device(dev, top_p)[:, None]).sum(-1, keepdim=True)
+            kept.clamp_(min=1)  # a row of infinite logits (a tiny temperature) has NaN masses: keep its top
             # a row without top-p may have fewer candidates than it keeps: it is not cut here
             no_p = host_to_device(dev, [p == 1 for p in top_p])[:, None]
             threshold = torch.where(no_p, threshold, torch.maximum(threshold, values.gather(1, kept - 1)))

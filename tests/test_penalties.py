@@ -43,7 +43,7 @@ PROMPT = [5, 9, 5, 17, 33, 9, 41]
 
 def _seq(prompt, output, **params):
     return SimpleNamespace(prompt_ids=prompt, output_ids=list(output), params=SamplingParams(**params),
-                           penalty_row=None, penalty_counted=0, is_finished=False)
+                           penalty_row=None, penalty_counted=0, is_finished=False, prior_output_ids=[])
 
 
 def test_adjustment_follows_the_formula_and_leaves_the_raw_logits():

@@ -70,6 +70,18 @@ def test_filter_keeps_the_same_tokens_as_sorting_whole_rows(mix, device):
     assert min(kept) >= 1 and len(set(kept)) > 1  # the cuts did cut, to different widths
 
 
+@pytest.mark.parametrize("extra", [{}, dict(top_p=0.5), dict(top_k=5, top_p=0.5), dict(top_k=3)])
+def test_a_tiny_temperature_is_greedy(extra):
+    """Logits divided by 1e-300 are infinities, whose softmax is NaN: such rows take the argmax."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    params = [SamplingParams(temperature=1e-300, **extra)] * 3
+    assert Sampler()(logits, params, [None] * 3) == logits.argmax(-1).tolist()
+    # the filter alone, on such rows (NaN masses), still keeps their top tokens
+    if extra:
+        kept = Sampler._filter(logits / 1e-300, params) > float("-inf")
+        assert kept.gather(1, logits.argmax(-1, keepdim=True)).all()
+
+
 def test_greedy_rows_take_the_argmax_in_the_logits_dtype_first_index_on_ties():
     g = torch.Generator().manual_seed(0)
     logits = (torch.randn(6, 50, generator=g) * 3).bfloat16()
