@@ -50,6 +50,13 @@ class ModelConfig(_Strict):
         None,
         description="Built-in model configuration, e.g. 'tiny' (random weights, for tests and CPU runs). With `path` set, the preset only fills gaps the checkpoint leaves.",
     )
+    reasoning_parser: Literal["deepseek_r1", "deepseek_v3"] | None = Field(
+        None,
+        description="Separate a reasoning model's thinking from its answer in chat responses "
+                    "(`reasoning_content`): 'deepseek_r1' for DeepSeek-R1, which always thinks; "
+                    "'deepseek_v3' for DeepSeek-V3.1, which thinks when a request sets "
+                    "`chat_template_kwargs: {thinking: true}`. Unset: the thinking stays in `content`.",
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> "ModelConfig":

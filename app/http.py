@@ -39,7 +39,8 @@ def error_response(exc: APIError) -> JSONResponse:
 
 
 def build_http_app(backend: Backend, *, session_header: str = "x-session-id", max_body_bytes: int = 1_000_000,
-                   max_tokens_limit: int | None = None, api_key: str | None = None) -> Starlette:
+                   max_tokens_limit: int | None = None, api_key: str | None = None,
+                   reasoning_parser: str | None = None) -> Starlette:
     expected_auth = f"Bearer {api_key}".encode() if api_key else None
 
     def check_auth(request: Request) -> None:
@@ -82,7 +83,7 @@ def build_http_app(backend: Backend, *, session_header: str = "x-session-id", ma
             raise bad_request("the request body contains an unpaired UTF-16 surrogate escape") from None
         return value
 
-    service = OpenAIService(backend, max_tokens_limit)
+    service = OpenAIService(backend, max_tokens_limit, reasoning_parser)
 
     async def chat_completions(request: Request) -> Response:
         return await handle(request, "chat")

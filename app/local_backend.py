@@ -21,7 +21,8 @@ class LocalBackend:
         if prompt is None:
             prompt = request.get("prompt_token_ids")
         outputs = self.async_engine.generate(request["request_id"], prompt, params, messages=request.get("messages"),
-                                              tools=request.get("tools"))
+                                              tools=request.get("tools"),
+                                              chat_template_kwargs=request.get("chat_template_kwargs"))
         try:
             async for out in outputs:
                 yield out.stream_dict()

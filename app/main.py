@@ -84,4 +84,5 @@ def build_app(args: dict | None = None):
     max_model_len = context_limit(ModelConfig.from_file(model_path), EngineConfig(**engine_cfg))
     return Ingress.options(ray_actor_options=cpu_only or {"num_cpus": cfg.placement.ingress_cpus},
                            max_ongoing_requests=2 * capacity + 16).bind(
-        decode, cfg.model.served_name, max_model_len, cfg.routing.model_dump(), cfg.http.model_dump(), capacity)
+        decode, cfg.model.served_name, max_model_len, cfg.routing.model_dump(), cfg.http.model_dump(), capacity,
+        reasoning_parser=cfg.model.reasoning_parser)

@@ -140,6 +140,8 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+    # vLLM's and SGLang's extension: more variables for the chat template (DeepSeek-V3.1's `thinking`)
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def refuse_unsupported(self) -> None:
         for i, tool in enumerate(self.tools or ()):
@@ -280,6 +282,23 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
     return out
 
 
+# apply_chat_template's own arguments: a request may not set them through chat_template_kwargs
+TEMPLATE_ARGUMENTS = {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                       "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+                       "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
+
+
+def chat_template_kwargs(req: ChatCompletionRequest) -> dict[str, Any] | None:
+    """The variables a request adds to the chat template, checked."""
+    kwargs = req.chat_template_kwargs
+    if not kwargs:
+        return None
+    for key in kwargs:
+        if not key.isidentifier() or key in TEMPLATE_ARGUMENTS:
+            raise bad_request(f"chat_template_kwargs may not set {key!r}", param="chat_template_kwargs")
+    return dict(kwargs)
+
+
 def chat_tools(req: ChatCompletionRequest) -> list[dict] | None:
     """The tools the chat template describes to the model; none with tool_choice "none"."""
     if not req.tools or req.tool_choice == "none":
@@ -384,10 +403,13 @@ def completion_response(kind: Literal["chat", "completion"], request_id: str, mo
 
 
 def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: list[dict] | None = None,
-                tool_calls: list[dict] | None = None) -> dict:
+                tool_calls: list[dict] | None = None, reasoning: str | None = None) -> dict:
     """logprobs: the engine's records (engine/logprobs.py), one per generated token, when asked for;
-    tool_calls: in the API's form (app/tool_calls.py), the content then being what came before them."""
+    tool_calls: in the API's form (app/tool_calls.py), the content then being what came before them;
+    reasoning: a reasoning model's thinking (app/reasoning.py), the content what came after it."""
     message: dict[str, Any] = {"role": "assistant", "content": text}
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning
     if tool_calls:
         message.update(content=text or None, tool_calls=tool_calls)
     return {"index": index, "message": message, "logprobs": chat_logprobs(logprobs), "finish_reason": finish_reason}
@@ -441,12 +463,14 @@ class StreamChunks:
         return chunk
 
     def _choice(self, index: int, text: str | None, finish_reason: str | None, role: bool = False,
-                logprobs: list[dict] | None = None, text_offset: int = 0) -> dict:
+                logprobs: list[dict] | None = None, text_offset: int = 0, reasoning: str | None = None) -> dict:
         if self.kind == "chat":
             delta: dict[str, Any] = {}
             if role:
                 delta["role"] = "assistant"
-            if text is not None:
+            if reasoning:
+                delta["reasoning_content"] = reasoning
+            if text is not None and (text or not reasoning):
                 delta["content"] = text
             return {"index": index, "delta": delta, "logprobs": chat_logprobs(logprobs),
                     "finish_reason": finish_reason}
@@ -458,10 +482,12 @@ class StreamChunks:
         """Chat streams open each choice with the assistant role and empty content."""
         return self._chunk([self._choice(index, "", None, role=True)]) if self.kind == "chat" else None
 
-    def delta(self, text: str, logprobs: list[dict] | None = None, text_offset: int = 0, index: int = 0) -> dict:
+    def delta(self, text: str, logprobs: list[dict] | None = None, text_offset: int = 0, index: int = 0,
+              reasoning: str | None = None) -> dict:
         """logprobs: the records of this delta's tokens; text_offset: where they start in the
-        choice's whole text (legacy completions)."""
-        return self._chunk([self._choice(index, text, None, logprobs=logprobs, text_offset=text_offset)])
+        choice's whole text (legacy completions); reasoning: a chat delta's reasoning text."""
+        return self._chunk([self._choice(index, text, None, logprobs=logprobs, text_offset=text_offset,
+                                         reasoning=reasoning)])
 
     def tool_calls(self, calls: list[dict], index: int = 0) -> dict:
         """A chat delta of whole tool calls (each with its \"index\" in the answer)."""

@@ -105,6 +105,11 @@ def _unsupported_fields(chat: dict, completion: dict) -> None:
     _set_branch(chat["response_format"], {"type": "object", "required": ["type"],
                                           "properties": {"type": {"type": "string", "enum": ["text"]}}})
     chat["response_format"]["description"] = "Structured output is not supported: only {\"type\": \"text\"}."
+    _set_branch(chat["chat_template_kwargs"], {"type": "object", "propertyNames": {
+        "pattern": "^[A-Za-z_][A-Za-z0-9_]*$", "not": {"enum": sorted(oa.TEMPLATE_ARGUMENTS)}}})
+    chat["chat_template_kwargs"]["description"] = (
+        "Extension (as in vLLM and SGLang): more variables for the chat template, e.g. {\"thinking\": true} "
+        "for DeepSeek-V3.1's thinking mode.")
 
 
 def _request_schemas(components: dict, model_name: str, max_tokens_max: int | None,
@@ -190,11 +195,14 @@ def _response_schemas() -> dict:
                 "properties": {"index": {"type": "integer", "minimum": 0}, **fields,
                                "logprobs": _nullable(_ref(logprobs)), "finish_reason": finish}}
 
-    # content is null only beside tool calls
+    # content is null only beside tool calls; reasoning_content only with a reasoning parser (app/reasoning.py)
+    reasoning = {"type": "string", "description": "A reasoning model's thinking, before its content."}
     message = {"type": "object", "required": ["role", "content"],
                "properties": {"role": {"type": "string", "enum": ["assistant"]}, "content": text_or_null,
+                              "reasoning_content": reasoning,
                               "tool_calls": {"type": "array", "items": call, "minItems": 1}}}
     delta = {"type": "object", "properties": {"role": {"type": "string", "enum": ["assistant"]}, "content": text_or_null,
+                                              "reasoning_content": reasoning,
                                               "tool_calls": {"type": "array", "items": call_delta, "minItems": 1}}}
     return {
         "Usage": usage,

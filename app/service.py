@@ -27,6 +27,7 @@ from engine.sampling import SamplingError
 
 from . import openai_api as oa
 from .openai_api import APIError, bad_request
+from .reasoning import ReasoningStream, split_reasoning, starts_in_reasoning
 from .tool_calls import ToolCallStream, openai_tool_call, split_tool_calls
 
 log = logging.getLogger(__name__)
@@ -74,9 +75,11 @@ def _wants_logprobs(engine_request: dict) -> bool:
 
 
 class OpenAIService:
-    def __init__(self, backend: Backend, max_tokens_limit: int | None = None):
+    def __init__(self, backend: Backend, max_tokens_limit: int | None = None, reasoning_parser: str | None = None):
+        """reasoning_parser: how chat answers' reasoning is told from their content (app/reasoning.py)."""
         self.backend = backend
         self.max_tokens_limit = max_tokens_limit
+        self.reasoning_parser = reasoning_parser
 
     # requests ---------------------------------------------------------------------------
     def parse(self, kind: Kind, body: Any) -> tuple[Any, dict]:
@@ -85,11 +88,11 @@ class OpenAIService:
         if isinstance(body, BaseModel):
             body = body.model_dump(exclude_unset=True)
         b = self.backend
-        tools = None
+        tools = template_kwargs = None
         if kind == "chat":
             req = oa.parse_request(oa.ChatCompletionRequest, body)
             messages, text, token_ids = oa.chat_messages(req), None, None
-            tools = oa.chat_tools(req)
+            tools, template_kwargs = oa.chat_tools(req), oa.chat_template_kwargs(req)
             # chat has no default cap in OpenAI's API; the engine ends the answer at the context
             default_max = min(self.max_tokens_limit or b.max_model_len, b.max_model_len - 1)
         else:
@@ -102,7 +105,8 @@ class OpenAIService:
         params = oa.sampling_params(req, default_max_tokens=default_max, max_model_len=b.max_model_len,
                                     max_tokens_limit=self.max_tokens_limit)
         return req, {"request_id": oa.new_request_id(kind), "prompt": text, "prompt_token_ids": token_ids,
-                     "messages": messages, "tools": tools, "sampling": oa.sampling_dict(params), "n": req.n}
+                     "messages": messages, "tools": tools, "chat_template_kwargs": template_kwargs,
+                     "sampling": oa.sampling_dict(params), "n": req.n}
 
     # running ----------------------------------------------------------------------------
     async def open(self, kind: Kind, engine_request: dict, session_id: str | None
@@ -129,6 +133,9 @@ class OpenAIService:
                     await st.aclose()
             raise failed[0]
         return _merge(streams), [dict(f, index=i) for i, f in enumerate(firsts)]
+
+    def _reasons(self, engine_request: dict) -> bool:
+        return starts_in_reasoning(self.reasoning_parser, engine_request.get("chat_template_kwargs"))
 
     async def _first(self, kind: Kind, engine_request: dict, stream: AsyncIterator[dict]) -> dict:
         try:
@@ -167,7 +174,8 @@ class OpenAIService:
             with anyio.CancelScope(shield=True):
                 await stream.aclose()
         if kind == "chat":
-            built = [_chat_choice(i, c, bool(engine_request.get("tools"))) for i, c in enumerate(choices)]
+            reasons = self._reasons(engine_request)
+            built = [_chat_choice(i, c, bool(engine_request.get("tools")), reasons) for i, c in enumerate(choices)]
         else:
             built = [oa.text_choice(i, "".join(c.pieces), c.last.get("finish_reason"), c.logprobs, c.offsets)
                      for i, c in enumerate(choices)]
@@ -179,9 +187,11 @@ class OpenAIService:
         an error object ({"error": ...}); the backend streams are closed however it ends."""
         chunks = oa.StreamChunks(kind, engine_request["request_id"], self.backend.model_name, req.include_usage)
         choices = [_Choice(False) for _ in firsts]
-        if engine_request.get("tools"):
-            for c in choices:
+        for c in choices:
+            if engine_request.get("tools"):
                 c.tool_calls = ToolCallStream()
+            if kind == "chat" and self._reasons(engine_request):
+                c.reasoning = ReasoningStream()
         try:
             async with aclosing(_outputs(firsts, stream, len(choices))) as outputs:
                 async for out in outputs:
@@ -198,15 +208,20 @@ class OpenAIService:
                             yield role
                     offset = c.text_len
                     c.add(out)
-                    text, calls = out.get("text_delta", ""), []
+                    text, calls, reasoning = out.get("text_delta", ""), [], None
+                    if c.reasoning is not None:
+                        reasoning, text = c.reasoning.feed(text)
+                        if out.get("finished"):
+                            rest_reasoning, rest = c.reasoning.finish()
+                            reasoning, text = reasoning + rest_reasoning, text + rest
                     if c.tool_calls is not None:
                         made = c.tool_calls.num_calls
                         text, calls = c.tool_calls.feed(text)
                         if out.get("finished"):
                             text += c.tool_calls.finish()
                         calls = [openai_tool_call(call, made + k) for k, call in enumerate(calls)]
-                    if text or out.get("logprobs"):
-                        yield chunks.delta(text, out.get("logprobs"), offset, index=i)
+                    if text or reasoning or out.get("logprobs"):
+                        yield chunks.delta(text, out.get("logprobs"), offset, index=i, reasoning=reasoning)
                     if calls:
                         yield chunks.tool_calls(calls, index=i)
                     if out.get("finished"):
@@ -235,6 +250,7 @@ class _Choice:
         self.last: dict = {}
         self.opened = False  # streaming: its role chunk went out
         self.tool_calls: ToolCallStream | None = None  # streaming with tools: the calls found so far
+        self.reasoning: ReasoningStream | None = None  # streaming a reasoning answer: where it is
 
     def add(self, out: dict) -> None:
         if self.logprobs is not None and out.get("logprobs"):
@@ -247,13 +263,15 @@ class _Choice:
 
 
 
-def _chat_choice(index: int, c: _Choice, tools: bool) -> dict:
-    text, reason, calls = "".join(c.pieces), c.last.get("finish_reason"), []
+def _chat_choice(index: int, c: _Choice, tools: bool, reasons: bool) -> dict:
+    text, reason, calls, reasoning = "".join(c.pieces), c.last.get("finish_reason"), [], None
+    if reasons:
+        reasoning, text = split_reasoning(text)
     if tools:
         text, calls = split_tool_calls(text)
         if calls and reason == "stop":
             reason = "tool_calls"
-    return oa.chat_choice(index, text, reason, c.logprobs, [openai_tool_call(call) for call in calls])
+    return oa.chat_choice(index, text, reason, c.logprobs, [openai_tool_call(call) for call in calls], reasoning)
 
 
 async def _outputs(firsts: list[dict], stream: AsyncIterator[dict], n: int) -> AsyncIterator[dict]:

@@ -45,7 +45,7 @@ class ToolCallStream:
             content, self.buffer = self.buffer[:start], self.buffer[start + len(CALLS_BEGIN):]
             self.in_calls = True
             return content, self._completed_calls()
-        keep = _marker_prefix_len(self.buffer, CALLS_BEGIN)
+        keep = marker_prefix_len(self.buffer, CALLS_BEGIN)
         content, self.buffer = self.buffer[:len(self.buffer) - keep], self.buffer[len(self.buffer) - keep:]
         return content, []
 
@@ -81,7 +81,7 @@ def _parse_call(body: str) -> dict | None:
     return {"name": name, "arguments": arguments.strip()} if name else None
 
 
-def _marker_prefix_len(text: str, marker: str) -> int:
+def marker_prefix_len(text: str, marker: str) -> int:
     """The length of the longest end of `text` that begins `marker`."""
     for n in range(min(len(text), len(marker) - 1), 0, -1):
         if text.endswith(marker[:n]):

@@ -135,7 +135,8 @@ class DecodeRank:
         start, last = time.monotonic(), None
         async for out in self.engine.generate(rid, prompt, params, messages=request.get("messages"),
                                               tools=request.get("tools"), remote_prefill=remote,
-                                              prior_output_ids=prior):
+                                              prior_output_ids=prior,
+                                              chat_template_kwargs=request.get("chat_template_kwargs")):
             now = time.monotonic()
             if out.new_token_ids:
                 if last is None:

@@ -65,9 +65,10 @@ class Ingress:
     """
 
     def __init__(self, decode_handle, model_name: str, max_model_len: int, routing: dict, http: dict,
-                 capacity: int | None = None):
+                 capacity: int | None = None, reasoning_parser: str | None = None):
         self.backend = ServeBackend(decode_handle, model_name, max_model_len, capacity)
-        self.service = OpenAIService(self.backend, http.get("max_tokens_limit"))
+        self.reasoning_parser = reasoning_parser
+        self.service = OpenAIService(self.backend, http.get("max_tokens_limit"), reasoning_parser)
         self.routing = routing
         self.http = http
 
@@ -79,7 +80,8 @@ class Ingress:
             raise RuntimeError(f"http.api_key_env names {self.http['api_key_env']!r}, which is not set")
         return build_http_app(self.backend, session_header=self.routing["session_header"],
                               max_body_bytes=self.http["max_body_bytes"],
-                              max_tokens_limit=self.http.get("max_tokens_limit"), api_key=api_key)
+                              max_tokens_limit=self.http.get("max_tokens_limit"), api_key=api_key,
+                              reasoning_parser=self.reasoning_parser)
 
     async def chat(self, request, session_id: str | None = None) -> dict:
         """A chat completion (non-streaming)."""

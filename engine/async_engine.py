@@ -37,15 +37,16 @@ class AsyncLLMEngine:
     async def generate(self, request_id: str, prompt=None, params: SamplingParams | None = None,
                        messages: list[dict] | None = None, hold_kv: bool = False, tools: list[dict] | None = None,
                        remote_prefill: Callable[[dict], Awaitable[dict | None]] | None = None,
-                       prior_output_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]:
+                       prior_output_ids: list[int] | None = None, chat_template_kwargs: dict | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         """Yields one RequestOutput per new token; the last has finished=True.
         Cancelling the iteration (e.g. a client disconnect) aborts the request.
 
         remote_prefill (decode side): called with the block reservation; it has a prefill
         server write the prompt's KV and returns {"first_token", "first_logprobs" (optional)},
         or None when the transfer failed, in which case the prompt is prefilled here. hold_kv (prefill side): keep the
-        KV blocks after finishing, until release_held(). prior_output_ids:
-        as LLMEngine.add_request's."""
+        KV blocks after finishing, until release_held(). prior_output_ids and
+        chat_template_kwargs: as LLMEngine.add_request's."""
         if self._dead is not None:
             raise EngineDeadError(f"engine loop died: {self._dead!r}")
         queue: asyncio.Queue = asyncio.Queue()
@@ -55,11 +56,13 @@ class AsyncLLMEngine:
             with self._locked():
                 if remote_prefill is None:
                     self.engine.add_request(request_id, prompt, params, messages=messages, hold_kv=hold_kv,
-                                            tools=tools, prior_output_ids=prior_output_ids)
+                                            tools=tools, prior_output_ids=prior_output_ids,
+                                            chat_template_kwargs=chat_template_kwargs)
                     reservation = None
                 else:
                     reservation = self.engine.reserve_remote(request_id, prompt, params, messages=messages,
-                                                             tools=tools, prior_output_ids=prior_output_ids)
+                                                             tools=tools, prior_output_ids=prior_output_ids,
+                                                             chat_template_kwargs=chat_template_kwargs)
                 self._streams[request_id] = (loop, queue)
                 return reservation
         admission = asyncio.ensure_future(asyncio.to_thread(admit))

@@ -257,8 +257,8 @@ def random_weights(cfg: ModelConfig, seed: int = 0, std: float = 0.02, device="c
 
 RANDOM_MARKER = "random_weights.json"
 # What a preset's random checkpoint holds; one written by an older format is written again:
-# 1 masked output rows, 2 the tokenizer's tool-call markers.
-RANDOM_FORMAT = 2
+# 1 masked output rows, 2 the tokenizer's tool-call markers, 3 its think markers.
+RANDOM_FORMAT = 3
 
 
 def mask_output_rows(weight: torch.Tensor, keep: list[int]) -> torch.Tensor:

@@ -191,18 +191,20 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int] | None = None,
                     params: SamplingParams | None = None, messages: list[dict] | None = None,
                     hold_kv: bool = False, tools: list[dict] | None = None,
-                    prior_output_ids: list[int] | None = None) -> Sequence:
+                    prior_output_ids: list[int] | None = None, chat_template_kwargs: dict | None = None) -> Sequence:
         """Queue a request. hold_kv (prefill servers): keep its KV blocks after it finishes,
         until release_held(), so they can be sent to a decode engine. tools: function definitions
-        the chat template describes to the model (with messages). prior_output_ids: the end of
+        the chat template describes to the model (with messages); chat_template_kwargs: more
+        variables for the template (e.g. DeepSeek-V3.1's `thinking`). prior_output_ids: the end of
         the prompt (token ids) was produced by an earlier attempt at this request; penalties
         count it as output."""
-        seq = self._new_sequence(request_id, prompt, params, messages, tools, prior_output_ids)
+        seq = self._new_sequence(request_id, prompt, params, messages, tools, prior_output_ids, chat_template_kwargs)
         seq.hold_kv = hold_kv
         self.scheduler.add(seq)
         return seq
 
-    def _new_sequence(self, request_id, prompt, params, messages, tools=None, prior_output_ids=None) -> Sequence:
+    def _new_sequence(self, request_id, prompt, params, messages, tools=None, prior_output_ids=None,
+                      chat_template_kwargs=None) -> Sequence:
         params = params or SamplingParams()
         if request_id in self.requests or request_id in self.scheduler.held:
             raise RequestError(f"duplicate request id {request_id!r}")
@@ -210,7 +212,7 @@ class LLMEngine:
         if outside:
             raise RequestError(f"logit_bias token id {outside[0]} is outside the vocabulary "
                                f"(0..{self.model_cfg.vocab_size - 1})")
-        ids = self._prompt_ids(prompt, messages, tools)
+        ids = self._prompt_ids(prompt, messages, tools, chat_template_kwargs)
         if len(ids) >= self.max_model_len:
             raise ContextLengthError(f"prompt is {len(ids)} tokens; the context limit is {self.max_model_len} "
                                "(prompt plus at least one output token)")
@@ -229,11 +231,12 @@ class LLMEngine:
     # prefill/decode hand-off ------------------------------------------------------------
     def reserve_remote(self, request_id: str, prompt=None, params: SamplingParams | None = None,
                        messages: list[dict] | None = None, tools: list[dict] | None = None,
-                       prior_output_ids: list[int] | None = None) -> dict | None:
+                       prior_output_ids: list[int] | None = None, chat_template_kwargs: dict | None = None
+                       ) -> dict | None:
         """Decode side: allocate blocks for the prompt's KV, to be written by a prefill server.
         Returns what the prefill server needs, or None when the pool is full right now (the
         request is then queued for local prefill instead)."""
-        seq = self._new_sequence(request_id, prompt, params, messages, tools, prior_output_ids)
+        seq = self._new_sequence(request_id, prompt, params, messages, tools, prior_output_ids, chat_template_kwargs)
         # The step in flight may still write into free blocks (those of its sequences that ended
         # since its launch); a writer outside the device's stream order must not get them. They
         # sit out this reservation, rather than the host waiting out the step, which would cost
@@ -302,7 +305,7 @@ class LLMEngine:
     def release_held(self, request_id: str) -> None:
         self.scheduler.release_held(request_id)
 
-    def _prompt_ids(self, prompt, messages, tools=None) -> list[int]:
+    def _prompt_ids(self, prompt, messages, tools=None, chat_template_kwargs=None) -> list[int]:
         if (prompt is None) == (messages is None):
             raise RequestError("give exactly one of prompt or messages")
         if messages is not None:
@@ -315,7 +318,7 @@ class LLMEngine:
                 raise RequestError("messages must be a non-empty list of {role, content} objects "
                                    "(content null only beside tool_calls)")
             try:
-                ids = self.tokenizer.apply_chat_template(messages, tools=tools)
+                ids = self.tokenizer.apply_chat_template(messages, tools=tools, template_kwargs=chat_template_kwargs)
             except Exception as e:  # a checkpoint's own template may refuse a conversation's shape
                 raise RequestError(f"the chat template failed on these messages: {type(e).__name__}: {e}") from None
         elif isinstance(prompt, str):

@@ -11,9 +11,13 @@ CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end
 CALL_BEGIN, CALL_END, CALL_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
 OUTPUT_BEGIN, OUTPUT_END = "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"
 TOOL_MARKERS = [CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, CALL_SEP, OUTPUT_BEGIN, OUTPUT_END]
+# A reasoning model's thinking comes between these (app/reasoning.py); text too, as in DeepSeek's tokenizer.
+THINK_BEGIN, THINK_END = "<think>", "</think>"
+TEXT_MARKERS = TOOL_MARKERS + [THINK_BEGIN, THINK_END]
 
 # DeepSeek-style chat template: the tools described first, then system text, user/assistant turns
-# marked by special tokens, an assistant's tool calls and the tools' outputs by the markers.
+# marked by special tokens, an assistant's tool calls and the tools' outputs by the markers. With
+# `thinking` (chat_template_kwargs), the answer is opened inside its reasoning, as DeepSeek-V3.1's is.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% if tools %}## Tools\nYou have access to the following tools:\n{% for t in tools %}"
@@ -26,7 +30,8 @@ CHAT_TEMPLATE = (
     + "{{ c['function']['name'] }}" + CALL_SEP + "{{ c['function']['arguments'] }}" + CALL_END
     + "{% endfor %}" + CALLS_END + "{% endif %}" + EOS
     + "{% elif m['role'] == 'tool' %}" + OUTPUT_BEGIN + "{{ m['content'] }}" + OUTPUT_END + "{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}" + ASSISTANT + "{% endif %}"
+    "{% if add_generation_prompt %}" + ASSISTANT + "{% if thinking is defined and thinking %}" + THINK_BEGIN
+    + "{% endif %}{% endif %}"
 )
 
 # A small corpus to learn merges from; no model hub or dataset is reachable where these are made.
@@ -51,11 +56,11 @@ def build_tokenizer(vocab_size: int):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    learned = max(vocab_size, 256 + len(specials) + len(TOOL_MARKERS)) - len(TOOL_MARKERS)
+    learned = max(vocab_size, 256 + len(specials) + len(TEXT_MARKERS)) - len(TEXT_MARKERS)
     trainer = trainers.BpeTrainer(vocab_size=learned, special_tokens=specials,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator([_CORPUS], trainer)
-    tok.add_tokens([AddedToken(m, special=False, normalized=False) for m in TOOL_MARKERS])
+    tok.add_tokens([AddedToken(m, special=False, normalized=False) for m in TEXT_MARKERS])
     if tok.get_vocab_size() > vocab_size:
         raise ValueError(f"vocab_size {vocab_size} is too small for a byte-level tokenizer")
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS,
@@ -103,11 +108,13 @@ class Tokenizer:
         return text
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> list[int]:
+                            tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
+        """template_kwargs: more variables for the template (a request's chat_template_kwargs,
+        e.g. DeepSeek-V3.1's `thinking`)."""
         if not self.hf.chat_template:
             raise ValueError("this checkpoint has no chat template")
         text = self.hf.apply_chat_template(messages, tools=tools or None, tokenize=False,
-                                           add_generation_prompt=add_generation_prompt)
+                                           add_generation_prompt=add_generation_prompt, **(template_kwargs or {}))
         return self.encode(text)
 
 

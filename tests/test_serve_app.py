@@ -10,6 +10,7 @@ from ray import serve
 
 from app.main import build_app
 from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.tokenizer import THINK_END
 
 openai = pytest.importorskip("openai")
 
@@ -29,7 +30,7 @@ def served(tiny_ckpt, tmp_path_factory):
              logging_level="ERROR", runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        args = {"model": {"path": str(tiny_ckpt), "name": "tiny"}, "engine": ENGINE,
+        args = {"model": {"path": str(tiny_ckpt), "name": "tiny", "reasoning_parser": "deepseek_v3"}, "engine": ENGINE,
                 "prefill": {"replicas": 2}, "decode": {"dp_size": 2},
                 "kv_transport": {"backend": "nixl", "local_prefill_max_tokens": 0, "timeout_s": 20},
                 "routing": {"max_running_per_rank": 4}, "eplb": {"enabled": False}}
@@ -61,6 +62,24 @@ def test_non_streaming_and_streaming_chat(served):
         if chunk.choices and chunk.choices[0].delta.content:
             pieces.append(chunk.choices[0].delta.content)
     assert "".join(pieces) == r.choices[0].message.content
+
+
+def test_thinking_through_the_application(served, tiny_ckpt):
+    """The deployment's reasoning parser (deepseek_v3) and chat_template_kwargs reach the ingress and
+    the decode rank's template: with thinking on, the answer opens inside its reasoning."""
+    client, _ = served
+    r = client.chat.completions.create(model="tiny", messages=_messages("hello there"), max_tokens=6, temperature=0,
+                                       extra_body={"chat_template_kwargs": {"thinking": True}, "ignore_eos": True})
+    alone = LLMEngine.from_pretrained(tiny_ckpt, EngineConfig(**ENGINE), progress=False)
+    prompt = alone.tokenizer.apply_chat_template(_messages("hello there"), template_kwargs={"thinking": True})
+    expect = alone.generate([prompt], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
+    message = r.choices[0].message.model_dump()
+    assert r.usage.prompt_tokens == len(prompt)
+    if THINK_END in expect.text:
+        reasoning, content = expect.text.split(THINK_END, 1)
+    else:
+        reasoning, content = expect.text, ""
+    assert (message["reasoning_content"], message["content"]) == (reasoning, content)
 
 
 def test_pd_output_equals_decode_rank_alone(served, tiny_ckpt):

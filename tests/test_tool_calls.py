@@ -103,8 +103,8 @@ def _schema(name):
     return jsonschema.Draft202012Validator({"$ref": f"#/components/schemas/{name}", "components": spec["components"]})
 
 
-def _respond(backend, body, stream=False):
-    service = OpenAIService(backend)
+def _respond(backend, body, stream=False, reasoning_parser=None):
+    service = OpenAIService(backend, reasoning_parser=reasoning_parser)
 
     async def run():
         req, engine_request = service.parse("chat", dict(body, stream=stream))
