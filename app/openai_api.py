@@ -179,8 +179,6 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = None
 
     def refuse_unsupported(self) -> None:
-        if self.echo:
-            raise bad_request("echo is not supported", param="echo")
         if self.best_of not in (None, 1):
             raise bad_request(f"only best_of=1 is supported, got {self.best_of}", param="best_of")
         if self.suffix:
@@ -346,6 +344,8 @@ def sampling_params(req: _SamplingFields, *, default_max_tokens: int, max_model_
     # n choices are n engine requests (app/service.py), each of one
     kwargs: dict[str, Any] = {"max_tokens": max_tokens, "ignore_eos": req.ignore_eos,
                               "logprobs": req.engine_logprobs()}
+    if getattr(req, "echo", False):  # legacy completions: the prompt, and its logprobs, come back first
+        kwargs.update(echo=True, prompt_logprobs=kwargs["logprobs"])
     for name in ("temperature", "top_p", "seed", "stop", "stop_token_ids", "presence_penalty",
                  "frequency_penalty", "repetition_penalty"):
         value = getattr(req, name)
@@ -435,13 +435,26 @@ def _chat_token(record: dict) -> dict:
 
 def completion_logprobs(records: list[dict] | None, text_offsets: list[int] | None) -> dict | None:
     """The legacy form: parallel lists. Each top_logprobs map holds the alternatives and the
-    sampled token, so up to logprobs + 1 entries, as OpenAI documents."""
+    sampled token, so up to logprobs + 1 entries, as OpenAI documents. An echoed prompt's first
+    token has no log-probability: null in token_logprobs and top_logprobs."""
     if records is None:
         return None
     return {"tokens": [r["token"] for r in records], "token_logprobs": [r["logprob"] for r in records],
-            "top_logprobs": [{**{t["token"]: t["logprob"] for t in r["top"]}, r["token"]: r["logprob"]}
+            "top_logprobs": [None if r["logprob"] is None else
+                             {**{t["token"]: t["logprob"] for t in r["top"]}, r["token"]: r["logprob"]}
                              for r in records],
             "text_offset": list(text_offsets or [])}
+
+
+def prompt_offsets(records: list[dict], prompt_text: str) -> list[int]:
+    """Where each token of an echoed prompt's logprob records (the engine's prompt_logprobs)
+    starts in `prompt_text`: its tokens' texts added up (a token holding part of a multi-byte
+    character shows as U+FFFD, so offsets past one are near, not exact), kept inside the text."""
+    offsets, at = [], 0
+    for r in records:
+        offsets.append(min(at, len(prompt_text)))
+        at += len(r["token"])
+    return offsets
 
 
 class StreamChunks:
@@ -463,7 +476,8 @@ class StreamChunks:
         return chunk
 
     def _choice(self, index: int, text: str | None, finish_reason: str | None, role: bool = False,
-                logprobs: list[dict] | None = None, text_offset: int = 0, reasoning: str | None = None) -> dict:
+                logprobs: list[dict] | None = None, text_offset: int | list[int] = 0,
+                reasoning: str | None = None) -> dict:
         if self.kind == "chat":
             delta: dict[str, Any] = {}
             if role:
@@ -474,7 +488,7 @@ class StreamChunks:
                 delta["content"] = text
             return {"index": index, "delta": delta, "logprobs": chat_logprobs(logprobs),
                     "finish_reason": finish_reason}
-        offsets = [text_offset] * len(logprobs or ())
+        offsets = text_offset if isinstance(text_offset, list) else [text_offset] * len(logprobs or ())
         return {"index": index, "text": text or "", "logprobs": completion_logprobs(logprobs, offsets),
                 "finish_reason": finish_reason}
 
@@ -482,10 +496,11 @@ class StreamChunks:
         """Chat streams open each choice with the assistant role and empty content."""
         return self._chunk([self._choice(index, "", None, role=True)]) if self.kind == "chat" else None
 
-    def delta(self, text: str, logprobs: list[dict] | None = None, text_offset: int = 0, index: int = 0,
+    def delta(self, text: str, logprobs: list[dict] | None = None, text_offset: int | list[int] = 0, index: int = 0,
               reasoning: str | None = None) -> dict:
         """logprobs: the records of this delta's tokens; text_offset: where they start in the
-        choice's whole text (legacy completions); reasoning: a chat delta's reasoning text."""
+        choice's whole text (legacy completions; a list: each record's own); reasoning: a chat
+        delta's reasoning text."""
         return self._chunk([self._choice(index, text, None, logprobs=logprobs, text_offset=text_offset,
                                          reasoning=reasoning)])
 

@@ -94,7 +94,9 @@ def _logprobs_fields(chat: dict, completion: dict) -> None:
 
 def _unsupported_fields(chat: dict, completion: dict) -> None:
     """Fields narrowed to the values that ask for nothing this server lacks (the rest are 400s)."""
-    completion["echo"].update(type="boolean", enum=[False], description="Not supported: only false.")
+    completion["echo"].update(type="boolean", description=(
+        "Return the prompt before the completion; with logprobs, each prompt token's too (the first: "
+        "null), computed over the whole prompt rather than read from the prefix cache."))
     _set_branch(completion["best_of"], {"type": "integer", "enum": [1]})
     _set_branch(completion["suffix"], {"type": "string", "maxLength": 0})
     completion["suffix"]["description"] = "Not supported: only empty."
@@ -271,8 +273,9 @@ def _logprobs_schemas() -> dict:
             "required": ["tokens", "token_logprobs", "top_logprobs", "text_offset"],
             "properties": {
                 "tokens": {"type": "array", "items": {"type": "string"}},
-                "token_logprobs": {"type": "array", "items": logprob},
-                "top_logprobs": {"type": "array", "items": {"type": "object", "additionalProperties": logprob}},
+                # null: an echoed prompt's first token, which has nothing before it
+                "token_logprobs": {"type": "array", "items": _nullable(logprob)},
+                "top_logprobs": {"type": "array", "items": _nullable({"type": "object", "additionalProperties": logprob})},
                 "text_offset": {"type": "array", "items": {"type": "integer", "minimum": 0}},
             },
         },

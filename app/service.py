@@ -177,8 +177,7 @@ class OpenAIService:
             reasons = self._reasons(engine_request)
             built = [_chat_choice(i, c, bool(engine_request.get("tools")), reasons) for i, c in enumerate(choices)]
         else:
-            built = [oa.text_choice(i, "".join(c.pieces), c.last.get("finish_reason"), c.logprobs, c.offsets)
-                     for i, c in enumerate(choices)]
+            built = [_text_choice(i, c) for i, c in enumerate(choices)]
         return oa.completion_response(kind, rid, self.backend.model_name, int(time.time()), built, _usage(choices))
 
     async def chunks(self, kind: Kind, req, engine_request: dict, stream: AsyncIterator[dict],
@@ -206,7 +205,12 @@ class OpenAIService:
                         role = chunks.role(i)
                         if role is not None:
                             yield role
-                    offset = c.text_len
+                    if out.get("prompt_text") is not None:  # echo: the prompt goes out first
+                        c.lead = len(out["prompt_text"])
+                        records = out.get("prompt_logprobs")
+                        yield chunks.delta(out["prompt_text"], records, index=i,
+                                           text_offset=oa.prompt_offsets(records, out["prompt_text"]) if records else 0)
+                    offset = c.lead + c.text_len
                     c.add(out)
                     text, calls, reasoning = out.get("text_delta", ""), [], None
                     if c.reasoning is not None:
@@ -251,8 +255,13 @@ class _Choice:
         self.opened = False  # streaming: its role chunk went out
         self.tool_calls: ToolCallStream | None = None  # streaming with tools: the calls found so far
         self.reasoning: ReasoningStream | None = None  # streaming a reasoning answer: where it is
+        self.prompt_text: str | None = None  # echo: the prompt's text and logprob records
+        self.prompt_logprobs: list[dict] | None = None
+        self.lead = 0  # streaming with echo: the length of the prompt's text sent first
 
     def add(self, out: dict) -> None:
+        if out.get("prompt_text") is not None:
+            self.prompt_text, self.prompt_logprobs = out["prompt_text"], out.get("prompt_logprobs")
         if self.logprobs is not None and out.get("logprobs"):
             self.logprobs += out["logprobs"]
             self.offsets += [self.text_len] * len(out["logprobs"])
@@ -261,6 +270,17 @@ class _Choice:
         self.num_tokens += len(out.get("new_token_ids", ()))
         self.last = out
 
+
+
+def _text_choice(index: int, c: _Choice) -> dict:
+    text, logprobs, offsets = "".join(c.pieces), c.logprobs, c.offsets
+    if c.prompt_text is not None:  # echo
+        lead = c.prompt_text
+        if logprobs is not None and c.prompt_logprobs is not None:
+            logprobs = c.prompt_logprobs + logprobs
+            offsets = oa.prompt_offsets(c.prompt_logprobs, lead) + [len(lead) + o for o in offsets]
+        text = lead + text
+    return oa.text_choice(index, text, c.last.get("finish_reason"), logprobs, offsets)
 
 
 def _chat_choice(index: int, c: _Choice, tools: bool, reasons: bool) -> dict:

@@ -190,6 +190,8 @@ class DecodeGroup:
                 if prompt_ids is not None:  # continue from the tokens the client already has
                     current.update(prompt=None, messages=None, prompt_token_ids=prompt_ids + produced,
                                    prior_output_ids=list(produced))
+                    # the first output carried the prompt's records and text: not again
+                    current["sampling"].update(prompt_logprobs=None, echo=False)
             finally:
                 if generation == self.generation:
                     self.running[rank] -= 1

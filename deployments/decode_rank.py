@@ -120,18 +120,20 @@ class DecodeRank:
                     **{f"kv_transfers_{k}": v for k, v in self.transfers.items()})
 
     async def generate(self, request: dict, session_id: str | None = None):
-        """Streams one dict per token (see engine_host.output_dict)."""
+        """Streams one dict per token (RequestOutput.stream_dict)."""
         if self._reporter is None:
             self._reporter = asyncio.get_running_loop().create_task(report_stats(self.engine, self.metrics))
         rid = request["request_id"]
         params = SamplingParams(**request.get("sampling", {}))
         prompt = request.get("prompt_token_ids") or request.get("prompt")
         prior = request.get("prior_output_ids")
-        # A prefill server samples the first token knowing no earlier outputs: a retried request
-        # whose penalties count them is prefilled here.
-        counts_prior = bool(prior) and (params.frequency_penalty != 0 or params.presence_penalty != 0)
+        # A prefill server samples the first token knowing no earlier outputs, and computes the
+        # prompt's next-token logits at its end only: a retried request whose penalties count
+        # earlier outputs, and one asking for prompt logprobs, are prefilled here.
+        local = (bool(prior) and (params.frequency_penalty != 0 or params.presence_penalty != 0)
+                 or params.prompt_logprobs is not None)
         remote = (self._remote_prefill(rid, params, session_id)
-                  if (self.transport is not None or self.ipc is not None) and not counts_prior else None)
+                  if (self.transport is not None or self.ipc is not None) and not local else None)
         start, last = time.monotonic(), None
         async for out in self.engine.generate(rid, prompt, params, messages=request.get("messages"),
                                               tools=request.get("tools"), remote_prefill=remote,

@@ -75,6 +75,7 @@ class LaunchedStep:
     host: torch.Tensor | None = None                # their pinned copy, valid once `ready`
     logprob_rows: list[int] = field(default_factory=list)  # of `done`, those whose request asked for logprobs
     logprobs: torch.Tensor | None = None            # their token_logprobs(), then its pinned copy
+    prompt: tuple | None = None                     # ModelRunner.prompt_records of the step, copied likewise
     ready: torch.cuda.Event | None = None
     error: Exception | None = None
     write_blocks: list[int] = field(default_factory=list)  # a step ahead: the block of each row's position
@@ -221,6 +222,8 @@ class LLMEngine:
                       or ids[len(ids) - len(prior):] != prior or len(prior) >= len(ids)):
             raise RequestError("prior_output_ids must be token ids ending the prompt's token ids")
         seq = Sequence(request_id, ids, params, arrival=time.monotonic(), prior_output_ids=prior)
+        if params.prompt_logprobs is not None:  # the first token has nothing before it: no logprob
+            seq.prompt_logprobs = [{"token_id": ids[0], "token": self._token_text(ids[0]), "logprob": None, "top": []}]
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
         if self.tokenizer is not None:
@@ -241,6 +244,9 @@ class LLMEngine:
         # since its launch); a writer outside the device's stream order must not get them. They
         # sit out this reservation, rather than the host waiting out the step, which would cost
         # a decode rank a step's overlap on every hand-off.
+        if seq.needs_prompt_logprobs:  # its prompt is computed here, every position
+            self.scheduler.add(seq)
+            return None
         busy = self._blocks_written_in_flight()
         if any(self.scheduler.blocks.block_hash[b] is not None for b in busy):
             self.wait_inflight()  # a cached prefix cannot sit out (a hit may revive it)
@@ -385,6 +391,7 @@ class LLMEngine:
                 step.done, logits = self.runner.run(batch)
             else:
                 step.done, logits = list(range(len(batch))), self.runner.run_ahead(batch, ahead_ids)
+            step.prompt, self.runner.prompt_records = self.runner.prompt_records, None
             if step.done:
                 seqs = [batch.seqs[i] for i in step.done]
                 step.tokens = self.runner.sample(seqs, logits)
@@ -405,6 +412,9 @@ class LLMEngine:
             step.host.copy_(step.tokens, non_blocking=True)
             if step.logprobs is not None:
                 step.logprobs = step.logprobs.to("cpu", non_blocking=True)
+            if step.prompt is not None:
+                owners, targets, packed = step.prompt
+                step.prompt = (owners, targets, packed.to("cpu", non_blocking=True))
             step.ready = torch.cuda.Event()
             step.ready.record()
         return step
@@ -420,10 +430,12 @@ class LLMEngine:
                 self.requests.pop(seq.request_id, None)
                 outputs.append(self._output(seq, [], ""))
             return outputs
+        if step.ready is not None and (step.tokens is not None or step.prompt is not None):
+            step.ready.synchronize()
+        if step.prompt is not None:
+            self._add_prompt_records(*step.prompt)
         if step.tokens is None:
             return []
-        if step.ready is not None:
-            step.ready.synchronize()
         tokens = (step.host if step.host is not None else step.tokens).tolist()
         records: list[dict | None] = [None] * len(tokens)
         if step.logprobs is not None:
@@ -434,6 +446,14 @@ class LLMEngine:
                 records[j] = record
         return [self._append(step.batch.seqs[i], token, record)
                 for i, token, record in zip(step.done, tokens, records) if not step.batch.seqs[i].is_finished]
+
+    def _add_prompt_records(self, owners: list, targets: list[int], packed: torch.Tensor) -> None:
+        at = 0
+        rows = packed.tolist()
+        for seq, n in owners:
+            seq.prompt_logprobs += logprob_records(rows[at:at + n], targets[at:at + n],
+                                                   [seq.params.prompt_logprobs] * n, self._token_text)
+            at += n
 
     def _token_text(self, token: int) -> str:
         # special tokens by name too (an end-of-sequence token shows as such, not as "")
@@ -522,13 +542,17 @@ class LLMEngine:
     def _output(self, seq: Sequence, new_ids: list[int], delta: str, logprobs: list[dict] | None = None
                 ) -> RequestOutput:
         first = len(seq.output_ids) == 1 and bool(new_ids)
+        prompt_text = None
+        if first and seq.params.echo:
+            prompt_text = self.tokenizer.decode(seq.prompt_ids) if self.tokenizer is not None else ""
         return RequestOutput(
             prompt_token_ids=list(seq.prompt_ids) if first else None,
             request_id=seq.request_id, new_token_ids=new_ids,
             output_ids_source=seq.output_ids, num_output_ids=len(seq.output_ids),
             text_delta=delta, text=seq.text, finished=seq.is_finished, finish_reason=seq.finish_reason,
             num_prompt_tokens=len(seq.prompt_ids), num_cached_tokens=seq.prefix_hit_tokens, error=seq.error,
-            logprobs=logprobs)
+            logprobs=logprobs, prompt_text=prompt_text,
+            prompt_logprobs=list(seq.prompt_logprobs) if first and seq.prompt_logprobs is not None else None)
 
     # one-process convenience ------------------------------------------------------------
     def generate(self, prompts: list, params: SamplingParams | list[SamplingParams] | None = None
@@ -545,10 +569,14 @@ class LLMEngine:
             self.add_request(rid, None if is_chat else prompt, p, messages=prompt if is_chat else None)
             ids.append(rid)
         final: dict[str, RequestOutput] = {}
+        first: dict[str, RequestOutput] = {}  # a request's first output, which carries the prompt's records
         lockstep = self.ep
         while self.has_unfinished_requests() or lockstep is not None:
             for out in self.step():
+                first.setdefault(out.request_id, out)
                 if out.finished:
+                    out.prompt_logprobs = first[out.request_id].prompt_logprobs
+                    out.prompt_text = first[out.request_id].prompt_text
                     final[out.request_id] = out
             # every rank sees the same agreement: all leave after the same step
             if lockstep is not None and not lockstep.busy and not self.has_unfinished_requests():

@@ -27,6 +27,44 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: list[int], 
     return torch.cat([chosen, top.values, top.indices.float()], dim=1)
 
 
+def prompt_logprob_rows(seqs: list, num_tokens: list[int]) -> tuple[list[int], list[int], list[tuple]]:
+    """For a step computing num_tokens[i] positions of seqs[i] from its num_computed_tokens, a
+    row per position in order: the rows whose next token is a prompt token still without a
+    log-probability record (a prompt recomputed after preemption has them already), those tokens,
+    and (sequence, records it gets) in order."""
+    rows, targets, owners = [], [], []
+    row = 0
+    for seq, n in zip(seqs, num_tokens):
+        if seq.needs_prompt_logprobs:
+            start = seq.num_computed_tokens
+            # position p predicts token p + 1; the records so far cover tokens before len(records)
+            first = max(start, len(seq.prompt_logprobs) - 1)
+            last = min(start + n, len(seq.prompt_ids) - 1)
+            if last > first:
+                rows += range(row + first - start, row + last - start)
+                targets += seq.prompt_ids[first + 1:last + 1]
+                owners.append((seq, last - first))
+        row += n
+    return rows, targets, owners
+
+
+# A prompt's logits are made this many rows at a time: [rows, vocab] fp32 is 132 MB at 129K tokens.
+PROMPT_SLICE_ROWS = 256
+
+
+def prompt_token_logprobs(compute_logits, hidden: torch.Tensor, rows: list[int], targets: list[int],
+                          k: int) -> torch.Tensor:
+    """token_logprobs() of the prompt tokens `targets`, each predicted by its row of `hidden`
+    (compute_logits: hidden rows -> logits), a slice of rows at a time."""
+    dev = hidden.device
+    idx, tgt = host_to_device(dev, rows), host_to_device(dev, targets)
+    parts = []
+    for a in range(0, len(rows), PROMPT_SLICE_ROWS):
+        logits = compute_logits(hidden.index_select(0, idx[a:a + PROMPT_SLICE_ROWS]))
+        parts.append(token_logprobs(logits, tgt[a:a + PROMPT_SLICE_ROWS], list(range(logits.shape[0])), k))
+    return torch.cat(parts)
+
+
 def logprob_records(packed: list[list[float]], tokens: list[int], ks: list[int], token_text) -> list[dict]:
     """The rows of token_logprobs()'s tensor (read back as lists) as one record per sampled token:
     {"token_id", "token", "logprob", "top": [{"token_id", "token", "logprob"}, ...]}, the top

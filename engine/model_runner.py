@@ -13,6 +13,7 @@ from .ep_step import run_lockstep
 from .config import ConfigError, EngineConfig
 from .model import DeepseekForCausalLM
 from .moe import MoE, expert_fp8_block
+from .logprobs import prompt_logprob_rows, prompt_token_logprobs
 from .penalties import TokenCounts, adjust_logits
 from .sampling import Sampler
 from .scheduler import ScheduledBatch
@@ -117,6 +118,9 @@ class ModelRunner:
             layer.self_attn.reuse_topk = not scores
         self.sampler = Sampler()
         self.token_counts: TokenCounts | None = None  # made when a penalized request first samples
+        # The last eager step's prompt log-probabilities, for the engine to take:
+        # ([(sequence, records)], target tokens, their token_logprobs() rows on the device).
+        self.prompt_records: tuple | None = None
         self.graphs = (DecodeGraphs(self, cfg.cuda_graph_max_batch)
                        if cfg.cuda_graphs and self.device.type == "cuda" else None)
         self.ep = None  # engine.ep.ExpertParallel: this runner is one rank of a lockstep group
@@ -231,8 +235,16 @@ class ModelRunner:
         per token, CUDA graphs): at most cuda_graph_max_chunk of them. 0 otherwise."""
         if self.ep is not None:  # a lockstep group picks its chunk graphs together (engine/ep_step.py)
             return 0
+        if self.wants_prompt_rows(batch):
+            return 0
         total = sum(batch.num_tokens)
         return total if self.chunk_graphs_take(total) else 0
+
+    @staticmethod
+    def wants_prompt_rows(batch: ScheduledBatch) -> bool:
+        """Whether a sequence of the step needs the logits of its prompt rows (prompt logprobs),
+        which only the eager forward keeps: a chunk graph computes the due rows' alone."""
+        return any(seq.needs_prompt_logprobs for seq in batch.seqs)
 
     def chunk_graphs_take(self, rows: int) -> bool:
         """Whether a chunk graph can take a step of this many tokens."""
@@ -493,6 +505,11 @@ class ModelRunner:
         hidden = self.model(input_ids, ctx)
         if self.kv.window:
             self.kv.window_pos[ctx.win_write_slot, ctx.win_write_idx] = ctx.positions[ctx.win_write_rows]
+        rows, targets, owners = prompt_logprob_rows(batch.seqs, batch.num_tokens)
+        if rows:
+            k = max(seq.params.prompt_logprobs for seq, _ in owners)
+            self.prompt_records = (owners, targets, prompt_token_logprobs(self.model.compute_logits, hidden, rows,
+                                                                          targets, k))
         done = [i for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens))
                 if seq.num_computed_tokens + n == seq.num_tokens]
         return done, (self.model.compute_logits(hidden[logit_rows]) if done else None)

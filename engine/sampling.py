@@ -26,6 +26,12 @@ class SamplingParams:
     # The log-probability of each sampled token and of this many most likely alternatives
     # (0: the sampled token's only); None: none.
     logprobs: int | None = None
+    # The log-probability of each prompt token after the first given those before it, and of this
+    # many most likely alternatives (vLLM's prompt_logprobs); the first token's record has none
+    # (logprob None). The prompt is then computed whole, not read from the prefix cache.
+    prompt_logprobs: int | None = None
+    # The first output carries the prompt's text (prompt_text), for an API that echoes it.
+    echo: bool = False
     # OpenAI's penalties: subtracted from a token's logit, once if it is in the output so far
     # (presence) and once per time it is (frequency).
     presence_penalty: float = 0.0
@@ -66,9 +72,10 @@ class SamplingParams:
             bad("top_k", f"must be -1 (off) or an integer >= 1, got {self.top_k!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             bad("seed", f"must be an integer, got {self.seed!r}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
-                                          or not 0 <= self.logprobs <= self.MAX_LOGPROBS):
-            bad("logprobs", f"must be an integer in 0..{self.MAX_LOGPROBS}, got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= self.MAX_LOGPROBS):
+                bad(name, f"must be an integer in 0..{self.MAX_LOGPROBS}, got {v!r}")
         for name, low, high in (("presence_penalty", -2, 2), ("frequency_penalty", -2, 2)):
             v = getattr(self, name)
             if not _is_number(v) or not low <= v <= high:

@@ -162,7 +162,8 @@ class Scheduler:
             if not self.blocks.can_grow(seq, start + n):
                 return 0
         else:
-            hits = self.blocks.match_prefix(seq)
+            # prompt logprobs need every prompt position computed
+            hits = [] if seq.needs_prompt_logprobs else self.blocks.match_prefix(seq)
             hit = len(hits) * self.cfg.block_size
             start = self.replay_start(hit)
             n = min(seq.num_tokens - start, budget)

@@ -45,6 +45,9 @@ class Sequence:
     # A request retried after a rank failed continues from a prompt that ends with the tokens
     # produced before: the frequency and presence penalties still count these as outputs.
     prior_output_ids: list[int] = field(default_factory=list, repr=False)
+    # With params.prompt_logprobs: a record per prompt position computed so far, the first without a
+    # logprob (nothing comes before it); complete once it holds one per prompt token.
+    prompt_logprobs: list | None = field(default=None, repr=False)
     hold_kv: bool = False           # prefill side: keep the blocks after finishing, until released
     # statistics
     prefix_hit_tokens: int = 0
@@ -64,6 +67,11 @@ class Sequence:
         if start >= p:
             return self.output_ids[start - p:end - p]
         return self.prompt_ids[start:end] + (self.output_ids[:end - p] if end > p else [])
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether some prompt position's log-probabilities are still to be computed."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids)
 
     @property
     def num_tokens(self) -> int:
@@ -88,6 +96,9 @@ class RequestOutput:
     prompt_token_ids: list[int] | None = None  # on a request's first token only
     # a record per new token (engine/logprobs.py entries) when the request asked for logprobs
     logprobs: list[dict] | None = None
+    # on the first token, with prompt_logprobs asked: a record per prompt token (the first's logprob None)
+    prompt_logprobs: list[dict | None] | None = None
+    prompt_text: str | None = None  # on the first token, when the request asked for echo
     # The sequence's output ids (a list that only grows by appends) and how many of them are this
     # output's: copied when read, not per token (a copy per token costs a step O(length) per
     # sequence, 10 us at 8K output tokens, and streaming never reads it).
@@ -108,4 +119,6 @@ class RequestOutput:
                 "finish_reason": self.finish_reason, "num_prompt_tokens": self.num_prompt_tokens,
                 "num_cached_tokens": self.num_cached_tokens, "error": self.error,
                 **({"prompt_token_ids": self.prompt_token_ids} if self.prompt_token_ids is not None else {}),
-                **({"logprobs": self.logprobs} if self.logprobs is not None else {})}
+                **({"logprobs": self.logprobs} if self.logprobs is not None else {}),
+                **({"prompt_logprobs": self.prompt_logprobs} if self.prompt_logprobs is not None else {}),
+                **({"prompt_text": self.prompt_text} if self.prompt_text is not None else {})}

@@ -348,7 +348,6 @@ BAD_REQUESTS = {
                                            "chat_template_kwargs"),
     "chat_template_kwargs key not a name": ("POST", CHAT, _chat(chat_template_kwargs={"a-b": 1}), 400,
                                             "chat_template_kwargs"),
-    "echo": ("POST", COMPLETIONS, _completion(echo=True), 400, "echo"),
     "best_of two": ("POST", COMPLETIONS, _completion(best_of=2), 400, "best_of"),
     "suffix": ("POST", COMPLETIONS, _completion(suffix="end"), 400, "suffix"),
     "unknown model": ("POST", CHAT, _chat(model="gpt-4o"), 404, "model"),

@@ -82,6 +82,24 @@ def test_thinking_through_the_application(served, tiny_ckpt):
     assert (message["reasoning_content"], message["content"]) == (reasoning, content)
 
 
+def test_echo_scores_the_prompt_on_the_decode_rank(served, tiny_ckpt):
+    """Prompt logprobs need every prompt position's logits, which a prefill server does not send:
+    the prompt is computed on the decode rank, and the records are the engine's."""
+    client, _ = served
+    before = sum(s["prefill_remote"] for s in _decode_stats())
+    text = "Experts are small feed-forward networks; a router picks a few of them for every token."
+    r = client.completions.create(model="tiny", prompt=text, max_tokens=1, temperature=0, logprobs=1, echo=True)
+    assert sum(s["prefill_remote"] for s in _decode_stats()) == before
+    alone = LLMEngine.from_pretrained(tiny_ckpt, EngineConfig(**ENGINE), progress=False)
+    ids = alone.tokenizer.encode(text)
+    expect = alone.generate([ids], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1))[0]
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text.startswith(text) and len(lp.tokens) == len(ids) + 1
+    assert lp.token_logprobs[0] is None
+    assert lp.token_logprobs[1:len(ids)] == pytest.approx([rec["logprob"] for rec in expect.prompt_logprobs[1:]],
+                                                          abs=1e-5)
+
+
 def test_pd_output_equals_decode_rank_alone(served, tiny_ckpt):
     client, _ = served
     before = sum(s["prefill_remote"] for s in _decode_stats())

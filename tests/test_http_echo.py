@@ -1,0 +1,74 @@
+"""Legacy completions with echo: the prompt comes back before the completion, with each prompt
+token's log-probability when logprobs is set (as lm-eval's loglikelihood asks), whole and streamed."""
+import json
+
+import jsonschema
+
+from app.openapi import openapi_spec
+from engine.sampling import SamplingParams
+from tests.test_http_api import COMPLETIONS, MODEL, client, offline, raw, served  # noqa: F401
+
+PROMPT = "The quick brown fox jumps over the lazy dog."
+
+
+def _schema(name):
+    spec = openapi_spec(MODEL)
+    return jsonschema.Draft202012Validator({"$ref": f"#/components/schemas/{name}", "components": spec["components"]})
+
+
+def test_echo_with_logprobs_scores_the_prompt(client, offline, raw):
+    body = dict(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, logprobs=2, echo=True, ignore_eos=True)
+    _schema("TextCompletion").validate(raw.post(COMPLETIONS, json=body).json())
+    resp = client.completions.create(**{k: v for k, v in body.items() if k != "ignore_eos"},
+                                     extra_body={"ignore_eos": True})
+    ids = offline.tokenizer.encode(PROMPT)
+    want = offline.generate([ids], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=2,
+                                                  prompt_logprobs=2))[0]
+    (choice,) = resp.choices
+    assert choice.text == PROMPT + want.text
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(ids) + 3 == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.tokens[:len(ids)] == [offline.tokenizer.token_text(t) for t in ids]
+    prompt_records = want.prompt_logprobs[1:]
+    assert lp.token_logprobs[1:len(ids)] == [r["logprob"] for r in prompt_records]
+    for top, r in zip(lp.top_logprobs[1:len(ids)], prompt_records):
+        assert top == {**{t["token"]: t["logprob"] for t in r["top"]}, r["token"]: r["logprob"]}
+    # the prompt's offsets, then the completion's after the whole prompt
+    assert lp.text_offset[:len(ids)] == sorted(lp.text_offset[:len(ids)]) and lp.text_offset[0] == 0
+    assert lp.text_offset[len(ids)] == len(PROMPT)
+    assert resp.usage.prompt_tokens == len(ids) and resp.usage.completion_tokens == 3
+
+
+def test_echo_streamed_equals_whole(client, raw):
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=1, echo=True,
+              extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kw).choices[0]
+    text, tokens, token_lps, offsets = "", [], [], []
+    for chunk in client.completions.create(stream=True, **kw):
+        c = chunk.choices[0]
+        text += c.text
+        if c.logprobs:
+            tokens += c.logprobs.tokens
+            token_lps += c.logprobs.token_logprobs
+            offsets += c.logprobs.text_offset
+    assert text == whole.text and text.startswith(PROMPT)
+    assert tokens == whole.logprobs.tokens and token_lps == whole.logprobs.token_logprobs
+    assert offsets == whole.logprobs.text_offset
+    body = dict(kw, stream=True, ignore_eos=True)
+    del body["extra_body"]
+    events = [line[6:] for line in raw.post(COMPLETIONS, json=body).text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    schema = _schema("TextCompletionChunk")
+    for event in events[:-1]:
+        schema.validate(json.loads(event))
+
+
+def test_echo_without_logprobs_and_with_token_ids(client, offline):
+    resp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0, echo=True)
+    assert resp.choices[0].text.startswith(PROMPT) and resp.choices[0].logprobs is None
+    ids = offline.tokenizer.encode(PROMPT)
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=2, temperature=0, echo=True)
+    assert by_ids.choices[0].text == resp.choices[0].text
+    two = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, echo=True, n=2, logprobs=0, seed=3)
+    assert all(c.text.startswith(PROMPT) and len(c.logprobs.tokens) == len(ids) + 2 for c in two.choices)
