@@ -5,6 +5,7 @@ import math
 from dataclasses import dataclass, field
 from functools import cached_property
 
+import numpy as np
 import torch
 
 from wideep_kernels import triton_ok
@@ -122,16 +123,22 @@ class SamplingParams:
     def adjusts_logits(self) -> bool:
         return self.penalized or bool(self.logit_bias)
 
+    @cached_property
+    def bias_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """logit_bias as (token ids, biases): a step gathers its rows' from these, not from dicts."""
+        return (np.fromiter(self.logit_bias.keys(), np.float64, len(self.logit_bias)),
+                np.fromiter(self.logit_bias.values(), np.float64, len(self.logit_bias)))
+
 
 def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def host_to_device(device: torch.device, data: list, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A short host list as a tensor on `device`. The copy goes through pinned memory: a plain
-    copy to a GPU waits for everything queued on the stream, a decode step launched ahead
+def host_to_device(device: torch.device, data: list | np.ndarray, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A short host list (or array) as a tensor on `device`. The copy goes through pinned memory:
+    a plain copy to a GPU waits for everything queued on the stream, a decode step launched ahead
     included (engine/llm_engine.py)."""
-    t = torch.tensor(data, dtype=dtype)
+    t = torch.from_numpy(data) if isinstance(data, np.ndarray) else torch.tensor(data, dtype=dtype)
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
