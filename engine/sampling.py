@@ -159,10 +159,10 @@ class Sampler:
         logits = logits.float()
         out = logits.argmax(-1)
         dev = logits.device
-        idx = host_to_device(dev, rows)
+        both = host_to_device(dev, [[i, params[i].temperature] for i in rows], torch.float32)  # one copy
+        idx = both[:, 0].long()
         sub = logits[idx]
-        temp = host_to_device(dev, [params[i].temperature for i in rows])
-        probs = self._filter(sub / temp[:, None], [params[i] for i in rows]).softmax(-1)
+        probs = self._filter(sub / both[:, 1:], [params[i] for i in rows]).softmax(-1)
         # Exponential race: argmax(p / E) with E ~ Exp(1) samples from p. Unseeded rows draw
         # in one call; a seeded row draws its own row from its generator (the same numbers
         # as a draw of that row alone); then one argmax and one write for every row: a few
