@@ -48,8 +48,9 @@ class Batch:
 class Runner:
     """ModelRunner's surface that run_lockstep uses, recording what it was asked to do."""
 
-    def __init__(self, ep, longest: int):
+    def __init__(self, ep, longest: int, prompt_rows: bool = False):
         self.ep, self.longest, self.calls, self.ahead_ids = ep, longest, [], []
+        self.prompt_rows = prompt_rows  # a sequence asks for its prompt's logprobs
         graphs = SimpleNamespace(sizes=[1, 2, 4, 8, 16], chunk_sizes=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512],
                                  _blocks_bucket=lambda m: max(16, m))
         graphs.covers = lambda b: b <= 16
@@ -76,6 +77,9 @@ class Runner:
 
     def chunk_graphs_take(self, rows):
         return rows <= 512
+
+    def wants_prompt_rows(self, batch):
+        return self.prompt_rows
 
     def run_chunk(self, batch, rows, shape, ahead_ids):
         self._record("chunk", len(batch), shape, ahead_ids=ahead_ids)
@@ -128,6 +132,17 @@ def test_the_group_replays_one_graph_or_runs_eagerly(group_of_two, mine, peer, e
     assert ep.counts.tolist() == counts
     if expect and expect[0] == "graph":
         assert done == list(range(mine[0])) and logits.shape[0] == mine[0]
+
+
+def test_a_prompt_whose_logprobs_are_asked_runs_the_group_eagerly(group_of_two):
+    """Only the eager forward keeps every prompt row's hidden state: a rank whose chunk needs
+    them cannot replay a chunk graph, so no rank does."""
+    ep, wish = group_of_two
+    wish["wish"] = [5, 1, 1, 3, 0]
+    runner = Runner(ep, 0, prompt_rows=True)
+    run_lockstep(runner, Batch(2, 100))
+    assert runner.calls == [("eager", 2, 200)]
+    assert wish["sent"][2] == 0  # it told the peer it cannot take a chunk graph
 
 
 @pytest.mark.parametrize("peer,expect", [
