@@ -286,6 +286,12 @@ TEMPLATE_ARGUMENTS = {"conversation", "messages", "tools", "documents", "chat_te
                        "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
 
 
+def scores_prompt_only(req: _SamplingFields) -> bool:
+    """A legacy completion with echo and max_tokens 0: the prompt (and its logprobs) alone."""
+    limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    return bool(getattr(req, "echo", False)) and limit == 0
+
+
 def chat_template_kwargs(req: ChatCompletionRequest) -> dict[str, Any] | None:
     """The variables a request adds to the chat template, checked."""
     kwargs = req.chat_template_kwargs
@@ -328,8 +334,8 @@ def sampling_params(req: _SamplingFields, *, default_max_tokens: int, max_model_
         value = getattr(req, field)
         if value is None:
             continue
-        if value < 1:
-            raise bad_request(f"{field} must be at least 1, got {value}", param=field)
+        if value < 1 and not (value == 0 and getattr(req, "echo", False)):
+            raise bad_request(f"{field} must be at least 1 (0 only with echo), got {value}", param=field)
         if max_tokens_limit is not None and value > max_tokens_limit:
             raise bad_request(f"{field} is {value}; this server allows at most {max_tokens_limit}", param=field)
         if value >= max_model_len:
@@ -339,6 +345,9 @@ def sampling_params(req: _SamplingFields, *, default_max_tokens: int, max_model_
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is None:
         max_tokens = default_max_tokens
+    # max_tokens 0 with echo scores the prompt alone: the engine still samples the token after it
+    # (in the prompt's last step, no forward more), and the service leaves it out
+    max_tokens = max(max_tokens, 1)
     if not 1 <= req.n <= MAX_CHOICES:
         raise bad_request(f"n must be in 1..{MAX_CHOICES}, got {req.n}", param="n")
     # n choices are n engine requests (app/service.py), each of one

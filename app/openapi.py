@@ -96,7 +96,12 @@ def _unsupported_fields(chat: dict, completion: dict) -> None:
     """Fields narrowed to the values that ask for nothing this server lacks (the rest are 400s)."""
     completion["echo"].update(type="boolean", description=(
         "Return the prompt before the completion; with logprobs, each prompt token's too (the first: "
-        "null), computed over the whole prompt rather than read from the prefix cache."))
+        "null), computed over the whole prompt rather than read from the prefix cache. With max_tokens "
+        "0, the prompt alone (scoring it)."))
+    for name in ("max_tokens", "max_completion_tokens"):  # 0: the prompt alone, with echo (below)
+        for branch in completion[name]["anyOf"]:
+            if branch.get("type") == "integer":
+                branch["minimum"] = 0
     _set_branch(completion["best_of"], {"type": "integer", "enum": [1]})
     _set_branch(completion["suffix"], {"type": "string", "maxLength": 0})
     completion["suffix"]["description"] = "Not supported: only empty."
@@ -124,6 +129,9 @@ def _request_schemas(components: dict, model_name: str, max_tokens_max: int | No
         schema["additionalProperties"] = True
     _logprobs_fields(chat, completion)
     _unsupported_fields(chat["properties"], completion["properties"])
+    completion["if"] = {"anyOf": [{"required": [name], "properties": {name: {"const": 0}}}
+                                  for name in ("max_tokens", "max_completion_tokens")]}
+    completion["then"] = {"required": ["echo"], "properties": {"echo": {"const": True}}}
 
     chat["properties"]["messages"]["minItems"] = 1
     message = components["ChatMessage"]

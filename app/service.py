@@ -106,7 +106,8 @@ class OpenAIService:
                                     max_tokens_limit=self.max_tokens_limit)
         return req, {"request_id": oa.new_request_id(kind), "prompt": text, "prompt_token_ids": token_ids,
                      "messages": messages, "tools": tools, "chat_template_kwargs": template_kwargs,
-                     "sampling": oa.sampling_dict(params), "n": req.n}
+                     "sampling": oa.sampling_dict(params), "n": req.n,
+                     **({"prompt_only": True} if oa.scores_prompt_only(req) else {})}
 
     # running ----------------------------------------------------------------------------
     async def open(self, kind: Kind, engine_request: dict, session_id: str | None
@@ -157,7 +158,7 @@ class OpenAIService:
     async def collect(self, kind: Kind, req, engine_request: dict, stream: AsyncIterator[dict],
                       firsts: list[dict]) -> dict:
         """The whole (non-streaming) response object."""
-        choices = [_Choice(_wants_logprobs(engine_request)) for _ in firsts]
+        choices = [_Choice(_wants_logprobs(engine_request), engine_request.get("prompt_only", False)) for _ in firsts]
         rid = engine_request["request_id"]
         try:
             async with aclosing(_outputs(firsts, stream, len(choices))) as outputs:
@@ -185,7 +186,7 @@ class OpenAIService:
         """The stream-chunk objects of a streaming response. A failure mid-stream ends it with
         an error object ({"error": ...}); the backend streams are closed however it ends."""
         chunks = oa.StreamChunks(kind, engine_request["request_id"], self.backend.model_name, req.include_usage)
-        choices = [_Choice(False) for _ in firsts]
+        choices = [_Choice(False, engine_request.get("prompt_only", False)) for _ in firsts]
         for c in choices:
             if engine_request.get("tools"):
                 c.tool_calls = ToolCallStream()
@@ -212,6 +213,10 @@ class OpenAIService:
                                            text_offset=oa.prompt_offsets(records, out["prompt_text"]) if records else 0)
                     offset = c.lead + c.text_len
                     c.add(out)
+                    if c.prompt_only:  # echo with max_tokens 0: the completion's token is left out
+                        if out.get("finished"):
+                            yield chunks.finish("length", index=i)
+                        continue
                     text, calls, reasoning = out.get("text_delta", ""), [], None
                     if c.reasoning is not None:
                         reasoning, text = c.reasoning.feed(text)
@@ -246,7 +251,8 @@ class OpenAIService:
 class _Choice:
     """One choice's outputs, added up."""
 
-    def __init__(self, logprobs: bool):
+    def __init__(self, logprobs: bool, prompt_only: bool = False):
+        self.prompt_only = prompt_only  # echo with max_tokens 0: the prompt alone is answered
         self.pieces: list[str] = []
         self.text_len = self.num_tokens = 0
         self.logprobs: list[dict] | None = [] if logprobs else None
@@ -262,18 +268,23 @@ class _Choice:
     def add(self, out: dict) -> None:
         if out.get("prompt_text") is not None:
             self.prompt_text, self.prompt_logprobs = out["prompt_text"], out.get("prompt_logprobs")
+        self.last = out
+        if self.prompt_only:
+            return
         if self.logprobs is not None and out.get("logprobs"):
             self.logprobs += out["logprobs"]
             self.offsets += [self.text_len] * len(out["logprobs"])
         self.pieces.append(out.get("text_delta", ""))
         self.text_len += len(self.pieces[-1])
         self.num_tokens += len(out.get("new_token_ids", ()))
-        self.last = out
 
 
 
 def _text_choice(index: int, c: _Choice) -> dict:
     text, logprobs, offsets = "".join(c.pieces), c.logprobs, c.offsets
+    if c.prompt_only:
+        return oa.text_choice(index, c.prompt_text or "", "length", c.prompt_logprobs if logprobs is not None else None,
+                              oa.prompt_offsets(c.prompt_logprobs, c.prompt_text) if logprobs is not None else None)
     if c.prompt_text is not None:  # echo
         lead = c.prompt_text
         if logprobs is not None and c.prompt_logprobs is not None:

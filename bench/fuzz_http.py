@@ -398,6 +398,8 @@ def hand_cases(vocab_size: int, max_body: int, max_model_len: int) -> list[HandC
                  _j(_completion(prompt=[5, 6, 7], echo=True, logprobs=0, stream=True)), ok),
         HandCase("echo with logprobs and n=3", COMPLETIONS, _j(_completion(echo=True, logprobs=1, n=3)), ok),
         HandCase("echo a string", COMPLETIONS, _j(_completion(echo="yes")), bad),
+        HandCase("echo with max_tokens 0", COMPLETIONS, _j(_completion(echo=True, logprobs=2, max_tokens=0)), ok),
+        HandCase("max_tokens 0 without echo", COMPLETIONS, _j(_completion(max_tokens=0)), bad),
         HandCase("chat_template_kwargs thinking", CHAT, _j(_chat(chat_template_kwargs={"thinking": True})), ok),
         HandCase("chat_template_kwargs unused and nested", CHAT,
                  _j(_chat(chat_template_kwargs={"x": {"y": [1, None, "z"]}})), ok),

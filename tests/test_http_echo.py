@@ -72,3 +72,27 @@ def test_echo_without_logprobs_and_with_token_ids(client, offline):
     assert by_ids.choices[0].text == resp.choices[0].text
     two = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, echo=True, n=2, logprobs=0, seed=3)
     assert all(c.text.startswith(PROMPT) and len(c.logprobs.tokens) == len(ids) + 2 for c in two.choices)
+
+
+def test_max_tokens_zero_with_echo_scores_the_prompt_alone(client, offline, raw):
+    ids = offline.tokenizer.encode(PROMPT)
+    body = dict(model=MODEL, prompt=PROMPT, max_tokens=0, echo=True, logprobs=1, temperature=0)
+    resp = raw.post(COMPLETIONS, json=body)
+    assert resp.status_code == 200, resp.text
+    data = resp.json()
+    _schema("TextCompletion").validate(data)
+    (choice,) = data["choices"]
+    assert choice["text"] == PROMPT and choice["finish_reason"] == "length"
+    assert len(choice["logprobs"]["tokens"]) == len(ids) and choice["logprobs"]["token_logprobs"][0] is None
+    assert data["usage"]["completion_tokens"] == 0 and data["usage"]["prompt_tokens"] == len(ids)
+    with_token = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, echo=True, logprobs=1,
+                                           temperature=0)
+    assert choice["logprobs"]["token_logprobs"] == with_token.choices[0].logprobs.token_logprobs[:len(ids)]
+    events = [line[6:] for line in raw.post(COMPLETIONS, json=dict(body, stream=True)).text.splitlines()
+              if line.startswith("data: ")]
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == PROMPT
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    # without echo, 0 is still refused
+    bad = raw.post(COMPLETIONS, json=dict(body, echo=False))
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
