@@ -22,8 +22,10 @@ if has tests; then
     tests/test_chunk_rows.py tests/test_ep_step.py tests/test_kernel_mla_decode.py tests/test_capture_ahead.py \
     -k "later_widths or short_context_graphs or on_cuda or gpu_ or after_idle or (cuda and (keys_rows or far_wider or dense_matches))" > "$OUT/tests.log" 2>&1
   tail -n 3 "$OUT/tests.log"; grep -a FAILED "$OUT/tests.log"
-  # logprobs read back beside the tokens through pinned memory, with steps launched ahead; penalties
-  t 120 python3 -m pytest -q -p no:cacheprovider tests/test_logprobs.py tests/test_penalties.py > "$OUT/logprobs.log" 2>&1
+  # logprobs read back beside the tokens through pinned memory, with steps launched ahead; penalties;
+  # the top-k / top-p cuts against sorting; prompt logprobs from the eager prompt steps
+  t 180 python3 -m pytest -q -p no:cacheprovider tests/test_logprobs.py tests/test_penalties.py tests/test_sampling.py \
+    tests/test_prompt_logprobs.py > "$OUT/logprobs.log" 2>&1
   tail -n 3 "$OUT/logprobs.log"; grep -a FAILED "$OUT/logprobs.log"
 fi
 has serve && t 130 python3 -m bench.graph_widths --preset bench --batches 1 64 --parts serve \
