@@ -32,7 +32,8 @@ def run_lockstep(runner, batch, ahead_ids: torch.Tensor | None = None) -> tuple[
     # tokens of the longest sequence once this step is done: its block table and sparse flag follow them
     reach = longest or max((seq.num_computed_tokens + n for seq, n in zip(batch.seqs, batch.num_tokens)), default=0)
     graph = decode and graphs is not None and graphs.covers(b)
-    chunk = runner.chunk_graphs_take(rows) and not runner.wants_prompt_rows(batch)
+    # a decode step has no prompt rows; a prompt whose logprobs are asked needs the eager forward
+    chunk = runner.chunk_graphs_take(rows) and (decode or not runner.wants_prompt_rows(batch))
     step = ep.agree(rows, graph, runner.decode_width(batch, reach) if reach else 0,
                     reach > 0 and runner.needs_sparse(reach), chunk)
     if step.rows == 0:  # nobody has a token to compute
