@@ -172,6 +172,9 @@ def _response_schemas() -> dict:
             "total_tokens": {"type": "integer", "minimum": 0},
             "prompt_tokens_details": {"type": "object", "required": ["cached_tokens"],
                                       "properties": {"cached_tokens": {"type": "integer", "minimum": 0}}},
+            # with a reasoning parser: the completion tokens spent thinking
+            "completion_tokens_details": {"type": "object", "required": ["reasoning_tokens"],
+                                          "properties": {"reasoning_tokens": {"type": "integer", "minimum": 0}}},
         },
     }
     finish = {"anyOf": [{"type": "string", "enum": ["stop", "length", "tool_calls"]}, {"type": "null"}]}

@@ -37,6 +37,17 @@ def split_reasoning(text: str) -> tuple[str, str]:
     return reasoning + rest_reasoning, content + rest_content
 
 
+def reasoning_tokens(pieces: list[str], tokens: list[int]) -> int:
+    """How many of an answer's tokens were spent thinking: `tokens[i]` tokens made text piece i,
+    and a piece counts while the answer is still inside its reasoning (the one closing it too)."""
+    stream, spent = ReasoningStream(), 0
+    for piece, n in zip(pieces, tokens):
+        if stream.in_reasoning:
+            spent += n
+        stream.feed(piece)
+    return spent
+
+
 class ReasoningStream:
     """Reads the text deltas of an answer that starts inside its reasoning: passes the reasoning
     on, holding back only what may be the start of </think> (or of a leading <think>), then

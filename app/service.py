@@ -27,7 +27,7 @@ from engine.sampling import SamplingError
 
 from . import openai_api as oa
 from .openai_api import APIError, bad_request
-from .reasoning import ReasoningStream, split_reasoning, starts_in_reasoning
+from .reasoning import ReasoningStream, reasoning_tokens, split_reasoning, starts_in_reasoning
 from .tool_calls import ToolCallStream, openai_tool_call, split_tool_calls
 
 log = logging.getLogger(__name__)
@@ -63,11 +63,13 @@ def api_error_from(exc: BaseException, prompt_param: str | None = None) -> APIEr
     return APIError(500, f"internal error: {type(exc).__name__}", type="server_error")
 
 
-def _usage(choices: list["_Choice"]) -> dict:
-    """The prompt counted once (choice 0's cached tokens), the completions added up."""
+def _usage(choices: list["_Choice"], reasons: bool = False) -> dict:
+    """The prompt counted once (choice 0's cached tokens), the completions added up; `reasons`:
+    with the tokens spent thinking."""
     first = choices[0].last
     return oa.usage(first.get("num_prompt_tokens", 0), sum(c.num_tokens for c in choices),
-                    first.get("num_cached_tokens", 0))
+                    first.get("num_cached_tokens", 0),
+                    sum(reasoning_tokens(c.pieces, c.piece_tokens) for c in choices) if reasons else None)
 
 
 def _wants_logprobs(engine_request: dict) -> bool:
@@ -179,7 +181,8 @@ class OpenAIService:
             built = [_chat_choice(i, c, bool(engine_request.get("tools")), reasons) for i, c in enumerate(choices)]
         else:
             built = [_text_choice(i, c) for i, c in enumerate(choices)]
-        return oa.completion_response(kind, rid, self.backend.model_name, int(time.time()), built, _usage(choices))
+        return oa.completion_response(kind, rid, self.backend.model_name, int(time.time()), built,
+                                      _usage(choices, kind == "chat" and self._reasons(engine_request)))
 
     async def chunks(self, kind: Kind, req, engine_request: dict, stream: AsyncIterator[dict],
                      firsts: list[dict]) -> AsyncIterator[dict]:
@@ -239,7 +242,7 @@ class OpenAIService:
                             reason = "tool_calls"
                         yield chunks.finish(reason, index=i)
             if chunks.include_usage:
-                yield chunks.usage(_usage(choices))
+                yield chunks.usage(_usage(choices, kind == "chat" and self._reasons(engine_request)))
         except Exception as e:
             err = api_error_from(e)
             yield oa.error_body(err.message, err.type, None, err.code)
@@ -254,6 +257,7 @@ class _Choice:
     def __init__(self, logprobs: bool, prompt_only: bool = False):
         self.prompt_only = prompt_only  # echo with max_tokens 0: the prompt alone is answered
         self.pieces: list[str] = []
+        self.piece_tokens: list[int] = []  # how many tokens made each piece
         self.text_len = self.num_tokens = 0
         self.logprobs: list[dict] | None = [] if logprobs else None
         self.offsets: list[int] = []  # where each logprobs record's token starts in the text
@@ -275,8 +279,9 @@ class _Choice:
             self.logprobs += out["logprobs"]
             self.offsets += [self.text_len] * len(out["logprobs"])
         self.pieces.append(out.get("text_delta", ""))
+        self.piece_tokens.append(len(out.get("new_token_ids", ())))
         self.text_len += len(self.pieces[-1])
-        self.num_tokens += len(out.get("new_token_ids", ()))
+        self.num_tokens += self.piece_tokens[-1]
 
 
 

@@ -142,3 +142,20 @@ def test_the_parser_is_a_checked_config_field():
     assert cfg.model.reasoning_parser == "deepseek_r1"
     with pytest.raises(Exception, match="reasoning_parser"):
         parse_app_config({"model": {"preset": "tiny", "reasoning_parser": "qwen3"}})
+
+
+def test_usage_counts_the_tokens_spent_thinking():
+    """ScriptedBackend sends five characters a token: the tokens up to the one that closes the
+    reasoning count as reasoning tokens, whole and streamed (the usage chunk)."""
+    closing = ANSWER.index(THINK_END) + len(THINK_END)
+    want = sum(1 for start in range(0, len(ANSWER), 5) if start < closing)
+    _, resp = _service_response("deepseek_r1", BODY, ANSWER)
+    assert resp["usage"]["completion_tokens_details"] == {"reasoning_tokens": want}
+    assert resp["usage"]["completion_tokens"] == len(range(0, len(ANSWER), 5)) > want
+    _, chunks = _service_response("deepseek_r1", dict(BODY, stream_options={"include_usage": True}), ANSWER,
+                                  stream=True)
+    assert chunks[-1]["usage"]["completion_tokens_details"] == {"reasoning_tokens": want}
+    _schema("ChatCompletion").validate(resp)
+    for parser in ("deepseek_v3", None):  # an answer that does not think: no count
+        _, plain = _service_response(parser, BODY, ANSWER)
+        assert "completion_tokens_details" not in plain["usage"]
