@@ -69,14 +69,17 @@ def logprob_records(packed: list[list[float]], tokens: list[int], ks: list[int],
     """The rows of token_logprobs()'s tensor (read back as lists) as one record per sampled token:
     {"token_id", "token", "logprob", "top": [{"token_id", "token", "logprob"}, ...]}, the top
     list holding the row's own k (each row was computed with the batch's largest k).
-    token_text(id) -> str names a token."""
+    token_text(id) -> str names a token. Built inline, without a call per entry: a batch of 64
+    with 20 alternatives makes 1,344 records a step."""
     out = []
+    floor = LOGPROB_FLOOR
     for row, token, k in zip(packed, tokens, ks):
         width = (len(row) - 1) // 2
-        top = [_record(int(row[1 + width + j]), row[1 + j], token_text) for j in range(min(k, width))]
-        out.append(dict(_record(token, row[0], token_text), top=top))
+        n = min(k, width)
+        top = [{"token_id": t, "token": token_text(t),
+                "logprob": 0.0 if lp > 0.0 else lp if lp > floor else floor}
+               for t, lp in zip(map(int, row[1 + width:1 + width + n]), row[1:1 + n])]
+        lp = row[0]
+        out.append({"token_id": token, "token": token_text(token),
+                    "logprob": 0.0 if lp > 0.0 else lp if lp > floor else floor, "top": top})
     return out
-
-
-def _record(token: int, logprob: float, token_text) -> dict:
-    return {"token_id": token, "token": token_text(token), "logprob": min(max(logprob, LOGPROB_FLOOR), 0.0)}
