@@ -18,6 +18,7 @@ from .model_runner import ModelRunner
 from .sampling import SamplingParams, host_to_device
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import RequestOutput, Sequence
+from .structured import Constraint, GrammarCompiler, StructuredOutputError
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 # How often a lockstep rank's serving loop steps while its group is idle (engine/async_engine.py):
@@ -98,6 +99,7 @@ class LLMEngine:
             self.runner.attach_ep(ep)
         self.scheduler = Scheduler(model.cfg, cfg)
         self.requests: dict[str, Sequence] = {}
+        self.grammars: GrammarCompiler | None = None  # made when a request first asks for structured output
         self.eos_token_id = tokenizer.eos_token_id if tokenizer is not None else None
         self.num_steps = 0
         self.num_steps_ahead = 0  # of num_steps, those launched before the previous step's tokens were read
@@ -222,6 +224,8 @@ class LLMEngine:
                       or ids[len(ids) - len(prior):] != prior or len(prior) >= len(ids)):
             raise RequestError("prior_output_ids must be token ids ending the prompt's token ids")
         seq = Sequence(request_id, ids, params, arrival=time.monotonic(), prior_output_ids=prior)
+        if params.structured_output is not None:
+            seq.constraint = self._constraint(params.structured_output, prior)
         if params.prompt_logprobs is not None:  # the first token has nothing before it: no logprob
             seq.prompt_logprobs = [{"token_id": ids[0], "token": self._token_text(ids[0]), "logprob": None, "top": []}]
         if params.seed is not None:
@@ -230,6 +234,20 @@ class LLMEngine:
             seq.detok = IncrementalDetokenizer(self.tokenizer)
         self.requests[request_id] = seq
         return seq
+
+    def _constraint(self, spec: dict, prior: list[int]) -> Constraint:
+        """A request's grammar matcher, past the outputs of an earlier attempt (prior)."""
+        if self.tokenizer is None:
+            raise RequestError("structured output needs a tokenizer")
+        if self.grammars is None:
+            self.grammars = GrammarCompiler(self.tokenizer.hf, self.model_cfg.vocab_size, [self.eos_token_id])
+        try:
+            constraint = self.grammars.constraint(spec)
+        except StructuredOutputError as e:
+            raise RequestError(str(e)) from None
+        if not all(constraint.accept(t) for t in prior):
+            raise RequestError("prior_output_ids do not follow the request's structured output")
+        return constraint
 
     # prefill/decode hand-off ------------------------------------------------------------
     def reserve_remote(self, request_id: str, prompt=None, params: SamplingParams | None = None,
@@ -476,7 +494,8 @@ class LLMEngine:
         if s.waiting and len(s.running) < self.cfg.max_num_seqs:
             return []
         rows, need = [], 0
-        if any(seq.params.penalized for seq in seqs):  # their penalties read the token still in flight
+        # their penalties, or their grammar's next mask, read the token still in flight
+        if any(seq.params.penalized or seq.constraint is not None for seq in seqs):
             return []
         for i, seq in enumerate(seqs):
             if (seq.is_finished or seq.hold_kv or len(seq.output_ids) + 1 >= seq.params.max_tokens
@@ -517,7 +536,13 @@ class LLMEngine:
         seq.output_ids.append(token)
         p = seq.params
         reason = None
-        if (not p.ignore_eos and token == self.eos_token_id) or token in p.stop_token_ids:
+        if seq.constraint is not None and not seq.constraint.accept(token):
+            # a token its mask allowed always follows: this is a bug, not the client's
+            self.scheduler.finish(seq, "error", f"token {token} does not follow the request's structured output")
+            self.requests.pop(seq.request_id, None)
+            return self._output(seq, [token], "")
+        if ((not p.ignore_eos and token == self.eos_token_id) or token in p.stop_token_ids
+                or (seq.constraint is not None and seq.constraint.finished)):
             reason = "stop"
         elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = "length"

@@ -6,6 +6,8 @@ from contextvars import ContextVar
 import numpy as np
 import torch
 
+from wideep_kernels.token_mask import apply_token_mask
+
 from .attention import AttentionContext, build_masks
 from .cuda_graphs import DecodeGraphs
 from .decode_attention import build_decode_batch, build_token_batch
@@ -15,7 +17,7 @@ from .model import DeepseekForCausalLM
 from .moe import MoE, expert_fp8_block
 from .logprobs import prompt_logprob_rows, prompt_token_logprobs
 from .penalties import TokenCounts, adjust_logits
-from .sampling import Sampler
+from .sampling import Sampler, host_to_device
 from .scheduler import ScheduledBatch
 
 
@@ -560,4 +562,24 @@ class ModelRunner:
             if penalized and self.token_counts is None:
                 self.token_counts = TokenCounts(logits.shape[-1], logits.device)
             logits = adjust_logits(logits, params, self.token_counts.rows(penalized) if penalized else None)
+        constrained = [i for i, s in enumerate(seqs) if s.constraint is not None and s.constraint.active]
+        if constrained:
+            logits = self._mask_grammar(logits, [seqs[i].constraint for i in constrained], constrained,
+                                        copy=not any(p.adjusts_logits for p in params))
         return self.sampler.sample(logits, params, [s.generator for s in seqs])
+
+    def _mask_grammar(self, logits: torch.Tensor, constraints: list, rows: list[int], copy: bool) -> torch.Tensor:
+        """`logits` with every token a row's grammar does not allow next at -inf: a copy unless
+        already one (logprobs report the model's own distribution)."""
+        n, words = len(rows), (logits.shape[-1] + 31) // 32
+        # the mask words, then the rows they apply to, in one host array: one copy to the device
+        host = torch.empty(n * words + n, dtype=torch.int32)
+        mask = host[:n * words].view(n, words)
+        for j, c in enumerate(constraints):
+            c.fill(mask, j)
+        host[n * words:] = torch.tensor(rows, dtype=torch.int32)
+        both = host_to_device(self.device, host.numpy())
+        if copy:
+            logits = logits.clone()
+        apply_token_mask(logits, both[:n * words].view(n, words), both[n * words:])
+        return logits

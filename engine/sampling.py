@@ -8,6 +8,8 @@ from functools import cached_property
 import numpy as np
 import torch
 
+from .structured import validate_spec
+
 
 class SamplingError(ValueError):
     """An invalid sampling parameter, named in the message."""
@@ -41,6 +43,10 @@ class SamplingParams:
     # by it when positive, multiplied when negative (1: off).
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    # Structured output: {"kind": json | json_object | regex | choice | grammar, "value": ...,
+    # "reasoning_end": marker or None} (engine/structured.py); every token sampled is one its
+    # grammar allows next, and the request stops once the grammar is complete.
+    structured_output: dict | None = None
 
     MAX_STOP_STRINGS = 64
     MAX_LOGPROBS = 20
@@ -53,6 +59,11 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = dict(self.logit_bias or {})
+        if self.structured_output is not None:
+            try:
+                self.structured_output = validate_spec(self.structured_output)
+            except ValueError as e:
+                raise SamplingError(f"invalid structured_output: {e}") from None
         self.validate()
 
     def validate(self) -> None:

@@ -48,6 +48,8 @@ class Sequence:
     # With params.prompt_logprobs: a record per prompt position computed so far, the first without a
     # logprob (nothing comes before it); complete once it holds one per prompt token.
     prompt_logprobs: list | None = field(default=None, repr=False)
+    # With params.structured_output: its place in the grammar (engine/structured.py Constraint).
+    constraint: object = field(default=None, repr=False)
     hold_kv: bool = False           # prefill side: keep the blocks after finishing, until released
     # statistics
     prefix_hit_tokens: int = 0

@@ -1,0 +1,154 @@
+"""Structured output: a request's grammar (a JSON schema, any JSON object, a regular expression,
+a choice of strings or an EBNF grammar) compiled against the vocabulary, and a matcher per
+sequence that says which tokens may come next. The grammars are xgrammar's, as vLLM's and
+SGLang's are: it walks the vocabulary once per grammar at compile time, so a step's mask costs
+microseconds of host time per row."""
+from __future__ import annotations
+
+import json
+import re
+from collections import OrderedDict
+
+# The forms a request may ask for, and what its `value` is: a JSON schema (an object, or its
+# JSON text), nothing, a regex, a list of strings, EBNF text.
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+MAX_SPEC_CHARS = 256 * 1024
+MAX_CHOICES = 1024
+MAX_WHITESPACE = 32  # characters in a run of whitespace inside JSON
+
+
+class StructuredOutputError(ValueError):
+    """A grammar that cannot be compiled, named in the message."""
+
+
+def validate_spec(spec) -> dict:
+    """The canonical form of a request's structured_output: {"kind", "value", "reasoning_end"}.
+    reasoning_end: the marker (one token) after which the grammar applies; before it the answer
+    is a reasoning model's free thinking. Raises ValueError naming what is wrong."""
+    if not isinstance(spec, dict):
+        raise ValueError(f"must be an object with a kind, got {type(spec).__name__}")
+    unknown = set(spec) - {"kind", "value", "reasoning_end"}
+    if unknown:
+        raise ValueError(f"unknown keys {sorted(unknown)}")
+    kind, value = spec.get("kind"), spec.get("value")
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {list(KINDS)}, got {kind!r}")
+    if kind == "json":
+        if isinstance(value, (dict, bool)):
+            value = json.dumps(value)
+        if not isinstance(value, str):
+            raise ValueError("a json kind's value must be a JSON schema (an object or its JSON text)")
+    elif kind == "json_object":
+        value = None
+    elif kind == "choice":
+        if (not isinstance(value, list) or not value or len(value) > MAX_CHOICES
+                or not all(isinstance(c, str) and c for c in value)):
+            raise ValueError(f"a choice kind's value must be a list of 1..{MAX_CHOICES} non-empty strings")
+    elif not isinstance(value, str) or not value:
+        raise ValueError(f"a {kind} kind's value must be a non-empty string")
+    if value is not None and len(json.dumps(value)) > MAX_SPEC_CHARS:
+        raise ValueError(f"the {kind} is longer than {MAX_SPEC_CHARS} characters")
+    end = spec.get("reasoning_end")
+    if end is not None and (not isinstance(end, str) or not end):
+        raise ValueError("reasoning_end must be a non-empty string")
+    return {"kind": kind, "value": value, "reasoning_end": end}
+
+
+def choice_regex(choices: list[str]) -> str:
+    """A regex matching exactly one of `choices`."""
+    return "(" + "|".join(re.escape(c) for c in choices) + ")"
+
+
+def _clean(e: Exception) -> str:
+    # xgrammar's messages start with a time and a source location: "[07:40:01] x.cc:5082: ..."
+    text = str(e).strip()
+    text = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", text)
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+class GrammarCompiler:
+    """Compiles requests' grammars for one tokenizer and vocabulary, keeping the most recent
+    (agents send the same schema on every turn)."""
+
+    def __init__(self, hf_tokenizer, vocab_size: int, stop_token_ids: list[int], cache_size: int = 128):
+        import xgrammar as xgr
+
+        self._xgr = xgr
+        info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self._cache: OrderedDict[tuple, object] = OrderedDict()
+        self._cache_size = cache_size
+        self._tokenizer = hf_tokenizer
+
+    def compile(self, kind: str, value) -> object:
+        key = (kind, value if not isinstance(value, list) else tuple(value))
+        compiled = self._cache.get(key)
+        if compiled is not None:
+            self._cache.move_to_end(key)
+            return compiled
+        c = self._compiler
+        try:
+            if kind in ("json", "json_object"):
+                compiled = c.compile_grammar(self._json_grammar(value if kind == "json" else '{"type": "object"}'))
+            elif kind == "regex":
+                compiled = c.compile_regex(value)
+            elif kind == "choice":
+                compiled = c.compile_regex(choice_regex(value))
+            else:
+                compiled = c.compile_grammar(value)
+        except Exception as e:  # the compiler's own errors are RuntimeErrors naming the problem
+            raise StructuredOutputError(f"the {kind} cannot be compiled: {_clean(e)}") from None
+        self._cache[key] = compiled
+        if len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+        return compiled
+
+    # xgrammar 0.2.9 lets a string with a length bound hold raw control characters, which JSON
+    # forbids (json.loads refuses them); its unbounded strings exclude them, as here.
+    _LOOSE_STRING_CHAR = r'[^\"\\\r\n]'
+    _STRING_CHAR = r'[^\0-\x1f\"\\]'
+
+    def _json_grammar(self, schema: str):
+        # OpenAI's json_object is an object with any members. Whitespace between tokens is free,
+        # as in vLLM, but a run of it is bounded: a model looping on blanks still has to write the
+        # next value.
+        grammar = self._xgr.Grammar.from_json_schema(schema, strict_mode=True, max_whitespace_cnt=MAX_WHITESPACE)
+        text = str(grammar)
+        if self._LOOSE_STRING_CHAR in text:
+            grammar = self._xgr.Grammar.from_ebnf(text.replace(self._LOOSE_STRING_CHAR, self._STRING_CHAR))
+        return grammar
+
+    def constraint(self, spec: dict) -> "Constraint":
+        """A fresh matcher of a request's (validated) structured_output."""
+        end_token = None
+        if spec.get("reasoning_end"):
+            ids = self._tokenizer.encode(spec["reasoning_end"], add_special_tokens=False)
+            if len(ids) != 1:
+                raise StructuredOutputError(f"the reasoning end marker {spec['reasoning_end']!r} is not one token")
+            end_token = ids[0]
+        return Constraint(self._xgr.GrammarMatcher(self.compile(spec["kind"], spec["value"])), end_token)
+
+
+class Constraint:
+    """One sequence's place in its grammar. Before `end_token` (a reasoning model's end of thinking)
+    appears in the output, nothing is constrained."""
+
+    def __init__(self, matcher, end_token: int | None = None):
+        self.matcher = matcher
+        self.end_token = end_token
+        self.active = end_token is None
+
+    def fill(self, mask: torch.Tensor, row: int) -> None:
+        self.matcher.fill_next_token_bitmask(mask, row)
+
+    def accept(self, token: int) -> bool:
+        """Advance past `token`; False when the grammar does not allow it."""
+        if not self.active:
+            self.active = token == self.end_token
+            return True
+        return self.matcher.accept_token(token)
+
+    @property
+    def finished(self) -> bool:
+        """The grammar is complete and its stop token was accepted."""
+        return self.active and self.matcher.is_terminated()

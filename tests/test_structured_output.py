@@ -1,0 +1,222 @@
+"""Structured output: the mask kernel against its reference, and the engine's constrained choices
+against the raw logits it recorded, restricted by hand to what a fresh matcher of the same grammar
+allows at each step."""
+import json
+import re
+
+from tests.kernel_devices import DEVICES  # noqa: I001  (turns the interpreter on first)
+
+import jsonschema
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine, RequestError
+from engine.sampling import SamplingError, SamplingParams
+from engine.tokenizer import THINK_END
+from wideep_kernels.token_mask import apply_token_mask_reference, apply_token_mask_triton, unpack_mask
+
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 8}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}, "ok": {"type": "boolean"}},
+    "required": ["name", "age", "ok"]}
+JSON_SPEC = {"kind": "json", "value": SCHEMA}
+REGEX = r"\d{3}-[a-c]{2}"
+PROMPT = [5, 9, 5, 17, 33, 9, 41]
+
+
+# the kernel -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [37, 1024, 2085])
+def test_mask_kernel_matches_the_reference(device, dtype, vocab):
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(6, vocab, generator=g).to(dtype)
+    words = (vocab + 31) // 32 + 1  # a wider mask than needed: the bits past vocab are ignored
+    mask = torch.randint(-2**31, 2**31 - 1, (3, words), generator=g, dtype=torch.int64).to(torch.int32)
+    mask[0] = -1  # all allowed
+    mask[1] = 0   # none allowed
+    rows = torch.tensor([4, 0, 2])
+    want = logits.clone()
+    apply_token_mask_reference(want, mask, rows)
+    got = logits.to(device)
+    apply_token_mask_triton(got, mask.to(device), rows.to(device))
+    assert torch.equal(got.cpu(), want)
+    assert torch.equal(want[[1, 3, 5]], logits[[1, 3, 5]]) and torch.equal(want[4], logits[4])
+    assert torch.isinf(want[0]).all()
+    allowed = unpack_mask(mask[2:], vocab)[0]
+    assert torch.equal(torch.isinf(want[2]), ~allowed) and 0 < int(allowed.sum()) < vocab
+
+
+def test_mask_kernel_refuses_bad_shapes():
+    logits = torch.zeros(2, 64)
+    with pytest.raises(ValueError, match="mask"):
+        apply_token_mask_triton(logits, torch.zeros(1, 1, dtype=torch.int32), torch.tensor([0]))
+    with pytest.raises(ValueError, match="rows"):
+        apply_token_mask_triton(logits, torch.zeros(1, 2, dtype=torch.int32), torch.tensor([0, 1]))
+
+
+# the engine ------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def recording(tiny_ckpt):
+    """An engine whose raw logits per step and request are kept, before any mask."""
+    engine = LLMEngine.from_pretrained(tiny_ckpt, EngineConfig(block_size=4), progress=False)
+    engine.recorded = []
+    sample = engine.runner.sample
+
+    def record(seqs, logits):
+        engine.recorded.append({s.request_id: logits[i].float().clone() for i, s in enumerate(seqs)})
+        return sample(seqs, logits)
+    engine.runner.sample = record
+    return engine
+
+
+def _run(engine, requests: dict[str, tuple]):
+    """Runs (prompt, params) per request id together; their final outputs and raw logits per step."""
+    engine.recorded.clear()
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params)
+    outs, records = {}, {rid: [] for rid in requests}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            records[o.request_id] += o.logprobs or []
+            if o.finished:
+                outs[o.request_id] = o
+                o.logprobs = records[o.request_id]  # every token's, not the last output's
+    return outs, {rid: [step[rid] for step in engine.recorded if rid in step] for rid in requests}
+
+
+def _params(spec, n=64, **kw):
+    return SamplingParams(max_tokens=n, structured_output=spec, **kw)
+
+
+def test_greedy_choices_are_the_argmax_of_what_the_grammar_allows(recording):
+    spec = {"kind": "regex", "value": REGEX}
+    outs, raw = _run(recording, {"re": (PROMPT, _params(spec, temperature=0)),
+                                 "plain": (PROMPT, SamplingParams(max_tokens=7, temperature=0))})
+    tokens = outs["re"].output_token_ids
+    assert re.fullmatch(REGEX, outs["re"].text) and outs["re"].finish_reason == "stop"
+    assert tokens[-1] == recording.eos_token_id  # the grammar ends on the stop token
+    reference = recording.grammars.constraint({"kind": "regex", "value": REGEX, "reasoning_end": None})
+    mask = torch.zeros(1, (recording.model_cfg.vocab_size + 31) // 32, dtype=torch.int32)
+    for step, (logits, token) in enumerate(zip(raw["re"], tokens)):
+        reference.fill(mask, 0)
+        allowed = unpack_mask(mask, logits.numel())[0]
+        assert token == logits.masked_fill(~allowed, float("-inf")).argmax().item(), f"step {step}"
+        assert reference.accept(token)
+    assert reference.finished
+    assert not re.fullmatch(REGEX, outs["plain"].text)  # unconstrained it is something else: the mask bound
+
+
+@pytest.mark.parametrize("spec, check", [
+    (JSON_SPEC, lambda text: jsonschema.validate(json.loads(text), SCHEMA)),
+    ({"kind": "json_object"}, lambda text: isinstance(json.loads(text), dict) or pytest.fail(text)),
+    ({"kind": "regex", "value": REGEX}, lambda text: re.fullmatch(REGEX, text) or pytest.fail(text)),
+    ({"kind": "choice", "value": ["alpha", "beta", "gamma delta"]},
+     lambda text: text in ("alpha", "beta", "gamma delta") or pytest.fail(text)),
+    ({"kind": "grammar", "value": 'root ::= "(" [0-9]+ ("+" [0-9]+)* ")"'},
+     lambda text: re.fullmatch(r"\(\d+(\+\d+)*\)", text) or pytest.fail(text)),
+])
+def test_sampled_outputs_follow_the_grammar(recording, spec, check):
+    """Sampled at temperature 1 (every allowed token has a chance), beside an unconstrained request
+    whose output must be the same as alone: the mask touches its own rows only."""
+    requests = {f"s{i}": (PROMPT + [i + 50], _params(spec, n=96, temperature=1.0, seed=i)) for i in range(6)}
+    requests["free"] = (PROMPT, SamplingParams(max_tokens=20, temperature=1.0, seed=11, ignore_eos=True))
+    outs, _ = _run(recording, requests)
+    alone, _ = _run(recording, {"free-alone": requests["free"]})
+    assert outs["free"].output_token_ids == alone["free-alone"].output_token_ids
+    constrained = [o for rid, o in outs.items() if rid != "free"]
+    for o in constrained:  # cut by max_tokens or not, every token followed the grammar
+        reference = recording.grammars.constraint(SamplingParams(structured_output=spec).structured_output)
+        assert all(reference.accept(t) for t in o.output_token_ids), o.text
+        assert reference.finished == (o.finish_reason == "stop")
+    stopped = [o for o in constrained if o.finish_reason == "stop"]
+    assert len(stopped) >= 2, [(o.finish_reason, o.text) for o in constrained]
+    for o in stopped:
+        check(o.text)
+
+
+def test_logprobs_report_the_model_distribution_not_the_masked_one(recording):
+    spec = {"kind": "choice", "value": ["alpha", "beta"]}
+    outs, _ = _run(recording, {"c": (PROMPT, _params(spec, temperature=0, logprobs=5)),
+                               "free": (PROMPT, SamplingParams(max_tokens=1, temperature=0, logprobs=5))})
+    constrained, free = outs["c"].logprobs[0], outs["free"].logprobs[0]
+    assert outs["c"].text in ("alpha", "beta") and free["token_id"] != constrained["token_id"]
+    # the same raw logits at the first position: the same alternatives, though the mask left one
+    assert [t["token_id"] for t in constrained["top"]] == [t["token_id"] for t in free["top"]]
+    assert constrained["logprob"] > float("-inf")
+
+
+def test_the_grammar_ends_the_request_even_with_ignore_eos_and_a_cut_is_length(recording):
+    spec = {"kind": "regex", "value": "[ab]{4}"}
+    outs, _ = _run(recording, {"ign": (PROMPT, _params(spec, temperature=0, ignore_eos=True)),
+                               "cut": (PROMPT, _params({"kind": "regex", "value": "[ab]{40}"}, n=5, temperature=0))})
+    assert outs["ign"].finish_reason == "stop" and re.fullmatch("[ab]{4}", outs["ign"].text)
+    assert outs["cut"].finish_reason == "length" and len(outs["cut"].output_token_ids) == 5
+    assert recording.stats()["kv_blocks_used"] == 0
+
+
+def test_the_grammar_starts_after_the_reasoning_end(recording):
+    """A reasoning model thinks freely first: the mask applies from the marker's token on. The
+    marker is forced first here by a logit bias, which the mask then overrides."""
+    end = recording.tokenizer.encode(THINK_END)
+    assert len(end) == 1
+    spec = {"kind": "regex", "value": "[ab]{3}", "reasoning_end": THINK_END}
+    outs, _ = _run(recording, {
+        "think": (PROMPT, _params(spec, temperature=0, logit_bias={end[0]: 100.0})),
+        "never": (PROMPT, _params(spec, n=6, temperature=0, ignore_eos=True))})
+    assert outs["think"].output_token_ids[0] == end[0]
+    assert re.fullmatch(re.escape(THINK_END) + "[ab]{3}", outs["think"].text), outs["think"].text
+    assert not re.fullmatch("[ab]{3}", outs["never"].text)  # no marker: nothing constrained
+
+
+def test_constrained_rows_do_not_run_ahead_and_match(tiny_ckpt):
+    ahead = LLMEngine.from_pretrained(tiny_ckpt, EngineConfig(block_size=4, async_scheduling=True), progress=False)
+    plain = LLMEngine.from_pretrained(tiny_ckpt, EngineConfig(block_size=4, async_scheduling=False), progress=False)
+    p = _params(JSON_SPEC, temperature=0.7, seed=5)
+    want = plain.generate([PROMPT], p)[0]
+    got = ahead.generate([PROMPT], p)[0]
+    assert got.output_token_ids == want.output_token_ids and ahead.num_steps_ahead == 0
+
+
+def test_a_retry_from_the_tokens_so_far_continues_the_grammar(recording):
+    p = _params({"kind": "regex", "value": REGEX}, temperature=0)
+    whole = _run(recording, {"whole": (PROMPT, p)})[0]["whole"]
+    cut = 3
+    resumed = {}
+    recording.add_request("resumed", PROMPT + whole.output_token_ids[:cut], p,
+                          prior_output_ids=whole.output_token_ids[:cut])
+    while recording.has_unfinished_requests():
+        resumed.update({o.request_id: o for o in recording.step()})
+    assert whole.output_token_ids[:cut] + resumed["resumed"].output_token_ids == whole.output_token_ids
+    bad = recording.tokenizer.encode("zz")
+    with pytest.raises(RequestError, match="prior_output_ids"):
+        recording.add_request("bad", PROMPT + bad, p, prior_output_ids=bad)
+    assert "bad" not in recording.requests and recording.stats()["kv_blocks_used"] == 0
+
+
+@pytest.mark.parametrize("spec, match", [
+    ({"kind": "json", "value": {"type": "nope"}}, "json cannot be compiled: Unsupported type"),
+    ({"kind": "json", "value": "{not json"}, "json cannot be compiled"),
+    ({"kind": "regex", "value": "(ab"}, "regex cannot be compiled"),
+    ({"kind": "grammar", "value": "no rules here"}, "grammar cannot be compiled"),
+    ({"kind": "regex", "value": "a", "reasoning_end": "two words"}, "not one token"),
+])
+def test_grammars_that_do_not_compile_are_refused_at_admission(recording, spec, match):
+    with pytest.raises(RequestError, match=match):
+        recording.add_request("bad", PROMPT, _params(spec))
+    assert "bad" not in recording.requests and recording.stats()["kv_blocks_used"] == 0
+
+
+@pytest.mark.parametrize("spec, match", [
+    ("json", "must be an object"), ({"kind": "xml"}, "kind must be one of"),
+    ({"kind": "json", "value": 5}, "JSON schema"), ({"kind": "choice", "value": []}, "choice"),
+    ({"kind": "choice", "value": ["a", 3]}, "choice"), ({"kind": "regex", "value": ""}, "regex"),
+    ({"kind": "regex", "value": "a", "extra": 1}, "unknown keys"),
+    ({"kind": "regex", "value": "a" * 300_000}, "longer than"),
+])
+def test_malformed_specs_are_sampling_errors(spec, match):
+    with pytest.raises(SamplingError, match=f"structured_output.*{match}"):
+        SamplingParams(structured_output=spec)
