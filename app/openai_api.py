@@ -12,6 +12,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine.sampling import SamplingError, SamplingParams
+from engine.structured import validate_spec
+
+from .tool_calls import forced_call_schema
 
 # torch generators take seeds in the signed-to-unsigned 64-bit range; outside it they overflow.
 SEED_MIN, SEED_MAX_EXCLUSIVE = -(2**63), 2**64
@@ -102,6 +105,39 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(_Request):
+    name: str
+    # "schema" is a BaseModel attribute's name: the field takes it as its alias
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputs(_Request):
+    """vLLM's structured_outputs: exactly one of these."""
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class _SamplingFields(_Request):
     model: str | None = None
     max_tokens: int | None = None
@@ -123,6 +159,9 @@ class _SamplingFields(_Request):
     repetition_penalty: float | None = None
     # JSON object keys are strings: {"1234": -100}
     logit_bias: dict[str, float] | None = None
+    # OpenAI's structured output (chat's, and completions' as in vLLM), and vLLM's own form
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -138,8 +177,8 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[Tool] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     # vLLM's and SGLang's extension: more variables for the chat template (DeepSeek-V3.1's `thinking`)
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -149,12 +188,18 @@ class ChatCompletionRequest(_SamplingFields):
                 raise bad_request(f"tools[{i}].type {tool.type!r} is not supported; only \"function\"",
                                   param="tools")
         if self.tool_choice is not None and self.tool_choice not in ("none", "auto"):
-            # forcing a call needs constrained decoding
-            raise bad_request(f"tool_choice {_short(self.tool_choice)} is not supported; use \"auto\" or \"none\"",
-                              param="tool_choice")
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise bad_request(f"response_format {_short(self.response_format.get('type'))} is not supported; "
-                              "structured output is not, only \"text\"", param="response_format")
+            names = [t.function.name for t in self.tools or ()]
+            if not names:
+                raise bad_request("tool_choice forces a tool call, but no tools were given", param="tool_choice")
+            if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+                raise bad_request(f"tool_choice names the function {self.tool_choice.function.name!r}, which is "
+                                  f"not among the tools ({', '.join(map(repr, names))})", param="tool_choice")
+
+    def forced_tool_choice(self) -> str | None:
+        """"required", or the name of the function every answer must call; None: the model chooses."""
+        if self.tool_choice is None or self.tool_choice in ("none", "auto"):
+            return None
+        return self.tool_choice if isinstance(self.tool_choice, str) else self.tool_choice.function.name
 
     def engine_logprobs(self) -> int | None:
         """How many alternatives the engine reports per token (None: no logprobs)."""
@@ -234,9 +279,11 @@ def _json_path(loc: tuple) -> str:
 
 def _is_union_label(part: Any) -> bool:
     return isinstance(part, str) and (part in ("str", "int", "float", "bool", "none")
-                                      or part.startswith(("list[", "dict[", "function-", "constrained-"))
+                                      or part.startswith(("list[", "dict[", "function-", "constrained-", "literal["))
                                       or part in {"TextPart", "ChatMessage", "StreamOptions", "Tool",
-                                                  "ToolFunction", "MessageToolCall", "FunctionCall"})
+                                                  "ToolFunction", "MessageToolCall", "FunctionCall",
+                                                  "NamedToolChoice", "NamedFunction", "ResponseFormat",
+                                                  "JSONSchemaFormat", "StructuredOutputs"})
 
 
 def _json_type(value: Any) -> str:
@@ -310,6 +357,46 @@ def chat_tools(req: ChatCompletionRequest) -> list[dict] | None:
     return [{"type": "function", "function": t.function.model_dump(exclude_none=True)} for t in req.tools]
 
 
+def structured_output(req: _SamplingFields) -> tuple[dict | None, str | None]:
+    """The engine's structured_output (engine/structured.py) a request asks for through
+    response_format, structured_outputs or a forced tool call, and the field that asked; a 400
+    when more than one does, or one is malformed."""
+    asked: list[tuple[str, dict]] = []
+    rf = req.response_format
+    if rf is not None and rf.type == "json_object":
+        asked.append(("response_format", {"kind": "json_object"}))
+    elif rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None:
+            raise bad_request("response_format of type json_schema needs json_schema: {name, schema}",
+                              param="response_format")
+        schema = rf.json_schema.schema_
+        asked.append(("response_format", {"kind": "json", "value": {} if schema is None else schema}))
+    if req.structured_outputs is not None:
+        given = {k: v for k, v in req.structured_outputs.model_dump(by_alias=True).items() if v is not None}
+        if given.get("json_object") is False:
+            raise bad_request("structured_outputs.json_object can only be true", param="structured_outputs")
+        if len(given) != 1:
+            raise bad_request("structured_outputs must set exactly one of json, regex, choice, grammar, json_object",
+                              param="structured_outputs")
+        (key, value), = given.items()
+        asked.append(("structured_outputs", {"kind": key, "value": value} if key != "json_object"
+                      else {"kind": "json_object"}))
+    forced = req.forced_tool_choice() if isinstance(req, ChatCompletionRequest) else None
+    if forced is not None:
+        asked.append(("tool_choice", {"kind": "json", "value": forced_call_schema(
+            [t.function.model_dump(exclude_none=True) for t in req.tools], forced, req.parallel_tool_calls)}))
+    if len(asked) > 1:
+        raise bad_request(f"{asked[0][0]} and {asked[1][0]} both constrain the answer; give one",
+                          param=asked[1][0])
+    if not asked:
+        return None, None
+    field, spec = asked[0]
+    try:
+        return validate_spec(spec), field
+    except ValueError as e:
+        raise bad_request(f"invalid {field}: {e}", param=field) from None
+
+
 def completion_prompt(req: CompletionRequest) -> tuple[str | None, list[int] | None]:
     """(text prompt, token-id prompt): exactly one is set."""
     prompt = req.prompt
@@ -364,6 +451,7 @@ def sampling_params(req: _SamplingFields, *, default_max_tokens: int, max_model_
         kwargs["logit_bias"] = _logit_bias(req.logit_bias)
     if req.top_k is not None:
         kwargs["top_k"] = -1 if req.top_k == 0 else req.top_k  # 0 means "off" in vLLM and SGLang too
+    kwargs["structured_output"] = structured_output(req)[0]
     try:
         return SamplingParams(**kwargs)
     except SamplingError as e:

@@ -107,16 +107,38 @@ def _unsupported_fields(chat: dict, completion: dict) -> None:
     completion["suffix"]["description"] = "Not supported: only empty."
     chat["tools"]["description"] = ("Functions the model may call (DeepSeek's tool-call format); its calls come "
                                     "back as message.tool_calls with finish_reason \"tool_calls\".")
-    chat["tool_choice"]["anyOf"] = [{"type": "string", "enum": ["none", "auto"]}, {"type": "null"}]
-    chat["tool_choice"]["description"] = "\"none\" leaves the tools out of the prompt; forcing a call is not supported."
-    _set_branch(chat["response_format"], {"type": "object", "required": ["type"],
-                                          "properties": {"type": {"type": "string", "enum": ["text"]}}})
-    chat["response_format"]["description"] = "Structured output is not supported: only {\"type\": \"text\"}."
+    chat["tool_choice"]["description"] = (
+        "\"none\" leaves the tools out of the prompt; \"required\" or a named function forces a call: the "
+        "answer is then constrained to the calls' JSON (with tools given; a named function must be one of them).")
+    chat["parallel_tool_calls"]["description"] = "false: a forced (\"required\") answer makes one call at most."
     _set_branch(chat["chat_template_kwargs"], {"type": "object", "propertyNames": {
         "pattern": "^[A-Za-z_][A-Za-z0-9_]*$", "not": {"enum": sorted(oa.TEMPLATE_ARGUMENTS)}}})
     chat["chat_template_kwargs"]["description"] = (
         "Extension (as in vLLM and SGLang): more variables for the chat template, e.g. {\"thinking\": true} "
         "for DeepSeek-V3.1's thinking mode.")
+
+
+def _structured_fields(props: dict, components: dict) -> None:
+    """response_format and vLLM's structured_outputs: what the server checks beyond the models."""
+    schema_format = components["JSONSchemaFormat"]
+    schema_format["properties"]["schema"]["description"] = "A JSON schema the answer follows (absent: any JSON)."
+    props["response_format"]["description"] = (
+        "{\"type\": \"json_object\"}: the answer is a JSON object; {\"type\": \"json_schema\", \"json_schema\": "
+        "{\"name\", \"schema\"}}: JSON following the schema (decoding is constrained; a schema that cannot be "
+        "compiled is a 400). Not with structured_outputs or a forced tool call.")
+    components["ResponseFormat"]["if"] = {"properties": {"type": {"const": "json_schema"}}}
+    components["ResponseFormat"]["then"] = {"required": ["json_schema"],
+                                            "properties": {"json_schema": {"type": "object"}}}
+    so = components["StructuredOutputs"]
+    for key, schema in (("json", {"anyOf": [{"type": "object"}, {"type": "string"}]}),
+                        ("regex", {"type": "string", "minLength": 1}), ("grammar", {"type": "string", "minLength": 1}),
+                        ("choice", {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1,
+                                    "maxItems": 1024}),
+                        ("json_object", {"const": True})):
+        so["properties"][key] = dict(schema, title=so["properties"][key].get("title", key))
+    so.update(minProperties=1, maxProperties=1, description=(
+        "Extension (as in vLLM): exactly one of a JSON schema, a regex, a choice of strings, an EBNF grammar "
+        "(xgrammar's) or any JSON object."))
 
 
 def _request_schemas(components: dict, model_name: str, max_tokens_max: int | None,
@@ -129,6 +151,8 @@ def _request_schemas(components: dict, model_name: str, max_tokens_max: int | No
         schema["additionalProperties"] = True
     _logprobs_fields(chat, completion)
     _unsupported_fields(chat["properties"], completion["properties"])
+    for schema in (chat, completion):
+        _structured_fields(schema["properties"], components)
     completion["if"] = {"anyOf": [{"required": [name], "properties": {name: {"const": 0}}}
                                   for name in ("max_tokens", "max_completion_tokens")]}
     completion["then"] = {"required": ["echo"], "properties": {"echo": {"const": True}}}
@@ -182,8 +206,13 @@ def _response_schemas() -> dict:
             "properties": {"id": {"type": "string"}, "type": {"type": "string", "enum": ["function"]},
                            "function": {"type": "object", "required": ["name", "arguments"],
                                         "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}}}}}
-    call_delta = {**call, "required": ["index", *call["required"]],
-                  "properties": {"index": {"type": "integer", "minimum": 0}, **call["properties"]}}
+    # A call's first delta has its id, type and name; later ones (a forced call's arguments as they
+    # stream) only more of the arguments.
+    call_delta = {"type": "object", "required": ["index", "function"],
+                  "properties": {"index": {"type": "integer", "minimum": 0}, "id": {"type": "string"},
+                                 "type": {"type": "string", "enum": ["function"]},
+                                 "function": {"type": "object", "properties": {
+                                     "name": {"type": "string"}, "arguments": {"type": "string"}}}}}
     text_or_null = {"anyOf": [{"type": "string"}, {"type": "null"}]}
 
     def envelope(obj: str, choice: dict, *, streamed: bool) -> dict:

@@ -24,11 +24,12 @@ from pydantic import BaseModel
 
 from engine.llm_engine import Overloaded, RequestError  # noqa: F401  (backends raise Overloaded)
 from engine.sampling import SamplingError
+from engine.tokenizer import THINK_END
 
 from . import openai_api as oa
 from .openai_api import APIError, bad_request
 from .reasoning import ReasoningStream, reasoning_tokens, split_reasoning, starts_in_reasoning
-from .tool_calls import ToolCallStream, openai_tool_call, split_tool_calls
+from .tool_calls import ForcedCallStream, ToolCallStream, forced_calls, openai_tool_call, split_tool_calls
 
 log = logging.getLogger(__name__)
 
@@ -106,10 +107,15 @@ class OpenAIService:
                            param="model", code="model_not_found")
         params = oa.sampling_params(req, default_max_tokens=default_max, max_model_len=b.max_model_len,
                                     max_tokens_limit=self.max_tokens_limit)
+        if params.structured_output is not None and kind == "chat" and starts_in_reasoning(
+                self.reasoning_parser, template_kwargs):
+            params.structured_output["reasoning_end"] = THINK_END  # the grammar holds for the answer, not the thinking
+        forced = req.forced_tool_choice() if kind == "chat" else None
         return req, {"request_id": oa.new_request_id(kind), "prompt": text, "prompt_token_ids": token_ids,
                      "messages": messages, "tools": tools, "chat_template_kwargs": template_kwargs,
                      "sampling": oa.sampling_dict(params), "n": req.n,
-                     **({"prompt_only": True} if oa.scores_prompt_only(req) else {})}
+                     **({"prompt_only": True} if oa.scores_prompt_only(req) else {}),
+                     **({"forced_tool_choice": forced} if forced is not None else {})}
 
     # running ----------------------------------------------------------------------------
     async def open(self, kind: Kind, engine_request: dict, session_id: str | None
@@ -178,7 +184,8 @@ class OpenAIService:
                 await stream.aclose()
         if kind == "chat":
             reasons = self._reasons(engine_request)
-            built = [_chat_choice(i, c, bool(engine_request.get("tools")), reasons) for i, c in enumerate(choices)]
+            built = [_chat_choice(i, c, bool(engine_request.get("tools")), reasons,
+                                  engine_request.get("forced_tool_choice")) for i, c in enumerate(choices)]
         else:
             built = [_text_choice(i, c) for i, c in enumerate(choices)]
         return oa.completion_response(kind, rid, self.backend.model_name, int(time.time()), built,
@@ -190,8 +197,11 @@ class OpenAIService:
         an error object ({"error": ...}); the backend streams are closed however it ends."""
         chunks = oa.StreamChunks(kind, engine_request["request_id"], self.backend.model_name, req.include_usage)
         choices = [_Choice(False, engine_request.get("prompt_only", False)) for _ in firsts]
+        forced = engine_request.get("forced_tool_choice")
         for c in choices:
-            if engine_request.get("tools"):
+            if forced is not None:
+                c.forced = ForcedCallStream(forced)
+            elif engine_request.get("tools"):
                 c.tool_calls = ToolCallStream()
             if kind == "chat" and self._reasons(engine_request):
                 c.reasoning = ReasoningStream()
@@ -232,13 +242,21 @@ class OpenAIService:
                         if out.get("finished"):
                             text += c.tool_calls.finish()
                         calls = [openai_tool_call(call, made + k) for k, call in enumerate(calls)]
+                    if c.forced is not None:  # the answer is the calls' JSON
+                        calls = c.forced.feed(text)
+                        text = ""
+                        if out.get("finished"):
+                            calls += c.forced.finish()
+                            if not c.forced.num_calls:  # "required" cut short: what was written, as content
+                                text = c.forced.text
                     if text or reasoning or out.get("logprobs"):
                         yield chunks.delta(text, out.get("logprobs"), offset, index=i, reasoning=reasoning)
                     if calls:
                         yield chunks.tool_calls(calls, index=i)
                     if out.get("finished"):
                         reason = out.get("finish_reason")
-                        if reason == "stop" and c.tool_calls is not None and c.tool_calls.num_calls:
+                        if reason == "stop" and (c.tool_calls or c.forced) is not None and (
+                                c.tool_calls or c.forced).num_calls:
                             reason = "tool_calls"
                         yield chunks.finish(reason, index=i)
             if chunks.include_usage:
@@ -264,6 +282,7 @@ class _Choice:
         self.last: dict = {}
         self.opened = False  # streaming: its role chunk went out
         self.tool_calls: ToolCallStream | None = None  # streaming with tools: the calls found so far
+        self.forced: ForcedCallStream | None = None  # streaming a forced tool call
         self.reasoning: ReasoningStream | None = None  # streaming a reasoning answer: where it is
         self.prompt_text: str | None = None  # echo: the prompt's text and logprob records
         self.prompt_logprobs: list[dict] | None = None
@@ -299,14 +318,19 @@ def _text_choice(index: int, c: _Choice) -> dict:
     return oa.text_choice(index, text, c.last.get("finish_reason"), logprobs, offsets)
 
 
-def _chat_choice(index: int, c: _Choice, tools: bool, reasons: bool) -> dict:
+def _chat_choice(index: int, c: _Choice, tools: bool, reasons: bool, forced: str | None = None) -> dict:
+    """forced: the request's forced tool choice ("required" or a function's name), whose answer
+    is the calls' JSON."""
     text, reason, calls, reasoning = "".join(c.pieces), c.last.get("finish_reason"), [], None
     if reasons:
         reasoning, text = split_reasoning(text)
-    if tools:
+    if forced is not None:
+        calls = forced_calls(text, forced)
+        text = "" if calls else text
+    elif tools:
         text, calls = split_tool_calls(text)
-        if calls and reason == "stop":
-            reason = "tool_calls"
+    if calls and reason == "stop":
+        reason = "tool_calls"
     return oa.chat_choice(index, text, reason, c.logprobs, [openai_tool_call(call) for call in calls], reasoning)
 
 

@@ -129,8 +129,10 @@ class DecodeRank:
         prior = request.get("prior_output_ids")
         # A prefill server samples the first token knowing no earlier outputs, and computes the
         # prompt's next-token logits at its end only: a retried request whose penalties count
-        # earlier outputs, and one asking for prompt logprobs, are prefilled here.
-        local = (bool(prior) and (params.frequency_penalty != 0 or params.presence_penalty != 0)
+        # earlier outputs or whose grammar is past them, and one asking for prompt logprobs, are
+        # prefilled here.
+        local = (bool(prior) and (params.frequency_penalty != 0 or params.presence_penalty != 0
+                                  or params.structured_output is not None)
                  or params.prompt_logprobs is not None)
         remote = (self._remote_prefill(rid, params, session_id)
                   if (self.transport is not None or self.ipc is not None) and not local else None)
@@ -157,7 +159,7 @@ class DecodeRank:
             notif = f"kv:{rid}".encode()
             # what the first token's choice depends on (the prefill server samples it)
             sampling = {k: getattr(params, k) for k in ("temperature", "top_p", "top_k", "seed", "logprobs",
-                                                        "repetition_penalty", "logit_bias")}
+                                                        "repetition_penalty", "logit_bias", "structured_output")}
             payload = dict(reservation, request_id=rid, notif=notif, sampling=sampling)
             if self.transport is not None:
                 payload["kv_peer"] = self.transport.metadata()

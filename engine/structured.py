@@ -9,6 +9,8 @@ import json
 import re
 from collections import OrderedDict
 
+import torch
+
 # The forms a request may ask for, and what its `value` is: a JSON schema (an object, or its
 # JSON text), nothing, a regex, a list of strings, EBNF text.
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
@@ -35,7 +37,10 @@ def validate_spec(spec) -> dict:
         raise ValueError(f"kind must be one of {list(KINDS)}, got {kind!r}")
     if kind == "json":
         if isinstance(value, (dict, bool)):
-            value = json.dumps(value)
+            try:
+                value = json.dumps(value)
+            except (RecursionError, ValueError, TypeError) as e:
+                raise ValueError(f"the JSON schema cannot be written as JSON: {type(e).__name__}") from None
         if not isinstance(value, str):
             raise ValueError("a json kind's value must be a JSON schema (an object or its JSON text)")
     elif kind == "json_object":
@@ -46,7 +51,7 @@ def validate_spec(spec) -> dict:
             raise ValueError(f"a choice kind's value must be a list of 1..{MAX_CHOICES} non-empty strings")
     elif not isinstance(value, str) or not value:
         raise ValueError(f"a {kind} kind's value must be a non-empty string")
-    if value is not None and len(json.dumps(value)) > MAX_SPEC_CHARS:
+    if value is not None and (len(value) if isinstance(value, str) else sum(map(len, value))) > MAX_SPEC_CHARS:
         raise ValueError(f"the {kind} is longer than {MAX_SPEC_CHARS} characters")
     end = spec.get("reasoning_end")
     if end is not None and (not isinstance(end, str) or not end):
@@ -79,6 +84,7 @@ class GrammarCompiler:
         self._cache: OrderedDict[tuple, object] = OrderedDict()
         self._cache_size = cache_size
         self._tokenizer = hf_tokenizer
+        self.vocab_size = vocab_size
 
     def compile(self, kind: str, value) -> object:
         key = (kind, value if not isinstance(value, list) else tuple(value))
@@ -126,7 +132,12 @@ class GrammarCompiler:
             if len(ids) != 1:
                 raise StructuredOutputError(f"the reasoning end marker {spec['reasoning_end']!r} is not one token")
             end_token = ids[0]
-        return Constraint(self._xgr.GrammarMatcher(self.compile(spec["kind"], spec["value"])), end_token)
+        constraint = Constraint(self._xgr.GrammarMatcher(self.compile(spec["kind"], spec["value"])), end_token)
+        probe = torch.zeros(1, (self.vocab_size + 31) // 32, dtype=torch.int32)
+        constraint.fill(probe, 0)
+        if not probe.any():  # e.g. a left-recursive rule: no answer could be sampled
+            raise StructuredOutputError(f"the {spec['kind']} allows no first token")
+        return constraint
 
 
 class Constraint:

@@ -1,5 +1,6 @@
 """The OpenAI HTTP API over a real tiny engine, served by uvicorn and called with the openai client."""
 import asyncio
+import contextlib
 import itertools
 import json
 import socket
@@ -33,7 +34,14 @@ COMPLETIONS = "/v1/completions"
 
 @pytest.fixture(scope="module")
 def served(tiny_ckpt):
-    async_engine = AsyncLLMEngine(LLMEngine.from_pretrained(tiny_ckpt, EngineConfig(**ENGINE_CFG), progress=False))
+    with serving(tiny_ckpt, ENGINE_CFG) as s:
+        yield s
+
+
+@contextlib.contextmanager
+def serving(tiny_ckpt, engine_cfg: dict):
+    """The HTTP app on a tiny engine of this configuration, behind uvicorn on a free port."""
+    async_engine = AsyncLLMEngine(LLMEngine.from_pretrained(tiny_ckpt, EngineConfig(**engine_cfg), progress=False))
     backend = LocalBackend(async_engine, MODEL)
     app = build_http_app(backend, api_key=API_KEY, max_body_bytes=MAX_BODY)
     sock = socket.socket()
@@ -338,10 +346,10 @@ BAD_REQUESTS = {
     "tool function without a name": ("POST", CHAT, _chat(tools=[{"type": "function", "function": {}}]), 400, "tools"),
     "tool call arguments not a string": ("POST", CHAT, _chat(messages=[{"role": "assistant", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]}]), 400, "messages"),
-    "tool_choice required": ("POST", CHAT, _chat(tool_choice="required"), 400, "tool_choice"),
+    "tool_choice required without tools": ("POST", CHAT, _chat(tool_choice="required"), 400, "tool_choice"),
     "tool_choice a number": ("POST", CHAT, _chat(tool_choice=3), 400, "tool_choice"),
-    "response_format json_object": ("POST", CHAT, _chat(response_format={"type": "json_object"}), 400,
-                                    "response_format"),
+    "response_format of type json_schema without one": ("POST", CHAT, _chat(response_format={"type": "json_schema"}),
+                                                         400, "response_format"),
     "chat_template_kwargs a list": ("POST", CHAT, _chat(chat_template_kwargs=["thinking"]), 400,
                                     "chat_template_kwargs"),
     "chat_template_kwargs setting tools": ("POST", CHAT, _chat(chat_template_kwargs={"tools": []}), 400,

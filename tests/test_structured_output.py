@@ -203,11 +203,20 @@ def test_a_retry_from_the_tokens_so_far_continues_the_grammar(recording):
     ({"kind": "regex", "value": "(ab"}, "regex cannot be compiled"),
     ({"kind": "grammar", "value": "no rules here"}, "grammar cannot be compiled"),
     ({"kind": "regex", "value": "a", "reasoning_end": "two words"}, "not one token"),
+    ({"kind": "grammar", "value": 'root ::= root "a"'}, "allows no first token"),
+    ({"kind": "json", "value": False}, "cannot accept any value"),
 ])
 def test_grammars_that_do_not_compile_are_refused_at_admission(recording, spec, match):
     with pytest.raises(RequestError, match=match):
         recording.add_request("bad", PROMPT, _params(spec))
     assert "bad" not in recording.requests and recording.stats()["kv_blocks_used"] == 0
+
+
+def _nested(depth):
+    schema = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"x": schema}}
+    return schema
 
 
 @pytest.mark.parametrize("spec, match", [
@@ -216,6 +225,8 @@ def test_grammars_that_do_not_compile_are_refused_at_admission(recording, spec, 
     ({"kind": "choice", "value": ["a", 3]}, "choice"), ({"kind": "regex", "value": ""}, "regex"),
     ({"kind": "regex", "value": "a", "extra": 1}, "unknown keys"),
     ({"kind": "regex", "value": "a" * 300_000}, "longer than"),
+    ({"kind": "choice", "value": ["a" * 1000] * 300}, "longer than"),
+    ({"kind": "json", "value": _nested(2000)}, "cannot be written as JSON"),
 ])
 def test_malformed_specs_are_sampling_errors(spec, match):
     with pytest.raises(SamplingError, match=f"structured_output.*{match}"):
