@@ -1,6 +1,8 @@
 """The Serve application end to end: real local Ray, real NIXL between processes, the real
 openai client over HTTP, Python handles."""
 import asyncio
+import json
+import re
 import socket
 import uuid
 
@@ -10,7 +12,7 @@ from ray import serve
 
 from app.main import build_app
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.tokenizer import THINK_END
+from engine.tokenizer import THINK_END, Tokenizer
 
 openai = pytest.importorskip("openai")
 
@@ -138,6 +140,41 @@ def test_pd_carries_the_first_tokens_logprobs(served, tiny_ckpt):
                                             extra_body={"ignore_eos": True})
     assert sum(s["prefill_remote"] for s in _decode_stats()) == before + 2
     assert [e.token for e in forced.choices[0].logprobs.content] == [alone.tokenizer.token_text(77)] * 3
+
+
+def test_pd_samples_the_first_token_under_the_grammar(served, tiny_ckpt):
+    """A structured answer prefilled remotely: the prefill server's first token follows the grammar
+    too, and the answer is the decode rank's alone (greedy)."""
+    client, _ = served
+    before = sum(s["prefill_remote"] for s in _decode_stats())
+    text = "Answer with a code of three digits and two letters. " * 5
+    regex = r"[0-9]{3}-[a-c]{2}"
+    r = client.chat.completions.create(model="tiny", messages=_messages(text), max_tokens=16, temperature=0,
+                                       extra_body={"structured_outputs": {"regex": regex}})
+    assert sum(s["prefill_remote"] for s in _decode_stats()) == before + 1
+    alone = LLMEngine.from_pretrained(tiny_ckpt, EngineConfig(**ENGINE), progress=False)
+    expect = alone.generate([_messages(text)], SamplingParams(max_tokens=16, temperature=0, structured_output={
+        "kind": "regex", "value": regex}))[0]
+    assert r.choices[0].message.content == expect.text and r.choices[0].finish_reason == "stop"
+    assert re.fullmatch(regex, expect.text)
+
+
+def test_a_forced_call_after_thinking(served, tiny_ckpt):
+    """With thinking on, the grammar applies after </think>: the reasoning is free and the call's
+    arguments follow the tool's schema."""
+    client, _ = served
+    tool = {"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"n": {"enum": [1, 2, 3]}}, "required": ["n"]}}}
+    (end,) = Tokenizer(tiny_ckpt).encode(THINK_END)
+    r = client.chat.completions.create(
+        model="tiny", messages=_messages("pick one"), max_tokens=160, temperature=0, tools=[tool],
+        tool_choice={"type": "function", "function": {"name": "pick"}}, logit_bias={str(end): 100},
+        extra_body={"chat_template_kwargs": {"thinking": True}})
+    message = r.choices[0].message
+    assert message.reasoning_content == "" and r.choices[0].finish_reason == "tool_calls"
+    (call,) = message.tool_calls
+    assert call.function.name == "pick" and json.loads(call.function.arguments)["n"] in (1, 2, 3)
+    assert r.usage.completion_tokens_details.reasoning_tokens == 1  # the marker, forced by the bias
 
 
 def test_second_turn_hits_prefix_cache(served):
