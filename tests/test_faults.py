@@ -47,6 +47,9 @@ def _req(rid, n=30, prompt=None, **sampling):
 
 # Penalties read the tokens produced so far, which a retry moves into the prompt.
 PENALIZED = {"frequency_penalty": 1.5, "presence_penalty": 0.5}
+# So does a grammar's place: a retry that started the grammar over would write the x again.
+CONSTRAINED = {"structured_output": {"kind": "regex", "value": "x[a-c]{60}"}}
+KINDS = ({}, PENALIZED, CONSTRAINED)
 
 
 def _drained(group, bound_s=20):
@@ -66,13 +69,13 @@ def test_decode_rank_killed_during_streams_and_prefill_replica_killed(app_factor
                               routing={"max_requests_per_rank": 16, "token_timeout_s": 30})
     streaming = group.options(stream=True)
     expected = [t for out in streaming.generate.remote(_req("ref"), None) for t in out["new_token_ids"]]
-    expected_penalized = [t for out in streaming.generate.remote(_req("ref-p", **PENALIZED), None)
-                          for t in out["new_token_ids"]]
-    assert expected_penalized != expected
+    expected_kinds = [[t for out in streaming.generate.remote(_req(f"ref-{k}", **kind), None)
+                       for t in out["new_token_ids"]] for k, kind in enumerate(KINDS)]
+    assert len({tuple(e) for e in expected_kinds}) == 3 and expected_kinds[0] == expected
 
     async def one(i, seen_tokens):
         tokens, last = [], None
-        async for out in streaming.generate.remote(_req(f"s{i}", **(PENALIZED if i % 2 else {})), f"session-{i}"):
+        async for out in streaming.generate.remote(_req(f"s{i}", **KINDS[i % 3]), f"session-{i}"):
             tokens += out["new_token_ids"]
             seen_tokens[0] += len(out["new_token_ids"])
             last = out
@@ -95,7 +98,7 @@ def test_decode_rank_killed_during_streams_and_prefill_replica_killed(app_factor
         if last["finish_reason"] == "error":
             assert "decode failed" in last["error"]
         else:  # retried from its tokens so far: the same greedy continuation
-            assert tokens == (expected_penalized if i % 2 else expected)
+            assert tokens == expected_kinds[i % 3]
     assert sum(last["finish_reason"] == "length" for _, last in results) >= 14
     info = group.info.remote().result()
     assert info["generation"] == 1 and info["recoveries"]
