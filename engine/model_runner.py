@@ -19,6 +19,7 @@ from .logprobs import prompt_logprob_rows, prompt_token_logprobs
 from .penalties import TokenCounts, adjust_logits
 from .sampling import Sampler, host_to_device
 from .scheduler import ScheduledBatch
+from .structured import fill_masks
 
 
 # Set around engine construction by a transport that needs the KV pool in memory another
@@ -574,9 +575,7 @@ class ModelRunner:
         n, words = len(rows), (logits.shape[-1] + 31) // 32
         # the mask words, then the rows they apply to, in one host array: one copy to the device
         host = torch.empty(n * words + n, dtype=torch.int32)
-        mask = host[:n * words].view(n, words)
-        for j, c in enumerate(constraints):
-            c.fill(mask, j)
+        fill_masks(constraints, host[:n * words].view(n, words))
         host[n * words:] = torch.tensor(rows, dtype=torch.int32)
         both = host_to_device(self.device, host.numpy())
         if copy:

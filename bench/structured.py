@@ -1,0 +1,160 @@
+"""What structured output costs a decode step: compiling a grammar, filling each constrained
+row's mask on the host, and applying the masks to the logits.
+
+    python -m bench.structured --vocab 129280 --batches 1 16 64 [--device cuda]
+
+The vocabulary is synthetic (no DeepSeek tokenizer is at hand here): every byte, then words and
+fragments of words of 2 to 12 letters, digits and punctuation, with and without a leading space,
+as many as --vocab asks. The grammar is a tool's JSON schema like an agent sends (strings, an
+enum, numbers, an array of objects). A step's fill is timed along a generation: each row takes a
+random allowed token after each fill (seeded), so the rows pass through keys, strings, numbers
+and structure as a model's answer would. Figures:
+
+- compile_ms: the schema's first compile at this vocabulary, and a compile found in the cache;
+- fill_us_per_row: median and 90th percentile of one row's fill (xgrammar's matcher);
+- step host ms: the fills of a batch one row at a time, every row constrained, plus the accept
+  of each token; batch fill ms: the same fills as the engine runs them (fill_masks, over
+  FILL_THREADS threads);
+- apply ms: the masks applied to [batch, vocab] logits by the kernel and by the torch reference
+  (on CUDA, device time; on CPU only the reference, the kernel being interpreted there).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import string
+import time
+
+import torch
+
+from engine.structured import FILL_THREADS, GrammarCompiler, fill_masks, validate_spec
+from wideep_kernels.token_mask import apply_token_mask, apply_token_mask_reference
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "description": "a city name"},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 14},
+        "stops": {"type": "array", "maxItems": 4, "items": {
+            "type": "object", "properties": {"name": {"type": "string", "maxLength": 40}, "lat": {"type": "number"},
+                                             "lon": {"type": "number"}}, "required": ["name", "lat", "lon"]}},
+        "notes": {"type": "string"},
+    },
+    "required": ["city", "unit", "days", "stops"],
+}
+
+
+def synthetic_vocabulary(size: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    vocab = [bytes([b]).decode("latin-1") for b in range(256)] + ["<eos>"]
+    seen = set(vocab)
+    letters, other = string.ascii_letters, string.digits + string.punctuation
+    while len(vocab) < size:
+        n = rng.randint(2, 12)
+        word = "".join(rng.choice(letters if rng.random() < 0.85 else other) for _ in range(n))
+        word = (" " + word) if rng.random() < 0.5 else word
+        if word not in seen:
+            seen.add(word)
+            vocab.append(word)
+    return vocab
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--vocab", type=int, default=129280)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--steps", type=int, default=40, help="decode steps timed per batch")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--json", help="append the results to this file as a JSON line")
+    args = ap.parse_args(argv)
+    vocab = synthetic_vocabulary(args.vocab)
+    eos = 256
+    spec = validate_spec({"kind": "json", "value": SCHEMA})
+    t0 = time.perf_counter()
+    compiler = GrammarCompiler(None, args.vocab, [eos], vocabulary=vocab)
+    info_ms = (time.perf_counter() - t0) * 1e3
+    t0 = time.perf_counter()
+    compiler.compile(spec["kind"], spec["value"])
+    cold_ms = (time.perf_counter() - t0) * 1e3
+    t0 = time.perf_counter()
+    compiler.compile(spec["kind"], spec["value"])
+    warm_ms = (time.perf_counter() - t0) * 1e3
+    result = {"vocab": args.vocab, "tokenizer_info_ms": info_ms, "compile_ms": cold_ms, "cached_compile_ms": warm_ms,
+              "batches": []}
+    print(f"vocabulary {args.vocab} (synthetic): tokenizer info {info_ms:.0f} ms, schema compile {cold_ms:.1f} ms, "
+          f"cached {warm_ms:.3f} ms")
+    words = (args.vocab + 31) // 32
+    print(f"| batch | fill us/row p50 | p90 | mean | step host ms, one row at a time (fills + accepts) | "
+          f"batch fill ms ({FILL_THREADS} threads) | apply kernel ms | apply reference ms |")
+    print("|---|---|---|---|---|---|---|---|")
+    for batch in args.batches:
+        rng = random.Random(batch)
+        rows = [compiler.constraint(spec) for _ in range(batch)]
+        mask = torch.empty(batch, words, dtype=torch.int32)
+        per_row, steps, batched = [], [], []
+        for _ in range(args.steps):
+            fills = 0.0
+            for j, c in enumerate(rows):
+                t0 = time.perf_counter()
+                c.fill(mask, j)
+                per_row.append((time.perf_counter() - t0) * 1e6)
+                fills += per_row[-1] / 1e3
+            t0 = time.perf_counter()
+            fill_masks(rows, mask)  # what the engine runs: the rows over FILL_THREADS threads
+            batched.append((time.perf_counter() - t0) * 1e3)
+            allowed = [torch.nonzero(
+                ((mask[j, :, None] >> torch.arange(32, dtype=torch.int32)) & 1).reshape(-1)[:args.vocab]).flatten()
+                for j in range(batch)]
+            picks = [int(a[rng.randrange(len(a))]) if len(a) else eos for a in allowed]
+            t_accept = time.perf_counter()
+            for j, c in enumerate(rows):
+                if not c.finished:
+                    c.accept(picks[j])
+                if c.finished:  # a finished answer starts over: every row stays constrained
+                    rows[j] = compiler.constraint(spec)
+            accept_s = time.perf_counter() - t_accept
+            # the step's host cost: the fills and the accepts, not this bench's own picking
+            steps.append(fills + accept_s * 1e3)
+        apply = {}
+        logits = torch.randn(batch, args.vocab, device=args.device)
+        dev_mask = mask.to(args.device)
+        idx = torch.arange(batch, device=args.device)
+        fns = {"reference": apply_token_mask_reference}
+        if args.device.startswith("cuda"):
+            fns["kernel"] = apply_token_mask
+        for name, fn in fns.items():
+            times = []
+            for _ in range(20):
+                x = logits.clone()
+                if args.device.startswith("cuda"):
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    torch.cuda._sleep(2_000_000)
+                    start.record()
+                    fn(x, dev_mask, idx)
+                    end.record()
+                    end.synchronize()
+                    times.append(start.elapsed_time(end))
+                else:
+                    t0 = time.perf_counter()
+                    fn(x, dev_mask, idx)
+                    times.append((time.perf_counter() - t0) * 1e3)
+            apply[name] = statistics.median(times)
+        q = statistics.quantiles(per_row, n=10)
+        row = {"batch": batch, "fill_us_p50": statistics.median(per_row), "fill_us_p90": q[-1],
+               "fill_us_mean": statistics.fmean(per_row), "step_host_ms": statistics.median(steps),
+               "batch_fill_ms": statistics.median(batched), "fill_threads": FILL_THREADS, "apply_ms": apply}
+        result["batches"].append(row)
+        fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+        print(f"| {batch} | {row['fill_us_p50']:.1f} | {row['fill_us_p90']:.1f} | {row['fill_us_mean']:.1f} | "
+              f"{row['step_host_ms']:.3f} | {row['batch_fill_ms']:.3f} | "
+              f"{fmt(apply.get('kernel'))} | {fmt(apply.get('reference'))} |", flush=True)
+    if args.json:
+        with open(args.json, "a") as f:
+            f.write(json.dumps(result) + "\n")
+
+
+if __name__ == "__main__":
+    main()
