@@ -58,6 +58,12 @@ def _stop_prefix_len(text: str, stops: list[str]) -> int:
     return best
 
 
+def _reads_previous_token(seqs: list[Sequence]) -> bool:
+    """Whether sampling any of these reads the token sampled just before (penalties count it, a
+    grammar's mask follows it): a step launched ahead then samples once that token is known."""
+    return any(seq.params.penalized or seq.constraint is not None for seq in seqs)
+
+
 def context_limit(model_cfg, cfg: EngineConfig) -> int:
     """Prompt + output tokens one request may reach: the model's positions, the KV pool, the
     configured max_model_len, whichever is least."""
@@ -79,6 +85,8 @@ class LaunchedStep:
     prompt: tuple | None = None                     # ModelRunner.prompt_records of the step, copied likewise
     ready: torch.cuda.Event | None = None
     error: Exception | None = None
+    # Launched ahead, not sampled yet: its sampling reads the previous step's token (_sample_deferred).
+    logits: torch.Tensor | None = None
     write_blocks: list[int] = field(default_factory=list)  # a step ahead: the block of each row's position
 
 
@@ -380,8 +388,11 @@ class LLMEngine:
         overlaps the GPU's."""
         cur, self._inflight = self._inflight, None
         if cur is not None and all(seq.is_finished for seq in cur.batch.seqs):
+            cur.logits = None
             self._complete(cur)  # ran ahead of requests that have ended since: nothing to report
             cur = None
+        if cur is not None and cur.logits is not None:
+            self._sample_deferred(cur)
         if cur is None:
             batch = self.scheduler.schedule()
             if not batch.seqs:
@@ -410,32 +421,64 @@ class LLMEngine:
             else:
                 step.done, logits = list(range(len(batch))), self.runner.run_ahead(batch, ahead_ids)
             step.prompt, self.runner.prompt_records = self.runner.prompt_records, None
-            if step.done:
-                seqs = [batch.seqs[i] for i in step.done]
-                step.tokens = self.runner.sample(seqs, logits)
-                step.logprob_rows = [j for j, seq in enumerate(seqs) if seq.params.logprobs is not None]
-                if step.logprob_rows:
-                    k = max(seqs[j].params.logprobs for j in step.logprob_rows)
-                    step.logprobs = token_logprobs(logits, step.tokens, step.logprob_rows, k)
+            if step.done and ahead_ids is not None and _reads_previous_token(batch.seqs):
+                step.logits = logits  # sampled by step() once the previous step's tokens are read
+            elif step.done:
+                self._sample(step, logits)
         except Exception as e:  # a failed step fails its requests, never leaks their blocks
             step.error = e
             return step
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed_tokens += n
             self.scheduler.blocks.publish(seq)
-        if self._token_buffers is not None and step.tokens is not None:
-            # Read back through pinned memory and an event: reading the tokens directly would wait
-            # for everything queued after them, the step launched ahead included.
+        self._read_back(step)
+        return step
+
+    def _sample(self, step: "LaunchedStep", logits: torch.Tensor) -> None:
+        seqs = [step.batch.seqs[i] for i in step.done]
+        live = [j for j, seq in enumerate(seqs) if not seq.is_finished]
+        if len(live) < len(seqs):
+            # a deferred step's sequences that ended when the previous step's tokens were read: their
+            # tokens are dropped, and sampling them would read state that is no longer theirs
+            step.tokens = torch.zeros(len(seqs), dtype=torch.long, device=logits.device)
+            if live:
+                idx = host_to_device(logits.device, live)
+                step.tokens[idx] = self.runner.sample([seqs[j] for j in live], logits.index_select(0, idx))
+        else:
+            step.tokens = self.runner.sample(seqs, logits)
+        step.logprob_rows = [j for j, seq in enumerate(seqs) if seq.params.logprobs is not None]
+        if step.logprob_rows:
+            k = max(seqs[j].params.logprobs for j in step.logprob_rows)
+            step.logprobs = token_logprobs(logits, step.tokens, step.logprob_rows, k)
+
+    def _sample_deferred(self, step: "LaunchedStep") -> None:
+        """Sample a step launched ahead whose sampling reads the token before it (penalties, a
+        grammar's mask), now that it is known: the forward was queued a step earlier, so the host's
+        work here (a grammar's masks) overlaps it on the device."""
+        logits, step.logits = step.logits, None
+        try:
+            self._sample(step, logits)
+        except Exception as e:
+            step.error = e
+            return
+        self._read_back(step)
+
+    def _read_back(self, step: "LaunchedStep") -> None:
+        if self._token_buffers is None:
+            return
+        # Read back through pinned memory and an event: reading the tokens directly would wait
+        # for everything queued after them, the step launched ahead included. A step whose
+        # sampling waits still records one: it says when the forward's KV writes are done.
+        if step.tokens is not None:
             step.host = self._token_buffers[self.num_steps % 2][:len(step.done)]
             step.host.copy_(step.tokens, non_blocking=True)
-            if step.logprobs is not None:
-                step.logprobs = step.logprobs.to("cpu", non_blocking=True)
-            if step.prompt is not None:
-                owners, targets, packed = step.prompt
-                step.prompt = (owners, targets, packed.to("cpu", non_blocking=True))
-            step.ready = torch.cuda.Event()
-            step.ready.record()
-        return step
+        if step.logprobs is not None:
+            step.logprobs = step.logprobs.to("cpu", non_blocking=True)
+        if step.prompt is not None and step.prompt[2].device.type != "cpu":
+            owners, targets, packed = step.prompt
+            step.prompt = (owners, targets, packed.to("cpu", non_blocking=True))
+        step.ready = torch.cuda.Event()
+        step.ready.record()
 
     def _complete(self, step: "LaunchedStep") -> list[RequestOutput]:
         """Wait for a launched step's tokens and turn them into outputs. Sequences that ended
@@ -494,9 +537,6 @@ class LLMEngine:
         if s.waiting and len(s.running) < self.cfg.max_num_seqs:
             return []
         rows, need = [], 0
-        # their penalties, or their grammar's next mask, read the token still in flight
-        if any(seq.params.penalized or seq.constraint is not None for seq in seqs):
-            return []
         for i, seq in enumerate(seqs):
             if (seq.is_finished or seq.hold_kv or len(seq.output_ids) + 1 >= seq.params.max_tokens
                     or seq.num_tokens + 1 >= self.max_model_len):

@@ -119,16 +119,18 @@ def test_logit_bias_forces_and_forbids_tokens(recording):
     assert sampled == [77] * 6
 
 
-def test_penalized_rows_do_not_run_ahead_and_match(tiny_ckpt):
-    """A step launched ahead would not know the token in flight: penalized batches wait for it."""
+def test_penalized_rows_run_ahead_and_match(tiny_ckpt):
+    """A step launched ahead does not know the token in flight, which penalties count: its forward
+    runs ahead, its sampling waits for that token. The outputs are those of stepping one at a time."""
     ahead = LLMEngine.from_pretrained(tiny_ckpt, EngineConfig(block_size=4, async_scheduling=True), progress=False)
     plain = LLMEngine.from_pretrained(tiny_ckpt, EngineConfig(block_size=4, async_scheduling=False), progress=False)
-    p = _greedy(12, frequency_penalty=1.0)
-    want = plain.generate([PROMPT], p)[0].output_token_ids
-    assert ahead.generate([PROMPT], p)[0].output_token_ids == want
-    assert ahead.num_steps_ahead == 0
-    ahead.generate([PROMPT], _greedy(12))
-    assert ahead.num_steps_ahead > 0  # unpenalized, the same engine runs ahead
+    params = [_greedy(12, frequency_penalty=1.0), _greedy(9), _greedy(14, presence_penalty=2.0, repetition_penalty=1.3),
+              SamplingParams(max_tokens=12, temperature=0.9, seed=4, frequency_penalty=2.0, ignore_eos=True)]
+    prompts = [PROMPT, PROMPT[:4], PROMPT[2:], PROMPT + [3]]
+    want = [o.output_token_ids for o in plain.generate(prompts, params)]
+    assert [o.output_token_ids for o in ahead.generate(prompts, params)] == want
+    assert ahead.num_steps_ahead > 0 and plain.num_steps_ahead == 0
+    assert want[0] != plain.generate([PROMPT], _greedy(12))[0].output_token_ids  # the penalty changed something
 
 
 @pytest.mark.parametrize("kwargs, match", [

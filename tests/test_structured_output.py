@@ -172,13 +172,22 @@ def test_the_grammar_starts_after_the_reasoning_end(recording):
     assert not re.fullmatch("[ab]{3}", outs["never"].text)  # no marker: nothing constrained
 
 
-def test_constrained_rows_do_not_run_ahead_and_match(tiny_ckpt):
+def test_constrained_rows_run_ahead_and_match(tiny_ckpt):
+    """A step launched ahead runs its forward before the token in flight is known; its masks, and
+    so its sampling, wait for it. The outputs are those of stepping one at a time, for rows that
+    stop at different steps (a stop token, the grammar's end, max_tokens) beside unconstrained ones."""
     ahead = LLMEngine.from_pretrained(tiny_ckpt, EngineConfig(block_size=4, async_scheduling=True), progress=False)
     plain = LLMEngine.from_pretrained(tiny_ckpt, EngineConfig(block_size=4, async_scheduling=False), progress=False)
-    p = _params(JSON_SPEC, temperature=0.7, seed=5)
-    want = plain.generate([PROMPT], p)[0]
-    got = ahead.generate([PROMPT], p)[0]
-    assert got.output_token_ids == want.output_token_ids and ahead.num_steps_ahead == 0
+    params = [_params(JSON_SPEC, temperature=0.7, seed=5), _params({"kind": "regex", "value": REGEX}, temperature=0),
+              SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
+              _params({"kind": "choice", "value": ["alpha", "beta"]}, temperature=0.9, seed=2, frequency_penalty=1.0),
+              _params({"kind": "regex", "value": "[ab]{50}"}, n=7, temperature=0, logprobs=2)]
+    prompts = [PROMPT, PROMPT[1:], PROMPT[:3], PROMPT + [7], PROMPT[2:]]
+    want = plain.generate(prompts, params)
+    got = ahead.generate(prompts, params)
+    assert [(o.output_token_ids, o.finish_reason) for o in got] == [(o.output_token_ids, o.finish_reason) for o in want]
+    assert ahead.num_steps_ahead > 0 and plain.num_steps_ahead == 0
+    assert ahead.stats()["kv_blocks_used"] == 0
 
 
 def test_a_retry_from_the_tokens_so_far_continues_the_grammar(recording):
