@@ -53,6 +53,7 @@ class AsyncLLMEngine:
         loop = asyncio.get_running_loop()
 
         def admit():  # the lock is held for a whole step: take it off the event loop
+            self.engine.compile_grammar(params)  # outside the lock: the running requests do not wait for it
             with self._locked():
                 if remote_prefill is None:
                     self.engine.add_request(request_id, prompt, params, messages=messages, hold_kv=hold_kv,

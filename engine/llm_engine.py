@@ -1,6 +1,7 @@
 """The engine's Python API: add and abort requests, step, generate."""
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -108,6 +109,7 @@ class LLMEngine:
         self.scheduler = Scheduler(model.cfg, cfg)
         self.requests: dict[str, Sequence] = {}
         self.grammars: GrammarCompiler | None = None  # made when a request first asks for structured output
+        self._grammars_lock = threading.Lock()
         self.eos_token_id = tokenizer.eos_token_id if tokenizer is not None else None
         self.num_steps = 0
         self.num_steps_ahead = 0  # of num_steps, those launched before the previous step's tokens were read
@@ -243,14 +245,32 @@ class LLMEngine:
         self.requests[request_id] = seq
         return seq
 
-    def _constraint(self, spec: dict, prior: list[int]) -> Constraint:
-        """A request's grammar matcher, past the outputs of an earlier attempt (prior)."""
+    def compile_grammar(self, params: SamplingParams | None) -> None:
+        """Compile a request's grammar ahead of add_request, which then finds it compiled: a
+        schema new to this engine takes tens of milliseconds (bench/structured.py), which a caller
+        on another thread (engine/async_engine.py) spends outside the engine's lock, not in a
+        step every running request waits for. Thread-safe."""
+        if params is None or params.structured_output is None:
+            return
+        spec = params.structured_output
+        try:
+            self._grammar_compiler().compile(spec["kind"], spec["value"])
+        except StructuredOutputError as e:
+            raise RequestError(str(e)) from None
+
+    def _grammar_compiler(self) -> GrammarCompiler:
         if self.tokenizer is None:
             raise RequestError("structured output needs a tokenizer")
-        if self.grammars is None:
-            self.grammars = GrammarCompiler(self.tokenizer.hf, self.model_cfg.vocab_size, [self.eos_token_id])
+        with self._grammars_lock:  # the vocabulary's walk takes most of a second at 129K tokens: once
+            if self.grammars is None:
+                self.grammars = GrammarCompiler(self.tokenizer.hf, self.model_cfg.vocab_size, [self.eos_token_id])
+        return self.grammars
+
+    def _constraint(self, spec: dict, prior: list[int]) -> Constraint:
+        """A request's grammar matcher, past the outputs of an earlier attempt (prior)."""
+        grammars = self._grammar_compiler()
         try:
-            constraint = self.grammars.constraint(spec)
+            constraint = grammars.constraint(spec)
         except StructuredOutputError as e:
             raise RequestError(str(e)) from None
         if not all(constraint.accept(t) for t in prior):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
 from collections import OrderedDict
 
 import torch
@@ -90,16 +91,19 @@ class GrammarCompiler:
                                                       stop_token_ids=stop_token_ids)
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self._cache: OrderedDict[tuple, object] = OrderedDict()
+        self._cache_lock = threading.Lock()
         self._cache_size = cache_size
         self._tokenizer = hf_tokenizer
         self.vocab_size = vocab_size
 
     def compile(self, kind: str, value) -> object:
+        """Thread-safe: requests' grammars are compiled outside the engine's lock."""
         key = (kind, value if not isinstance(value, list) else tuple(value))
-        compiled = self._cache.get(key)
-        if compiled is not None:
-            self._cache.move_to_end(key)
-            return compiled
+        with self._cache_lock:
+            compiled = self._cache.get(key)
+            if compiled is not None:
+                self._cache.move_to_end(key)
+                return compiled
         c = self._compiler
         try:
             if kind in ("json", "json_object"):
@@ -112,9 +116,10 @@ class GrammarCompiler:
                 compiled = c.compile_grammar(value)
         except Exception as e:  # the compiler's own errors are RuntimeErrors naming the problem
             raise StructuredOutputError(f"the {kind} cannot be compiled: {_clean(e)}") from None
-        self._cache[key] = compiled
-        if len(self._cache) > self._cache_size:
-            self._cache.popitem(last=False)
+        with self._cache_lock:
+            self._cache[key] = compiled
+            if len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
         return compiled
 
     # xgrammar 0.2.9 lets a string with a length bound hold raw control characters, which JSON

@@ -1,4 +1,5 @@
 import asyncio
+import time
 
 import pytest
 
@@ -123,3 +124,45 @@ def test_stream_of_a_closed_event_loop_is_aborted_and_the_engine_lives_on(aengin
         return [out async for out in aengine.generate("next", "hello", SamplingParams(max_tokens=3))][-1]
     assert asyncio.run(asyncio.wait_for(other(), 30)).finished
     assert aengine.stats()["kv_blocks_used"] == 0
+
+
+def test_a_new_grammar_compiles_while_the_running_requests_step(aengine, monkeypatch):
+    """A schema new to the engine compiles outside its lock: the requests already running keep
+    stepping meanwhile, and the request then runs under its grammar; one that does not compile
+    is refused before it is queued."""
+    from engine.structured import GrammarCompiler
+    compile_ = GrammarCompiler.compile
+    window = {}
+
+    def slow_compile(self, kind, value):
+        window["start"] = counted[0]
+        time.sleep(0.5)
+        window["end"] = counted[0]
+        return compile_(self, kind, value)
+    monkeypatch.setattr(GrammarCompiler, "compile", slow_compile)
+    counted = [0]
+
+    async def main():
+        running = aengine.generate("running", "hello", SamplingParams(max_tokens=100_000, temperature=0,
+                                                                        ignore_eos=True))
+        await anext(running)
+
+        async def count():
+            async for _ in running:
+                counted[0] += 1
+        counter = asyncio.ensure_future(count())
+        text = ""
+        async for out in aengine.generate("shaped", "hello", SamplingParams(
+                max_tokens=20, temperature=0, structured_output={"kind": "regex", "value": "[0-9]{3}"})):
+            text = out.text
+        with pytest.raises(RequestError, match="regex cannot be compiled"):
+            async for _ in aengine.generate("bad", "hello", SamplingParams(
+                    max_tokens=2, structured_output={"kind": "regex", "value": "(ab"})):
+                pass
+        counter.cancel()
+        return text
+    text = asyncio.run(asyncio.wait_for(main(), 60))
+    assert len(text) == 3 and text.isdigit()
+    assert window["end"] - window["start"] >= 3  # the running request streamed while it compiled
+    stats = aengine.stats()
+    assert stats["waiting"] == 0
