@@ -17,6 +17,13 @@ and structure as a model's answer would. Figures:
   FILL_THREADS threads);
 - apply ms: the masks applied to [batch, vocab] logits by the kernel and by the torch reference
   (on CUDA, device time; on CPU only the reference, the kernel being interpreted there).
+
+With --engine-preset (e.g. `bench`): decode steps of that preset's random model, its vocabulary
+made --vocab tokens, at each batch, every row plain, under a regex, under the JSON schema, or penalized;
+the grammars read the synthetic vocabulary, so a step's fills cost what they would at that size.
+
+    python -m bench.structured --device cuda --vocab 129280 --batches 1 16 64 --engine-preset bench
+    python -m bench.structured --device cpu --vocab 2048 --batches 2 --engine-preset tiny --engine-steps 10
 """
 from __future__ import annotations
 
@@ -62,6 +69,64 @@ def synthetic_vocabulary(size: int, seed: int = 0) -> list[str]:
     return vocab
 
 
+ENGINE_MODES = {
+    "plain": dict(temperature=0),
+    # the answer's letters and spaces are free: a grammar the model never ends (every row decodes
+    # the same number of steps), whose masks still cost a fill a row each step
+    "regex": dict(temperature=0, structured_output={"kind": "regex", "value": "[a-z ]{2,100000}"}),
+    "json": dict(temperature=0, structured_output={"kind": "json", "value": SCHEMA}),
+    "penalties": dict(temperature=0, frequency_penalty=0.5, presence_penalty=0.5),
+}
+
+
+def engine_part(args, vocab: list[str]) -> list[dict]:
+    """Decode steps of the bench model with every row of one mode, async scheduling as configured
+    (on by default on a GPU): a constrained or penalized row's step launches its forward ahead
+    and samples once the previous token is read, its masks filled while the forward runs."""
+    from bench.ep_decode import build
+    from engine.config import EngineConfig, preset
+    from engine.llm_engine import LLMEngine
+    from engine.sampling import SamplingParams
+
+    cuda = args.device.startswith("cuda")
+    cfg = preset(args.engine_preset, vocab_size=len(vocab))  # DeepSeek's vocabulary size: its lm_head and masks
+    model = build(cfg, args.device, torch.bfloat16 if cuda else torch.float32)
+    batch_max, prompt = max(args.batches), 32
+    engine = LLMEngine(model, None, EngineConfig(
+        device=args.device, dtype="bfloat16" if cuda else "float32", block_size=16, max_num_seqs=batch_max,
+        num_blocks=batch_max * ((prompt + args.engine_steps + 40) // 16 + 2) + 16, warmup=cuda,
+        max_num_batched_tokens=max(256, batch_max * prompt)))
+    engine.grammars = GrammarCompiler(None, len(vocab), [256], vocabulary=vocab)
+    rows = []
+    g = torch.Generator().manual_seed(0)
+    for batch in args.batches:
+        for mode, kwargs in ENGINE_MODES.items():
+            for i in range(batch):
+                engine.add_request(f"{mode}-{batch}-{i}", torch.randint(300, len(vocab), (prompt,), generator=g).tolist(),
+                                   SamplingParams(max_tokens=args.engine_steps + 8, ignore_eos=True, **kwargs))
+            for _ in range(4):  # the prompts, then the first decode steps
+                engine.step()
+            if cuda:
+                torch.cuda.synchronize()
+            ahead0 = engine.num_steps_ahead
+            t0 = time.perf_counter()
+            for _ in range(args.engine_steps):
+                engine.step()
+            if cuda:
+                torch.cuda.synchronize()
+            step_ms = (time.perf_counter() - t0) * 1e3 / args.engine_steps
+            live = sum(1 for seq in engine.requests.values() if not seq.is_finished)
+            row = {"part": "engine", "mode": mode, "batch": batch, "step_ms": round(step_ms, 3),
+                   "steps_ahead": engine.num_steps_ahead - ahead0, "live_rows": live}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            for rid in list(engine.requests):
+                engine.abort_request(rid)
+            while engine.has_unfinished_requests():
+                engine.step()
+    return rows
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vocab", type=int, default=129280)
@@ -69,6 +134,9 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=40, help="decode steps timed per batch")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json", help="append the results to this file as a JSON line")
+    ap.add_argument("--engine-preset", help="also time decode steps of this preset's random model (of --vocab "
+                    "tokens) with every row constrained, penalized or plain")
+    ap.add_argument("--engine-steps", type=int, default=50)
     args = ap.parse_args(argv)
     vocab = synthetic_vocabulary(args.vocab)
     eos = 256
@@ -151,6 +219,8 @@ def main(argv=None) -> None:
         print(f"| {batch} | {row['fill_us_p50']:.1f} | {row['fill_us_p90']:.1f} | {row['fill_us_mean']:.1f} | "
               f"{row['step_host_ms']:.3f} | {row['batch_fill_ms']:.3f} | "
               f"{fmt(apply.get('kernel'))} | {fmt(apply.get('reference'))} |", flush=True)
+    if args.engine_preset:
+        result["engine"] = engine_part(args, vocab)
     if args.json:
         with open(args.json, "a") as f:
             f.write(json.dumps(result) + "\n")

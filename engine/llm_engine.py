@@ -259,6 +259,8 @@ class LLMEngine:
             raise RequestError(str(e)) from None
 
     def _grammar_compiler(self) -> GrammarCompiler:
+        if self.grammars is not None:  # made here, or given (bench/structured.py's synthetic vocabulary)
+            return self.grammars
         if self.tokenizer is None:
             raise RequestError("structured output needs a tokenizer")
         with self._grammars_lock:  # the vocabulary's walk takes most of a second at 129K tokens: once

@@ -159,11 +159,17 @@ FILL_THREADS = max(1, min(8, (os.cpu_count() or 1)))
 _batch_matcher = None
 
 
+# Below this many rows the fills run on the calling thread: waking threads costs more than a
+# few fills of tens of microseconds, and on a busy host (several ranks) much more.
+FILL_THREADS_FROM_ROWS = 8
+
+
 def fill_masks(constraints: list["Constraint"], mask: torch.Tensor) -> None:
     """Row j of `mask` [len(constraints), words] int32: the tokens constraints[j] allows next."""
     global _batch_matcher
-    if len(constraints) == 1:
-        constraints[0].fill(mask, 0)
+    if len(constraints) < FILL_THREADS_FROM_ROWS or FILL_THREADS == 1:
+        for j, c in enumerate(constraints):
+            c.fill(mask, j)
         return
     if _batch_matcher is None:
         import xgrammar as xgr

@@ -202,3 +202,18 @@ def test_bad_structured_requests_are_400s_naming_the_field(raw, name):
         assert error["param"] == param, error
     else:
         assert "cannot be compiled" in error["message"], error
+
+
+def test_a_streamed_json_answer_equals_the_whole_one(raw):
+    body = _chat(response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}, seed=2)
+    whole = raw.post(CHAT, json=body).json()["choices"][0]
+    resp = raw.post(CHAT, json=dict(body, stream=True, stream_options={"include_usage": True}))
+    chunks = [json.loads(line[6:]) for line in resp.text.splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    validator = _schema("ChatCompletionChunk")
+    for chunk in chunks:
+        validator.validate(chunk)
+    content = "".join(c["delta"].get("content") or "" for ch in chunks for c in ch["choices"])
+    reasons = [c["finish_reason"] for ch in chunks for c in ch["choices"] if c["finish_reason"]]
+    assert content == whole["message"]["content"] and reasons == [whole["finish_reason"]]
+    assert chunks[-1]["usage"]["completion_tokens"] > 0
