@@ -159,10 +159,10 @@ FILL_THREADS = max(1, min(8, (os.cpu_count() or 1)))
 _batch_matcher = None
 
 
-# Below this many rows the fills run on the calling thread: on 2 cores at a 129K vocabulary
-# (bench/structured.py) 16 rows took 2.4 ms over threads against 1.1 one after another, 64 rows
-# 3.3 against 4.1; on a busy host (several ranks) waking threads costs more.
-FILL_THREADS_FROM_ROWS = 32
+# Below this many rows the fills run on the calling thread. On 2 cores (bench/structured.py,
+# RESULTS): 8 rows of a 2K vocabulary took 0.4 ms either way; at 129K, 16 rows 0.82 ms over
+# threads against 1.0 one after another, 64 rows 3.2 against 4.4.
+FILL_THREADS_FROM_ROWS = 8
 
 
 def fill_masks(constraints: list["Constraint"], mask: torch.Tensor) -> None:

@@ -2,9 +2,10 @@
 
 A grammar's mask (engine/structured.py) is one bit per vocabulary token, packed into int32
 words: bit t % 32 of word t // 32 set means token t may come next. The rows of a batch that
-have a grammar get every token whose bit is clear set to -inf. Unpacking the bits in torch is
-four launches and a [rows, vocab] int64 temporary a step (a batch of 64 rows of 129K tokens:
-66 MB); the kernel reads the mask words and writes only the logits it masks.
+have a grammar get every token whose bit is clear set to -inf. Unpacking the bits in torch (the
+reference) is several launches and [rows, vocab] temporaries a step (8 MB of bytes and as many
+of flags for 64 rows of 129K tokens); the kernel reads the mask words and writes only the
+logits it masks.
 """
 from __future__ import annotations
 
@@ -22,9 +23,11 @@ BLOCK = 1024  # tokens a program covers: 32 mask words
 
 
 def unpack_mask(mask: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[rows, words] int32 -> [rows, vocab] bool, True where the token is allowed."""
-    shifts = torch.arange(32, dtype=torch.int32, device=mask.device)
-    bits = (mask[:, :, None] >> shifts) & 1
+    """[rows, words] int32 -> [rows, vocab] bool, True where the token is allowed. Read as bytes
+    (little-endian, as CPUs and GPUs store words: bit t is bit t % 8 of byte t // 8), so the
+    temporary is a byte a token, not four."""
+    as_bytes = mask.contiguous().view(torch.uint8)
+    bits = (as_bytes[:, :, None] >> torch.arange(8, dtype=torch.uint8, device=mask.device)) & 1
     return bits.reshape(mask.shape[0], -1)[:, :vocab].bool()
 
 
