@@ -162,6 +162,8 @@ class _SamplingFields(_Request):
     # OpenAI's structured output (chat's, and completions' as in vLLM), and vLLM's own form
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+    # vLLM's: each prompt token's log-probability and this many alternatives (whole responses only)
+    prompt_logprobs: int | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -442,6 +444,15 @@ def sampling_params(req: _SamplingFields, *, default_max_tokens: int, max_model_
                               "logprobs": req.engine_logprobs()}
     if getattr(req, "echo", False):  # legacy completions: the prompt, and its logprobs, come back first
         kwargs.update(echo=True, prompt_logprobs=kwargs["logprobs"])
+    if req.prompt_logprobs is not None:
+        if not 0 <= req.prompt_logprobs <= SamplingParams.MAX_LOGPROBS:
+            raise bad_request(f"prompt_logprobs must be in 0..{SamplingParams.MAX_LOGPROBS}, got {req.prompt_logprobs}",
+                              param="prompt_logprobs")
+        if req.stream:
+            raise bad_request("prompt_logprobs is not supported when streaming", param="prompt_logprobs")
+        # with echo's too, the engine computes the larger number of alternatives; each view takes its own
+        asked = kwargs.get("prompt_logprobs")
+        kwargs["prompt_logprobs"] = req.prompt_logprobs if asked is None else max(asked, req.prompt_logprobs)
     for name in ("temperature", "top_p", "seed", "stop", "stop_token_ids", "presence_penalty",
                  "frequency_penalty", "repetition_penalty"):
         value = getattr(req, name)
@@ -514,6 +525,21 @@ def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: list
     if tool_calls:
         message.update(content=text or None, tool_calls=tool_calls)
     return {"index": index, "message": message, "logprobs": chat_logprobs(logprobs), "finish_reason": finish_reason}
+
+
+def vllm_prompt_logprobs(records: list[dict], k: int) -> list[dict | None]:
+    """vLLM's prompt_logprobs: per prompt token, null for the first, else {token id: {logprob,
+    rank, decoded_token}} for the token itself and its k most likely alternatives."""
+    out: list[dict | None] = []
+    for r in records:
+        if r["logprob"] is None:
+            out.append(None)
+            continue
+        entry = {str(r["token_id"]): {"logprob": r["logprob"], "rank": r["rank"], "decoded_token": r["token"]}}
+        for rank, t in enumerate(r["top"][:k], 1):
+            entry.setdefault(str(t["token_id"]), {"logprob": t["logprob"], "rank": rank, "decoded_token": t["token"]})
+        out.append(entry)
+    return out
 
 
 def text_choice(index: int, text: str, finish_reason: str | None, logprobs: list[dict] | None = None,

@@ -86,6 +86,12 @@ def _logprobs_fields(chat: dict, completion: dict) -> None:
     props["top_logprobs"]["description"] = "The most likely alternatives per token; needs logprobs true."
     chat["if"] = {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}}
     chat["then"] = {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}
+    for schema in (chat, completion):
+        _set_branch(schema["properties"]["prompt_logprobs"], k)
+        schema["properties"]["prompt_logprobs"]["description"] = (
+            "Extension (as in vLLM): each prompt token's log-probability, its rank and this many alternatives, "
+            "as prompt_logprobs (the response's for chat, each choice's for completions). The prompt is then "
+            "computed whole, not read from the prefix cache. Not with stream.")
     _set_branch(completion["properties"]["logprobs"], k)
     completion["properties"]["logprobs"]["description"] = (
         "The most likely alternatives per token (0: the sampled token's log-probability only); the "
@@ -246,11 +252,21 @@ def _response_schemas() -> dict:
     delta = {"type": "object", "properties": {"role": {"type": "string", "enum": ["assistant"]}, "content": text_or_null,
                                               "reasoning_content": reasoning,
                                               "tool_calls": {"type": "array", "items": call_delta, "minItems": 1}}}
+    # vLLM's prompt_logprobs: per prompt token (the first null), {token id: {logprob, rank, decoded_token}}
+    prompt_logprobs = {"type": "array", "items": {"anyOf": [{"type": "null"}, {
+        "type": "object", "propertyNames": {"pattern": "^[0-9]+$"}, "additionalProperties": {
+            "type": "object", "required": ["logprob", "rank", "decoded_token"],
+            "properties": {"logprob": {"type": "number"}, "rank": {"type": "integer", "minimum": 1},
+                           "decoded_token": {"type": "string"}}}}]}}
+    chat_completion = envelope("chat.completion", choice("ChatLogprobs", message=message), streamed=False)
+    chat_completion["properties"]["prompt_logprobs"] = prompt_logprobs
+    text_completion = envelope("text_completion", choice("CompletionLogprobs", text={"type": "string"}),
+                               streamed=False)
+    text_completion["properties"]["choices"]["items"]["properties"]["prompt_logprobs"] = prompt_logprobs
     return {
         "Usage": usage,
-        "ChatCompletion": envelope("chat.completion", choice("ChatLogprobs", message=message), streamed=False),
-        "TextCompletion": envelope("text_completion", choice("CompletionLogprobs", text={"type": "string"}),
-                                   streamed=False),
+        "ChatCompletion": chat_completion,
+        "TextCompletion": text_completion,
         "ChatCompletionChunk": envelope("chat.completion.chunk", choice("ChatLogprobs", delta=delta), streamed=True),
         "TextCompletionChunk": envelope("text_completion", choice("CompletionLogprobs", text={"type": "string"}),
                                         streamed=True),

@@ -182,14 +182,21 @@ class OpenAIService:
         finally:
             with anyio.CancelScope(shield=True):
                 await stream.aclose()
+        k = req.prompt_logprobs  # vLLM's prompt_logprobs, beside echo's own view of the same records
         if kind == "chat":
             reasons = self._reasons(engine_request)
             built = [_chat_choice(i, c, bool(engine_request.get("tools")), reasons,
                                   engine_request.get("forced_tool_choice")) for i, c in enumerate(choices)]
         else:
-            built = [_text_choice(i, c) for i, c in enumerate(choices)]
-        return oa.completion_response(kind, rid, self.backend.model_name, int(time.time()), built,
-                                      _usage(choices, kind == "chat" and self._reasons(engine_request)))
+            built = [_text_choice(i, c, getattr(req, "logprobs", None)) for i, c in enumerate(choices)]
+            if k is not None:
+                for choice, c in zip(built, choices):
+                    choice["prompt_logprobs"] = oa.vllm_prompt_logprobs(c.prompt_logprobs or [], k)
+        response = oa.completion_response(kind, rid, self.backend.model_name, int(time.time()), built,
+                                          _usage(choices, kind == "chat" and self._reasons(engine_request)))
+        if k is not None and kind == "chat":  # vLLM's place for chat: the response's, the prompt being shared
+            response["prompt_logprobs"] = oa.vllm_prompt_logprobs(choices[0].prompt_logprobs or [], k)
+        return response
 
     async def chunks(self, kind: Kind, req, engine_request: dict, stream: AsyncIterator[dict],
                      firsts: list[dict]) -> AsyncIterator[dict]:
@@ -290,7 +297,9 @@ class _Choice:
 
     def add(self, out: dict) -> None:
         if out.get("prompt_text") is not None:
-            self.prompt_text, self.prompt_logprobs = out["prompt_text"], out.get("prompt_logprobs")
+            self.prompt_text = out["prompt_text"]
+        if out.get("prompt_logprobs") is not None:
+            self.prompt_logprobs = out["prompt_logprobs"]
         self.last = out
         if self.prompt_only:
             return
@@ -304,16 +313,21 @@ class _Choice:
 
 
 
-def _text_choice(index: int, c: _Choice) -> dict:
+def _text_choice(index: int, c: _Choice, k: int | None = None) -> dict:
+    """k: the request's logprobs, how many alternatives an echoed prompt's records show (the engine
+    may have computed more, for prompt_logprobs)."""
     text, logprobs, offsets = "".join(c.pieces), c.logprobs, c.offsets
+    prompt_records = c.prompt_logprobs
+    if prompt_records is not None and k is not None:
+        prompt_records = [dict(r, top=r["top"][:k]) for r in prompt_records]
     if c.prompt_only:
-        return oa.text_choice(index, c.prompt_text or "", "length", c.prompt_logprobs if logprobs is not None else None,
-                              oa.prompt_offsets(c.prompt_logprobs, c.prompt_text) if logprobs is not None else None)
+        return oa.text_choice(index, c.prompt_text or "", "length", prompt_records if logprobs is not None else None,
+                              oa.prompt_offsets(prompt_records, c.prompt_text) if logprobs is not None else None)
     if c.prompt_text is not None:  # echo
         lead = c.prompt_text
-        if logprobs is not None and c.prompt_logprobs is not None:
-            logprobs = c.prompt_logprobs + logprobs
-            offsets = oa.prompt_offsets(c.prompt_logprobs, lead) + [len(lead) + o for o in offsets]
+        if logprobs is not None and prompt_records is not None:
+            logprobs = prompt_records + logprobs
+            offsets = oa.prompt_offsets(prompt_records, lead) + [len(lead) + o for o in offsets]
         text = lead + text
     return oa.text_choice(index, text, c.last.get("finish_reason"), logprobs, offsets)
 

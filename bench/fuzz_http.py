@@ -370,6 +370,11 @@ def hand_cases(vocab_size: int, max_body: int, max_model_len: int) -> list[HandC
                  _j(_completion(structured_outputs={"regex": "a{1000000000}"})), ok),
         HandCase("a json schema that takes nothing", CHAT, _j(_chat(response_format={
             "type": "json_schema", "json_schema": {"name": "n", "schema": False}})), bad),
+        HandCase("prompt_logprobs negative", COMPLETIONS, _j(_completion(prompt_logprobs=-1, echo=True, logprobs=1)),
+                 bad),
+        HandCase("prompt_logprobs streamed", CHAT, _j(_chat(prompt_logprobs=1, stream=True)), bad),
+        HandCase("prompt_logprobs beside echo's logprobs", COMPLETIONS,
+                 _j(_completion(prompt_logprobs=20, echo=True, logprobs=0, n=2)), ok),
         HandCase("structured_outputs streamed with n", CHAT,
                  _j(_chat(structured_outputs={"choice": ["a", "b"]}, n=3, stream=True)), ok),
         HandCase("the most choices allowed, streamed", CHAT, _j(_chat(n=64, stream=True, max_tokens=2)), ok),

@@ -532,10 +532,13 @@ class LLMEngine:
 
     def _add_prompt_records(self, owners: list, targets: list[int], packed: torch.Tensor) -> None:
         at = 0
-        rows = packed.tolist()
+        rows = packed.tolist()  # each row: the target's rank, then token_logprobs()'s row
         for seq, n in owners:
-            seq.prompt_logprobs += logprob_records(rows[at:at + n], targets[at:at + n],
-                                                   [seq.params.prompt_logprobs] * n, self._token_text)
+            records = logprob_records([r[1:] for r in rows[at:at + n]], targets[at:at + n],
+                                      [seq.params.prompt_logprobs] * n, self._token_text)
+            for record, row in zip(records, rows[at:at + n]):
+                record["rank"] = int(row[0])
+            seq.prompt_logprobs += records
             at += n
 
     def _token_text(self, token: int) -> str:

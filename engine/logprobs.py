@@ -55,13 +55,18 @@ PROMPT_SLICE_ROWS = 256
 def prompt_token_logprobs(compute_logits, hidden: torch.Tensor, rows: list[int], targets: list[int],
                           k: int) -> torch.Tensor:
     """token_logprobs() of the prompt tokens `targets`, each predicted by its row of `hidden`
-    (compute_logits: hidden rows -> logits), a slice of rows at a time."""
+    (compute_logits: hidden rows -> logits), a slice of rows at a time, each row led by the
+    target's rank in its distribution (1: the most likely; vLLM's prompt_logprobs report it)."""
     dev = hidden.device
     idx, tgt = host_to_device(dev, rows), host_to_device(dev, targets)
     parts = []
     for a in range(0, len(rows), PROMPT_SLICE_ROWS):
-        logits = compute_logits(hidden.index_select(0, idx[a:a + PROMPT_SLICE_ROWS]))
-        parts.append(token_logprobs(logits, tgt[a:a + PROMPT_SLICE_ROWS], list(range(logits.shape[0])), k))
+        logits = compute_logits(hidden.index_select(0, idx[a:a + PROMPT_SLICE_ROWS])).float()
+        packed = token_logprobs(logits, tgt[a:a + PROMPT_SLICE_ROWS], list(range(logits.shape[0])), k)
+        # the logits' order is the log-softmax's: the rank needs no second pass over the vocabulary
+        chosen = logits.gather(1, tgt[a:a + PROMPT_SLICE_ROWS, None])
+        rank = (logits > chosen).sum(-1, keepdim=True).float() + 1
+        parts.append(torch.cat([rank, packed], dim=1))
     return torch.cat(parts)
 
 

@@ -3,10 +3,11 @@ token's log-probability when logprobs is set (as lm-eval's loglikelihood asks), 
 import json
 
 import jsonschema
+import pytest
 
 from app.openapi import openapi_spec
 from engine.sampling import SamplingParams
-from tests.test_http_api import COMPLETIONS, MODEL, client, offline, raw, served  # noqa: F401
+from tests.test_http_api import CHAT, COMPLETIONS, MODEL, client, offline, raw, served  # noqa: F401
 
 PROMPT = "The quick brown fox jumps over the lazy dog."
 
@@ -96,3 +97,34 @@ def test_max_tokens_zero_with_echo_scores_the_prompt_alone(client, offline, raw)
     # without echo, 0 is still refused
     bad = raw.post(COMPLETIONS, json=dict(body, echo=False))
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
+
+
+def test_vllm_prompt_logprobs_on_both_endpoints(raw, offline):
+    """vLLM's prompt_logprobs: per prompt token (the first null) the token's own entry with its rank
+    and the k most likely alternatives, keyed by token id; the response's for chat, each choice's
+    for completions; beside echo with fewer alternatives, each view shows its own number."""
+    ids = offline.tokenizer.encode(PROMPT)
+    want = offline.generate([ids], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=3))[0].prompt_logprobs
+    body = dict(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0, prompt_logprobs=3, echo=True, logprobs=1, n=2)
+    resp = raw.post(COMPLETIONS, json=body).json()
+    _schema("TextCompletion").validate(resp)
+    for choice in resp["choices"]:
+        got = choice["prompt_logprobs"]
+        assert len(got) == len(ids) and got[0] is None
+        for entry, record in zip(got[1:], want[1:]):
+            own = entry[str(record["token_id"])]
+            assert own["rank"] == record["rank"] and own["logprob"] == pytest.approx(record["logprob"], abs=1e-5)
+            assert own["decoded_token"] == record["token"]
+            tops = [str(t["token_id"]) for t in record["top"]]
+            assert set(entry) == set(tops) | {str(record["token_id"])}
+            assert [entry[t]["rank"] for t in tops] == [1, 2, 3]
+        # echo's view of the same records: one alternative each (and the token itself)
+        assert all(top is None or len(top) <= 2 for top in choice["logprobs"]["top_logprobs"][:len(ids)])
+    chat = raw.post(CHAT, json=dict(model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=1,
+                                    prompt_logprobs=0)).json()
+    _schema("ChatCompletion").validate(chat)
+    assert chat["prompt_logprobs"][0] is None and all(len(e) == 1 for e in chat["prompt_logprobs"][1:])
+    for bad, param in ((dict(body, stream=True), "prompt_logprobs"), (dict(body, prompt_logprobs=21), "prompt_logprobs"),
+                       (dict(body, prompt_logprobs=-1), "prompt_logprobs")):
+        r = raw.post(COMPLETIONS, json=bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

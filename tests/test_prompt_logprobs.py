@@ -45,6 +45,8 @@ def test_records_match_transformers(tiny_ckpt, engine):
         assert [t["token_id"] for t in record["top"]] == top.indices.tolist()
         assert [t["logprob"] for t in record["top"]] == pytest.approx(top.values.tolist(), abs=1e-4)
         assert record["token"] == engine.tokenizer.token_text(prompt[p + 1])
+        assert record["rank"] == 1 + int((ref[p] > ref[p, prompt[p + 1]]).sum()), p
+    assert len({r["rank"] for r in records[1:]}) > 1  # ranks other than the top: the check can fail
 
 
 def test_beside_other_requests_and_past_the_prefix_cache(engine):
