@@ -153,6 +153,7 @@ class _SamplingFields(_Request):
     stream_options: StreamOptions | None = None
     user: str | None = None
     ignore_eos: bool = False
+    min_tokens: int | None = None
     session_id: str | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -454,7 +455,7 @@ def sampling_params(req: _SamplingFields, *, default_max_tokens: int, max_model_
         asked = kwargs.get("prompt_logprobs")
         kwargs["prompt_logprobs"] = req.prompt_logprobs if asked is None else max(asked, req.prompt_logprobs)
     for name in ("temperature", "top_p", "seed", "stop", "stop_token_ids", "presence_penalty",
-                 "frequency_penalty", "repetition_penalty"):
+                 "frequency_penalty", "repetition_penalty", "min_tokens"):
         value = getattr(req, name)
         if value is not None:
             kwargs[name] = value

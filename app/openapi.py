@@ -73,6 +73,10 @@ def _sampling_fields(props: dict, model_name: str, max_tokens_max: int | None) -
                                       "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}})
     props["logit_bias"]["description"] = "Token id (as a string) -> a bias added to its logit before sampling."
     props["ignore_eos"]["description"] = "Extension: keep generating past the end-of-sequence token."
+    _set_branch(props["min_tokens"], {"type": "integer", "minimum": 0})
+    props["min_tokens"]["description"] = ("Extension (as in vLLM): until this many tokens are out, the end-of-sequence "
+                                          "and stop tokens are not sampled and stop strings do not end the answer; "
+                                          "at most max_tokens.")
     props["session_id"]["description"] = ("Extension: session key for cache affinity; the session header "
                                           "and `user` take precedence.")
 

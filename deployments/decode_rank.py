@@ -159,7 +159,9 @@ class DecodeRank:
             notif = f"kv:{rid}".encode()
             # what the first token's choice depends on (the prefill server samples it)
             sampling = {k: getattr(params, k) for k in ("temperature", "top_p", "top_k", "seed", "logprobs",
-                                                        "repetition_penalty", "logit_bias", "structured_output")}
+                                                        "repetition_penalty", "logit_bias", "structured_output",
+                                                        "stop_token_ids")}
+            sampling["min_tokens"] = min(params.min_tokens, 1)  # of its one token
             payload = dict(reservation, request_id=rid, notif=notif, sampling=sampling)
             if self.transport is not None:
                 payload["kv_peer"] = self.transport.metadata()

@@ -61,8 +61,10 @@ def _stop_prefix_len(text: str, stops: list[str]) -> int:
 
 def _reads_previous_token(seqs: list[Sequence]) -> bool:
     """Whether sampling any of these reads the token sampled just before (penalties count it, a
-    grammar's mask follows it): a step launched ahead then samples once that token is known."""
-    return any(seq.params.penalized or seq.constraint is not None for seq in seqs)
+    grammar's mask follows it, min_tokens counts the tokens out): a step launched ahead then
+    samples once that token is known."""
+    return any(seq.params.penalized or seq.constraint is not None or len(seq.output_ids) < seq.params.min_tokens
+               for seq in seqs)
 
 
 def context_limit(model_cfg, cfg: EngineConfig) -> int:
@@ -111,6 +113,7 @@ class LLMEngine:
         self.grammars: GrammarCompiler | None = None  # made when a request first asks for structured output
         self._grammars_lock = threading.Lock()
         self.eos_token_id = tokenizer.eos_token_id if tokenizer is not None else None
+        self.runner.eos_token_id = self.eos_token_id  # min_tokens holds it back
         self.num_steps = 0
         self.num_steps_ahead = 0  # of num_steps, those launched before the previous step's tokens were read
         self._inflight: LaunchedStep | None = None
@@ -606,7 +609,8 @@ class LLMEngine:
             self.scheduler.finish(seq, "error", f"token {token} does not follow the request's structured output")
             self.requests.pop(seq.request_id, None)
             return self._output(seq, [token], "")
-        if ((not p.ignore_eos and token == self.eos_token_id) or token in p.stop_token_ids
+        stops = len(seq.output_ids) > p.min_tokens  # before, neither stop tokens nor stop strings end it
+        if ((stops and ((not p.ignore_eos and token == self.eos_token_id) or token in p.stop_token_ids))
                 or (seq.constraint is not None and seq.constraint.finished)):
             reason = "stop"
         elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
@@ -614,7 +618,7 @@ class LLMEngine:
         delta = ""
         if seq.detok is not None:
             text = seq.detok.text_for(seq.output_ids, final=reason is not None)
-            if p.stop:
+            if p.stop and stops:
                 # Emitted text never holds a stop string or the start of one, so a match can
                 # only begin in the part not yet emitted.
                 hit = min((i for i in (text.find(s, len(seq.text)) for s in p.stop) if i >= 0), default=-1)

@@ -121,6 +121,7 @@ class ModelRunner:
             layer.self_attn.reuse_topk = not scores
         self.sampler = Sampler()
         self.token_counts: TokenCounts | None = None  # made when a penalized request first samples
+        self.eos_token_id: int | None = None  # the tokenizer's, set by the engine
         # The last eager step's prompt log-probabilities, for the engine to take:
         # ([(sequence, records)], target tokens, their token_logprobs() rows on the device).
         self.prompt_records: tuple | None = None
@@ -558,15 +559,24 @@ class ModelRunner:
     def sample(self, seqs, logits: torch.Tensor) -> torch.Tensor:
         """The next token of each sequence, on the device (not waited for)."""
         params = [s.params for s in seqs]
+        copied = False
         if any(p.adjusts_logits for p in params):
             penalized = [s for s in seqs if s.params.penalized]
             if penalized and self.token_counts is None:
                 self.token_counts = TokenCounts(logits.shape[-1], logits.device)
-            logits = adjust_logits(logits, params, self.token_counts.rows(penalized) if penalized else None)
+            logits, copied = adjust_logits(logits, params, self.token_counts.rows(penalized) if penalized else None), True
         constrained = [i for i, s in enumerate(seqs) if s.constraint is not None and s.constraint.active]
         if constrained:
-            logits = self._mask_grammar(logits, [seqs[i].constraint for i in constrained], constrained,
-                                        copy=not any(p.adjusts_logits for p in params))
+            logits = self._mask_grammar(logits, [seqs[i].constraint for i in constrained], constrained, copy=not copied)
+            copied = True
+        # a row short of its min_tokens may not end: its stop tokens are out (a grammar's end is its own)
+        eos = [] if self.eos_token_id is None else [self.eos_token_id]
+        banned = [(j, t) for j, s in enumerate(seqs) if len(s.output_ids) < s.params.min_tokens and s.constraint is None
+                  for t in eos + s.params.stop_token_ids]
+        if banned:
+            logits = logits if copied else logits.clone()
+            at = host_to_device(self.device, np.array(banned, dtype=np.int64).T.copy())
+            logits[at[0], at[1]] = float("-inf")
         return self.sampler.sample(logits, params, [s.generator for s in seqs])
 
     def _mask_grammar(self, logits: torch.Tensor, constraints: list, rows: list[int], copy: bool) -> torch.Tensor:

@@ -25,6 +25,9 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # vLLM's: until this many tokens are out, the end-of-sequence and stop tokens cannot be
+    # sampled and stop strings do not end the answer (a grammar's end still does)
+    min_tokens: int = 0
     n: int = 1
     # The log-probability of each sampled token and of this many most likely alternatives
     # (0: the sampled token's only); None: none.
@@ -72,6 +75,9 @@ class SamplingParams:
 
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or not (
+                0 <= self.min_tokens <= self.max_tokens):
+            bad("min_tokens", f"must be an integer in 0..max_tokens ({self.max_tokens}), got {self.min_tokens!r}")
         for name in ("temperature", "top_p"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):

@@ -335,6 +335,8 @@ BAD_REQUESTS = {
     "presence_penalty over 2": ("POST", CHAT, _chat(presence_penalty=2.5), 400, "presence_penalty"),
     "frequency_penalty a string": ("POST", COMPLETIONS, _completion(frequency_penalty="1"), 400, "frequency_penalty"),
     "repetition_penalty zero": ("POST", CHAT, _chat(repetition_penalty=0), 400, "repetition_penalty"),
+    "min_tokens over max_tokens": ("POST", CHAT, _chat(min_tokens=9, max_tokens=8), 400, "min_tokens"),
+    "min_tokens negative": ("POST", COMPLETIONS, _completion(min_tokens=-1), 400, "min_tokens"),
     "logit_bias key not an id": ("POST", CHAT, _chat(logit_bias={"hello": 1}), 400, "logit_bias"),
     "logit_bias key negative": ("POST", COMPLETIONS, _completion(logit_bias={"-5": 1}), 400, "logit_bias"),
     "logit_bias value over 100": ("POST", CHAT, _chat(logit_bias={"5": 101}), 400, "logit_bias"),
@@ -539,3 +541,13 @@ def test_overload_and_unexpected_backend_errors_map_to_5xx():
     assert (overloaded.status, overloaded.headers["Retry-After"], overloaded.code) == (503, "2", "overloaded")
     crashed = api_error_from(KeyError("rank 3"))
     assert crashed.status == 500 and crashed.type == "server_error" and "rank 3" not in crashed.message
+
+
+def test_min_tokens_over_http(client, offline):
+    """vLLM's min_tokens: the end-of-sequence token (forced here by a bias) waits for it."""
+    eos = str(offline.eos_token_id)
+    early = client.completions.create(model=MODEL, prompt="hello", max_tokens=10, temperature=0, logit_bias={eos: 100})
+    held = client.completions.create(model=MODEL, prompt="hello", max_tokens=10, temperature=0, logit_bias={eos: 100},
+                                     extra_body={"min_tokens": 4})
+    assert early.usage.completion_tokens == 1 and held.usage.completion_tokens == 5
+    assert held.choices[0].finish_reason == "stop"

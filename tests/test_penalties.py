@@ -172,3 +172,40 @@ def test_a_retry_from_the_tokens_so_far_still_counts_them(tiny_ckpt):
         with pytest.raises(RequestError, match="prior_output_ids"):
             engine.add_request("bad", resumed, _greedy(2, **p), prior_output_ids=bad)
     assert engine.stats()["kv_blocks_used"] == 0
+
+
+def test_min_tokens_holds_back_the_stop_tokens_and_strings(recording):
+    """Until min_tokens are out, the end-of-sequence and stop tokens cannot be sampled (forced by a
+    bias here) and stop strings do not end the answer; after, they do."""
+    eos = recording.eos_token_id
+    forced_eos = dict(logit_bias={eos: 100.0})
+    early, _ = _run(recording, "early", PROMPT, SamplingParams(max_tokens=20, temperature=0, **forced_eos))
+    assert early == [eos]
+    held, _ = _run(recording, "held", PROMPT, SamplingParams(max_tokens=20, temperature=0, min_tokens=5, **forced_eos))
+    assert len(held) == 6 and held[-1] == eos and eos not in held[:5]
+    stop_token = 77
+    held, _ = _run(recording, "held-stop", PROMPT, SamplingParams(max_tokens=20, temperature=0.8, seed=1, min_tokens=4,
+                                                                  stop_token_ids=[stop_token],
+                                                                  logit_bias={stop_token: 100.0}))
+    assert held == [t for t in held[:4] if t != stop_token] + [stop_token] and len(held) == 5
+    plain = recording.generate([PROMPT], _greedy(8))[0]
+    stop = recording.tokenizer.decode(plain.output_token_ids[:2])  # a stop string met at once, held back
+    assert stop
+    cut = recording.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, stop=[stop]))[0]
+    assert cut.output_token_ids == plain.output_token_ids[:2] and cut.text == ""
+    held = recording.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, stop=[stop],
+                                                       min_tokens=8))[0]
+    assert held.output_token_ids == plain.output_token_ids and held.finish_reason == "length"
+    with pytest.raises(SamplingError, match="min_tokens"):
+        SamplingParams(max_tokens=3, min_tokens=4)
+    assert recording.stats()["kv_blocks_used"] == 0
+
+
+def test_min_tokens_rows_run_ahead_and_match(tiny_ckpt):
+    ahead = LLMEngine.from_pretrained(tiny_ckpt, EngineConfig(block_size=4, async_scheduling=True), progress=False)
+    plain = LLMEngine.from_pretrained(tiny_ckpt, EngineConfig(block_size=4, async_scheduling=False), progress=False)
+    eos = plain.eos_token_id
+    params = [SamplingParams(max_tokens=12, temperature=0, min_tokens=k, logit_bias={eos: 8.0}) for k in (0, 3, 6)]
+    want = [o.output_token_ids for o in plain.generate([PROMPT] * 3, params)]
+    assert [o.output_token_ids for o in ahead.generate([PROMPT] * 3, params)] == want
+    assert len(set(map(len, want))) == 3 and ahead.num_steps_ahead > 0

@@ -159,6 +159,22 @@ def test_pd_samples_the_first_token_under_the_grammar(served, tiny_ckpt):
     assert re.fullmatch(regex, expect.text)
 
 
+def test_pd_holds_the_end_back_for_min_tokens(served, tiny_ckpt):
+    """The prefill server samples the first token: min_tokens holds the end-of-sequence token back
+    there too."""
+    client, _ = served
+    tok = Tokenizer(tiny_ckpt)
+    eos = tok.eos_token_id
+    before = sum(s["prefill_remote"] for s in _decode_stats())
+    text = "An answer that may not end at once. " * 6
+    r = client.chat.completions.create(model="tiny", messages=_messages(text), max_tokens=10, temperature=0,
+                                       logprobs=True, logit_bias={str(eos): 100}, extra_body={"min_tokens": 3})
+    assert sum(s["prefill_remote"] for s in _decode_stats()) == before + 1
+    tokens = [e.token for e in r.choices[0].logprobs.content]
+    assert len(tokens) == 4 and tokens[-1] == tok.token_text(eos) and tok.token_text(eos) not in tokens[:3]
+    assert r.choices[0].finish_reason == "stop"
+
+
 def test_a_forced_call_after_thinking(served, tiny_ckpt):
     """With thinking on, the grammar applies after </think>: the reasoning is free and the call's
     arguments follow the tool's schema."""
