@@ -633,7 +633,8 @@ class StreamChunks:
                                          reasoning=reasoning)])
 
     def tool_calls(self, calls: list[dict], index: int = 0) -> dict:
-        """A chat delta of whole tool calls (each with its \"index\" in the answer)."""
+        """A chat delta of tool-call pieces (each with its \"index\" in the answer: a call's first piece has
+        its id, type and name, the others more of its arguments)."""
         return self._chunk([{"index": index, "delta": {"tool_calls": calls}, "logprobs": None, "finish_reason": None}])
 
     def finish(self, finish_reason: str | None, index: int = 0) -> dict:

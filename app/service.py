@@ -244,11 +244,10 @@ class OpenAIService:
                             rest_reasoning, rest = c.reasoning.finish()
                             reasoning, text = reasoning + rest_reasoning, text + rest
                     if c.tool_calls is not None:
-                        made = c.tool_calls.num_calls
                         text, calls = c.tool_calls.feed(text)
                         if out.get("finished"):
-                            text += c.tool_calls.finish()
-                        calls = [openai_tool_call(call, made + k) for k, call in enumerate(calls)]
+                            rest, more = c.tool_calls.finish()
+                            text, calls = text + rest, calls + more
                     if c.forced is not None:  # the answer is the calls' JSON
                         calls = c.forced.feed(text)
                         text = ""

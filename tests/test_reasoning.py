@@ -109,7 +109,9 @@ def test_reasoning_then_tool_calls():
     deltas = [c["choices"][0]["delta"] for c in chunks]
     assert "".join(d.get("reasoning_content", "") for d in deltas) == "I need the weather."
     assert "".join(d.get("content") or "" for d in deltas) == "Checking. "
-    assert [c["function"]["name"] for d in deltas for c in d.get("tool_calls", ())] == ["get_weather"]
+    pieces = [c for d in deltas for c in d.get("tool_calls", ())]
+    assert [c["function"]["name"] for c in pieces if "id" in c] == ["get_weather"]
+    assert "".join(c["function"]["arguments"] for c in pieces) == '{"city": "Paris"}'
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 

@@ -39,7 +39,8 @@ def test_calls_are_split_from_the_content_in_both_forms(v3):
 @pytest.mark.parametrize("text, content, names", [
     ("no calls at all <｜not a marker", "no calls at all <｜not a marker", []),
     ("held < back", "held < back", []),
-    ("cut " + CALLS_BEGIN + CALL_BEGIN + "get_weather" + CALL_SEP + '{"ci', "cut ", []),  # ran out of tokens
+    ("cut " + CALLS_BEGIN + CALL_BEGIN + "get_weather" + CALL_SEP + '{"ci', "cut ", ["get_weather"]),  # ran out
+    (CALLS_BEGIN + CALL_BEGIN + CALL_SEP + "{}" + CALL_END + CALL_BEGIN + "g" + CALL_SEP + "{}", "", ["g"]),
     (CALLS_BEGIN + CALL_BEGIN + "no separator" + CALL_END + CALL_BEGIN + "f" + CALL_SEP + "{}" + CALL_END, "", ["f"]),
 ])
 def test_odd_answers(text, content, names):
@@ -47,21 +48,42 @@ def test_odd_answers(text, content, names):
     assert got == content and [c["name"] for c in calls] == names
 
 
-def test_a_stream_cut_anywhere_gives_the_whole_answers_result():
-    text = "Sure: " + _calls(("get_weather", '{"city": "Paris"}'), ("f", "{}"))
+def _assemble(deltas: list[dict]) -> list[dict]:
+    """A stream's tool-call pieces put together as {"name", "arguments"}, checking their shape."""
+    calls = []
+    for d in deltas:
+        if "id" in d:
+            assert d["index"] == len(calls) and d["type"] == "function" and d["id"].startswith("call_")
+            calls.append({"name": d["function"]["name"], "arguments": d["function"]["arguments"]})
+        else:
+            assert set(d) == {"index", "function"} and set(d["function"]) == {"arguments"} and d["function"]["arguments"]
+            calls[d["index"]]["arguments"] += d["function"]["arguments"]
+    return calls
+
+
+@pytest.mark.parametrize("v3", [False, True])
+def test_a_stream_cut_anywhere_gives_the_whole_answers_result(v3):
+    """Cut at random places (or every character), the stream's content and call pieces add up to
+    the whole answer's; the arguments go out in pieces before their call ends."""
+    args = '{"city": "Paris", "note": "a `b` c"}'
+    text = "Sure: " + _calls(("get_weather", args), ("f", "{}"), v3=v3)
     want = split_tool_calls(text)
+    assert want == ("Sure: ", [{"name": "get_weather", "arguments": args}, {"name": "f", "arguments": "{}"}])
     rng = random.Random(0)
     for trial in range(200):
         cuts = sorted(rng.sample(range(1, len(text)), rng.randint(1, 30))) if trial else list(range(1, len(text)))
         pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
-        stream, content, calls = ToolCallStream(), "", []
+        stream, content, deltas = ToolCallStream(), "", []
         for piece in pieces:
             c, done = stream.feed(piece)
-            content, calls = content + c, calls + done
+            content, deltas = content + c, deltas + done
             # content is never a marker's start: it goes out as soon as it is known not to be one
             assert CALLS_BEGIN[:2] not in content
-        content += stream.finish()
-        assert (content, calls) == want and stream.num_calls == 2
+        rest, more = stream.finish()
+        content += rest
+        assert (content, _assemble(deltas + more)) == want and stream.num_calls == 2
+        if not trial:  # a character at a time: the first call's arguments came in many pieces
+            assert len([d for d in deltas if d["index"] == 0]) > 10
 
 
 def test_markers_are_single_tokens_that_decode_as_text(tiny_ckpt):
@@ -136,9 +158,9 @@ def test_the_answers_calls_come_back_as_tool_calls():
         chunk_schema.validate(c)
     deltas = [c["choices"][0]["delta"] for c in chunks]
     assert "".join(d.get("content") or "" for d in deltas) == "Checking. "
-    streamed = [call for d in deltas for call in d.get("tool_calls", ())]
-    assert [(c["index"], c["function"]["name"], c["function"]["arguments"]) for c in streamed] == [
-        (0, "get_weather", '{"city": "Paris"}'), (1, "get_weather", '{"city": "Rome"}')]
+    streamed = _assemble([call for d in deltas for call in d.get("tool_calls", ())])
+    assert streamed == [{"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                        {"name": "get_weather", "arguments": '{"city": "Rome"}'}]
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
@@ -151,13 +173,17 @@ def test_without_tools_or_with_tool_choice_none_the_text_is_content():
         assert resp["choices"][0]["finish_reason"] == "stop" and backend.requests[0]["tools"] is None
 
 
-def test_a_call_cut_by_the_length_limit_is_dropped():
+def test_a_call_cut_by_the_length_limit_keeps_what_was_written():
+    """As OpenAI's: the call's name and the arguments so far, with finish_reason "length"."""
     backend = ScriptedBackend("Let me " + CALLS_BEGIN + CALL_BEGIN + "get_weather" + CALL_SEP + '{"ci', "length")
     resp = _respond(backend, BODY)
-    assert resp["choices"][0]["message"] == {"role": "assistant", "content": "Let me "}
-    assert resp["choices"][0]["finish_reason"] == "length"
+    message = resp["choices"][0]["message"]
+    assert message["content"] == "Let me " and resp["choices"][0]["finish_reason"] == "length"
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == [
+        ("get_weather", '{"ci')]
     chunks = _respond(backend, BODY, stream=True)
-    assert not any("tool_calls" in c["choices"][0]["delta"] for c in chunks)
+    pieces = [call for c in chunks for call in c["choices"][0]["delta"].get("tool_calls", ())]
+    assert _assemble(pieces) == [{"name": "get_weather", "arguments": '{"ci'}]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
