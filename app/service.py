@@ -89,7 +89,7 @@ class OpenAIService:
         """An OpenAI request body (dict or one of our request models) -> (request model,
         engine request). Every problem is an APIError (4xx)."""
         if isinstance(body, BaseModel):
-            body = body.model_dump(exclude_unset=True)
+            body = body.model_dump(exclude_unset=True, by_alias=True)  # "schema", "json": fields under aliases
         b = self.backend
         tools = template_kwargs = None
         if kind == "chat":

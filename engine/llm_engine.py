@@ -478,7 +478,7 @@ class LLMEngine:
 
     def _sample_deferred(self, step: "LaunchedStep") -> None:
         """Sample a step launched ahead whose sampling reads the token before it (penalties, a
-        grammar's mask), now that it is known: the forward was queued a step earlier, so the host's
+        grammar's mask, min_tokens), now that it is known: the forward was queued a step earlier, so the host's
         work here (a grammar's masks) overlaps it on the device."""
         logits, step.logits = step.logits, None
         try:
@@ -619,8 +619,8 @@ class LLMEngine:
         if seq.detok is not None:
             text = seq.detok.text_for(seq.output_ids, final=reason is not None)
             if p.stop and stops:
-                # Emitted text never holds a stop string or the start of one, so a match can
-                # only begin in the part not yet emitted.
+                # Emitted text (past min_tokens) never holds a stop string or the start of one,
+                # so a match can only begin in the part not yet emitted.
                 hit = min((i for i in (text.find(s, len(seq.text)) for s in p.stop) if i >= 0), default=-1)
                 if hit >= 0:
                     text, reason = text[:hit], "stop"

@@ -217,3 +217,21 @@ def test_a_streamed_json_answer_equals_the_whole_one(raw):
     reasons = [c["finish_reason"] for ch in chunks for c in ch["choices"] if c["finish_reason"]]
     assert content == whole["message"]["content"] and reasons == [whole["finish_reason"]]
     assert chunks[-1]["usage"]["completion_tokens"] > 0
+
+
+def test_request_models_keep_their_aliased_fields():
+    """The Python handle API takes request models too: their "schema" and "json" fields (aliases)
+    reach the engine."""
+    from app import openai_api as oa
+    from app.service import OpenAIService
+
+    class Backend:
+        model_name, max_model_len = MODEL, 4096
+    service = OpenAIService(Backend())
+    chat = oa.ChatCompletionRequest.model_validate(_chat(response_format={
+        "type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}))
+    _, engine_request = service.parse("chat", chat)
+    assert json.loads(engine_request["sampling"]["structured_output"]["value"]) == PERSON
+    completion = oa.CompletionRequest.model_validate({"prompt": "x", "structured_outputs": {"json": PERSON}})
+    _, engine_request = service.parse("completion", completion)
+    assert json.loads(engine_request["sampling"]["structured_output"]["value"]) == PERSON
