@@ -34,8 +34,14 @@ class EngineMetrics:
             "running request); those captured at start or ahead in idle time are not counted", keys)
         self.graph_capture_s = metrics.Counter(
             "wideep_graph_capture_seconds", "Time running requests stalled on CUDA graph captures (s)", keys)
+        self.grammar_compiles = metrics.Counter(
+            "wideep_grammar_compiles", "Structured output's grammars compiled (a schema, regex or grammar new "
+            "to the engine; the last 128 are kept)", keys)
+        self.grammar_compile_s = metrics.Counter(
+            "wideep_grammar_compile_seconds", "Time spent compiling structured output's grammars (s), while "
+            "their requests waited to be admitted", keys)
         self._last = {"prefix_hit_tokens": 0, "replayed_tokens": 0, "steps_ahead": 0, "group_wait_s": 0.0,
-                      "graph_captures": 0, "graph_capture_s": 0.0}
+                      "graph_captures": 0, "graph_capture_s": 0.0, "grammar_compiles": 0, "grammar_compile_s": 0.0}
 
     def observe_stats(self, stats: dict) -> None:
         self.running.set(stats["running"], self.tags)
@@ -43,8 +49,11 @@ class EngineMetrics:
         self.kv_used.set(stats["kv_blocks_used"], self.tags)
         for key, counter in (("prefix_hit_tokens", self.prefix_hit), ("replayed_tokens", self.replayed),
                              ("steps_ahead", self.steps_ahead), ("group_wait_s", self.group_wait),
-                             ("graph_captures", self.graph_captures), ("graph_capture_s", self.graph_capture_s)):
-            if key not in stats:  # group_wait_s: expert-parallel ranks only; graph_*: CUDA graphs only
+                             ("graph_captures", self.graph_captures), ("graph_capture_s", self.graph_capture_s),
+                             ("grammar_compiles", self.grammar_compiles),
+                             ("grammar_compile_s", self.grammar_compile_s)):
+            # group_wait_s: expert-parallel ranks only; graph_*: CUDA graphs only; grammar_*: once asked
+            if key not in stats:
                 continue
             delta = stats[key] - self._last[key]
             if delta > 0:

@@ -686,6 +686,10 @@ class LLMEngine:
             "awaiting_kv": len(s.awaiting_kv), "held_kv": len(s.held),
             "quarantined_blocks": sum(len(b) for _, b in s.quarantine),
             "preemptions": s.num_preemptions, "steps": self.num_steps, "steps_ahead": self.num_steps_ahead,
+            # structured output: grammars compiled (each new schema, regex or grammar) and the seconds
+            # they took, outside the engine's lock
+            **({"grammar_compiles": self.grammars.compiles, "grammar_compile_s": self.grammars.compile_s}
+               if self.grammars is not None else {}),
             # expert parallelism: seconds this rank waited in the group's per-step agreement
             **({"group_wait_s": self.ep.wait_s} if self.ep is not None else {}),
             # CUDA graphs captured while requests waited on them, the seconds they took, and

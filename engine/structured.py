@@ -9,6 +9,7 @@ import json
 import os
 import re
 import threading
+import time
 from collections import OrderedDict
 
 import torch
@@ -93,6 +94,7 @@ class GrammarCompiler:
         self._cache: OrderedDict[tuple, object] = OrderedDict()
         self._cache_lock = threading.Lock()
         self._cache_size = cache_size
+        self.compiles, self.compile_s = 0, 0.0  # grammars compiled (not found in the cache), and their time
         self._tokenizer = hf_tokenizer
         self.vocab_size = vocab_size
 
@@ -105,6 +107,7 @@ class GrammarCompiler:
                 self._cache.move_to_end(key)
                 return compiled
         c = self._compiler
+        start = time.perf_counter()
         try:
             if kind in ("json", "json_object"):
                 compiled = c.compile_grammar(self._json_grammar(value if kind == "json" else '{"type": "object"}'))
@@ -117,6 +120,8 @@ class GrammarCompiler:
         except Exception as e:  # the compiler's own errors are RuntimeErrors naming the problem
             raise StructuredOutputError(f"the {kind} cannot be compiled: {_clean(e)}") from None
         with self._cache_lock:
+            self.compiles += 1
+            self.compile_s += time.perf_counter() - start
             self._cache[key] = compiled
             if len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)

@@ -206,6 +206,15 @@ def test_a_retry_from_the_tokens_so_far_continues_the_grammar(recording):
     assert "bad" not in recording.requests and recording.stats()["kv_blocks_used"] == 0
 
 
+def test_compiles_are_counted_and_cached(recording):
+    before = recording.stats()
+    spec = {"kind": "regex", "value": "[a-c]{7}"}
+    _run(recording, {"one": (PROMPT, _params(spec)), "two": (PROMPT[1:], _params(spec))})
+    after = recording.stats()
+    assert after["grammar_compiles"] == before.get("grammar_compiles", 0) + 1  # the second found it compiled
+    assert after["grammar_compile_s"] > before.get("grammar_compile_s", 0)
+
+
 @pytest.mark.parametrize("spec, match", [
     ({"kind": "json", "value": {"type": "nope"}}, "json cannot be compiled: Unsupported type"),
     ({"kind": "json", "value": "{not json"}, "json cannot be compiled"),
