@@ -91,6 +91,14 @@ def build_http_app(backend: Backend, *, session_header: str = "x-session-id", ma
     async def completions(request: Request) -> Response:
         return await handle(request, "completion")
 
+    async def tokenize(request: Request) -> Response:
+        check_auth(request)
+        return JSONResponse(await service.tokenize(await read_json(request)))
+
+    async def detokenize(request: Request) -> Response:
+        check_auth(request)
+        return JSONResponse(await service.detokenize(await read_json(request)))
+
     async def handle(request: Request, kind: str) -> Response:
         check_auth(request)
         body = await read_json(request)
@@ -133,6 +141,8 @@ def build_http_app(backend: Backend, *, session_header: str = "x-session-id", ma
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"]),
     ]

@@ -30,6 +30,12 @@ class LocalBackend:
             # closing the engine's stream before it finished is what aborts the request there
             await outputs.aclose()
 
+    async def tokenize(self, request: dict) -> dict:
+        return await asyncio.to_thread(self.async_engine.engine.tokenize, request)
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        return await asyncio.to_thread(self.async_engine.engine.detokenize, token_ids)
+
     async def health(self) -> dict:
         # stats() waits for the engine lock, held for a whole step: keep it off the event loop
         stats = await asyncio.to_thread(self.async_engine.stats)

@@ -239,6 +239,21 @@ class CompletionRequest(_SamplingFields):
         return self.logprobs
 
 
+class TokenizeRequest(_Request):
+    """vLLM's /tokenize: a text prompt, or chat messages (with tools and template variables)."""
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+
 # Chat roles the chat template renders; "developer" is OpenAI's newer name for "system".
 _ROLE_ALIASES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
                  "tool": "tool"}
@@ -286,7 +301,8 @@ def _is_union_label(part: Any) -> bool:
                                       or part in {"TextPart", "ChatMessage", "StreamOptions", "Tool",
                                                   "ToolFunction", "MessageToolCall", "FunctionCall",
                                                   "NamedToolChoice", "NamedFunction", "ResponseFormat",
-                                                  "JSONSchemaFormat", "StructuredOutputs"})
+                                                  "JSONSchemaFormat", "StructuredOutputs", "TokenizeRequest",
+                                                  "DetokenizeRequest"})
 
 
 def _json_type(value: Any) -> str:
@@ -299,7 +315,7 @@ def _short(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def chat_messages(req: ChatCompletionRequest) -> list[dict]:
+def chat_messages(req: ChatCompletionRequest | TokenizeRequest) -> list[dict]:
     """The engine's message form: known roles, content flattened to one string."""
     if not req.messages:
         raise bad_request("messages must contain at least one message", param="messages")
@@ -342,7 +358,7 @@ def scores_prompt_only(req: _SamplingFields) -> bool:
     return bool(getattr(req, "echo", False)) and limit == 0
 
 
-def chat_template_kwargs(req: ChatCompletionRequest) -> dict[str, Any] | None:
+def chat_template_kwargs(req: ChatCompletionRequest | TokenizeRequest) -> dict[str, Any] | None:
     """The variables a request adds to the chat template, checked."""
     kwargs = req.chat_template_kwargs
     if not kwargs:
@@ -353,9 +369,9 @@ def chat_template_kwargs(req: ChatCompletionRequest) -> dict[str, Any] | None:
     return dict(kwargs)
 
 
-def chat_tools(req: ChatCompletionRequest) -> list[dict] | None:
+def chat_tools(req: ChatCompletionRequest | TokenizeRequest) -> list[dict] | None:
     """The tools the chat template describes to the model; none with tool_choice "none"."""
-    if not req.tools or req.tool_choice == "none":
+    if not req.tools or getattr(req, "tool_choice", None) == "none":
         return None
     return [{"type": "function", "function": t.function.model_dump(exclude_none=True)} for t in req.tools]
 

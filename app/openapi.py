@@ -399,6 +399,43 @@ def _generation_operation(summary: str, request: str, body: str, chunk: str, max
     }}
 
 
+def _token_operation(summary: str, request: str, response: str, max_body_bytes: int | None, auth: bool) -> dict:
+    """vLLM's /tokenize and /detokenize: one JSON request, one JSON response."""
+    responses = {
+        "200": {"description": summary + ".", "content": {"application/json": {"schema": _ref(response)}}},
+        "400": _error("Invalid body, or a prompt, message or token id the engine cannot take; `param` names it."),
+        "404": _error("The model is not the one this server serves (code model_not_found)."),
+        "413": _error("The body is larger than the server's limit"
+                      + (f" ({max_body_bytes} bytes)" if max_body_bytes is not None else "") + "."),
+        "500": _error("The engine failed (type server_error)."),
+    }
+    if auth:
+        responses["401"] = _error("Missing or wrong API key (code invalid_api_key).",
+                                  {"WWW-Authenticate": {"schema": {"type": "string"}}})
+    return {"post": {"summary": summary, "operationId": request[0].lower() + request[1:-len("Request")],
+                     "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(request)}}},
+                     "responses": responses, **({"security": [{"bearerAuth": []}]} if auth else {})}}
+
+
+def _token_schemas(components: dict, model_name: str) -> None:
+    tokenize = _pydantic_schema(oa.TokenizeRequest, components)
+    detokenize = _pydantic_schema(oa.DetokenizeRequest, components)
+    for schema in (tokenize, detokenize):
+        _set_branch(schema["properties"]["model"], {"type": "string", "enum": [model_name]})
+        schema["additionalProperties"] = True
+    tokenize["description"] = ("Extension (as in vLLM): the token ids the engine would run for a text prompt (no "
+                               "special tokens added, as completions run it), or for chat messages through the chat "
+                               "template (with tools and chat_template_kwargs). Exactly one of prompt and messages.")
+    tokenize["properties"]["messages"]["anyOf"][0]["minItems"] = 1
+    detokenize["description"] = "Extension (as in vLLM): the text of token ids, special tokens included."
+    components.update(TokenizeRequest=tokenize, DetokenizeRequest=detokenize, TokenizeResponse={
+        "type": "object", "required": ["count", "max_model_len", "tokens", "token_strs"],
+        "properties": {"count": {"type": "integer", "minimum": 0}, "max_model_len": {"type": "integer", "minimum": 1},
+                       "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+                       "token_strs": _nullable({"type": "array", "items": {"type": "string"}})}},
+        DetokenizeResponse={"type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}})
+
+
 def openapi_spec(model_name: str, *, max_model_len: int | None = None, max_tokens_limit: int | None = None,
                  max_body_bytes: int | None = None, vocab_size: int | None = None, auth: bool = False) -> dict:
     """The OpenAPI document of build_http_app() serving `model_name`. The optional limits make the
@@ -412,6 +449,7 @@ def openapi_spec(model_name: str, *, max_model_len: int | None = None, max_token
         max_tokens_max = min(max_tokens_limit, max_tokens_max or max_tokens_limit)
     chat, completion = _request_schemas(components, model_name, max_tokens_max, vocab_size)
     components.update(ChatCompletionRequest=chat, CompletionRequest=completion, **_response_schemas())
+    _token_schemas(components, model_name)
 
     models_responses: dict[str, Any] = {"200": {"description": "The served model.",
                                                 "content": {"application/json": {"schema": _ref("ModelList")}}}}
@@ -429,6 +467,10 @@ def openapi_spec(model_name: str, *, max_model_len: int | None = None, max_token
             "/v1/completions": _generation_operation(
                 "Legacy text completion (max_tokens defaults to 16)", "CompletionRequest", "TextCompletion",
                 "TextCompletionChunk", max_body_bytes, auth),
+            "/tokenize": _token_operation("The token ids of a prompt or a conversation", "TokenizeRequest",
+                                          "TokenizeResponse", max_body_bytes, auth),
+            "/detokenize": _token_operation("The text of token ids", "DetokenizeRequest", "DetokenizeResponse",
+                                            max_body_bytes, auth),
             "/v1/models": {"get": {
                 "summary": "The served model", "operationId": "listModels", "responses": models_responses,
                 **({"security": [{"bearerAuth": []}]} if auth else {})}},

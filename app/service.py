@@ -5,6 +5,7 @@ Backend contract::
 
     model_name: str; max_model_len: int
     async def generate(request: dict, session_id: str | None) -> AsyncIterator[dict]
+    async def tokenize(request: dict) -> dict; async def detokenize(token_ids) -> str
     async def health() -> dict
 
 `request` holds request_id, prompt, prompt_token_ids, messages and sampling (SamplingParams
@@ -22,7 +23,7 @@ from typing import Any, AsyncIterator, Literal, Protocol
 import anyio
 from pydantic import BaseModel
 
-from engine.llm_engine import Overloaded, RequestError  # noqa: F401  (backends raise Overloaded)
+from engine.llm_engine import Overloaded, RequestError
 from engine.sampling import SamplingError
 from engine.tokenizer import THINK_END
 
@@ -41,6 +42,10 @@ class Backend(Protocol):
     max_model_len: int
 
     def generate(self, request: dict, session_id: str | None) -> AsyncIterator[dict]: ...
+
+    async def tokenize(self, request: dict) -> dict: ...  # LLMEngine.tokenize's
+
+    async def detokenize(self, token_ids: list[int]) -> str: ...
 
     async def health(self) -> dict: ...
 
@@ -102,9 +107,7 @@ class OpenAIService:
             req = oa.parse_request(oa.CompletionRequest, body)
             messages, (text, token_ids) = None, oa.completion_prompt(req)
             default_max = min(oa.COMPLETIONS_DEFAULT_MAX_TOKENS, b.max_model_len - 1)
-        if req.model is not None and req.model != b.model_name:
-            raise APIError(404, f"the model {req.model!r} does not exist; this server serves {b.model_name!r}",
-                           param="model", code="model_not_found")
+        self._check_model(req.model)
         params = oa.sampling_params(req, default_max_tokens=default_max, max_model_len=b.max_model_len,
                                     max_tokens_limit=self.max_tokens_limit)
         if params.structured_output is not None and kind == "chat" and starts_in_reasoning(
@@ -116,6 +119,45 @@ class OpenAIService:
                      "sampling": oa.sampling_dict(params), "n": req.n,
                      **({"prompt_only": True} if oa.scores_prompt_only(req) else {}),
                      **({"forced_tool_choice": forced} if forced is not None else {})}
+
+    async def tokenize(self, body: Any) -> dict:
+        """vLLM's /tokenize: the token ids the engine would run for a prompt or a conversation."""
+        if isinstance(body, BaseModel):
+            body = body.model_dump(exclude_unset=True, by_alias=True)
+        req = oa.parse_request(oa.TokenizeRequest, body)
+        self._check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request("give exactly one of prompt or messages", param="prompt")
+        request = {"prompt": req.prompt, "return_token_strs": req.return_token_strs}
+        if req.messages is not None:
+            request.update(messages=oa.chat_messages(req), tools=oa.chat_tools(req),
+                           chat_template_kwargs=oa.chat_template_kwargs(req))
+        field = "messages" if req.messages is not None else "prompt"
+        try:
+            out = await self.backend.tokenize(request)
+        except RequestError as e:
+            raise bad_request(str(e), param=field) from None
+        except Exception as e:
+            raise api_error_from(e, field) from None
+        return {"count": len(out["tokens"]), "max_model_len": self.backend.max_model_len, **out}
+
+    async def detokenize(self, body: Any) -> dict:
+        """vLLM's /detokenize: the text of token ids."""
+        if isinstance(body, BaseModel):
+            body = body.model_dump(exclude_unset=True)
+        req = oa.parse_request(oa.DetokenizeRequest, body)
+        self._check_model(req.model)
+        try:
+            return {"prompt": await self.backend.detokenize(req.tokens)}
+        except RequestError as e:
+            raise bad_request(str(e), param="tokens") from None
+        except Exception as e:
+            raise api_error_from(e) from None
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.backend.model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.backend.model_name!r}",
+                           param="model", code="model_not_found")
 
     # running ----------------------------------------------------------------------------
     async def open(self, kind: Kind, engine_request: dict, session_id: str | None

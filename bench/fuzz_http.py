@@ -44,6 +44,7 @@ MODEL = "tiny-fuzz"
 API_KEY = "sk-fuzz"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+TOKENIZE, DETOKENIZE = "/tokenize", "/detokenize"
 MAX_MODEL_LEN = 256
 MAX_TOKENS_LIMIT = 64
 MAX_BODY = 1_000_000
@@ -152,10 +153,14 @@ SCHEMA_CHECKS = [not_a_server_error, openapi_checks.status_code_conformance,
 
 def schema_plan(cases: int) -> dict[tuple[str, str, str], int]:
     """How many cases each (method, path, mode) gets: the GETs take no input, so one case each
-    says all there is; the rest is split over the two POSTs, valid and invalid alike."""
+    says all there is; a tenth goes to /tokenize and /detokenize (small bodies, nothing generated);
+    the rest is split over the two generation POSTs, valid and invalid alike."""
     plan = {("GET", "/v1/models", "positive"): 1, ("GET", "/health", "positive"): 1}
+    tokens = [("POST", p, mode) for p in (TOKENIZE, DETOKENIZE) for mode in ("positive", "negative")]
+    for key in tokens:
+        plan[key] = max(1, cases // 40)
     posts = [(m, p, mode) for m, p in (("POST", CHAT), ("POST", COMPLETIONS)) for mode in ("positive", "negative")]
-    share, extra = divmod(max(cases - len(plan), len(posts)), len(posts))
+    share, extra = divmod(max(cases - sum(plan.values()), len(posts)), len(posts))
     for i, key in enumerate(posts):
         plan[key] = share + (i < extra)
     return plan
@@ -375,6 +380,14 @@ def hand_cases(vocab_size: int, max_body: int, max_model_len: int) -> list[HandC
         HandCase("prompt_logprobs streamed", CHAT, _j(_chat(prompt_logprobs=1, stream=True)), bad),
         HandCase("prompt_logprobs beside echo's logprobs", COMPLETIONS,
                  _j(_completion(prompt_logprobs=20, echo=True, logprobs=0, n=2)), ok),
+        HandCase("tokenize a conversation with tools", TOKENIZE, _j({"messages": [{"role": "user", "content": "hi"}],
+                                                                   "tools": [_tool("f")], "return_token_strs": True}),
+                 ok),
+        HandCase("tokenize both a prompt and messages", TOKENIZE,
+                 _j({"prompt": "a", "messages": [{"role": "user", "content": "hi"}]}), bad),
+        HandCase("tokenize an empty prompt", TOKENIZE, _j({"prompt": ""}), bad),
+        HandCase("detokenize an id past the vocabulary", DETOKENIZE, _j({"tokens": [1, vocab_size]}), bad),
+        HandCase("detokenize nothing", DETOKENIZE, _j({"tokens": []}), ok),
         HandCase("structured_outputs streamed with n", CHAT,
                  _j(_chat(structured_outputs={"choice": ["a", "b"]}, n=3, stream=True)), ok),
         HandCase("the most choices allowed, streamed", CHAT, _j(_chat(n=64, stream=True, max_tokens=2)), ok),

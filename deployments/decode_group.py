@@ -220,6 +220,16 @@ class DecodeGroup:
     async def eplb_status(self) -> dict | None:
         return await self.controller.status.remote() if self.controller is not None else None
 
+    def _least_busy(self):
+        return self.ranks[min(range(len(self.ranks)), key=lambda r: self.running[r])]
+
+    async def tokenize(self, request: dict) -> dict:
+        """A prompt's (or messages') token ids, as a rank's engine makes them."""
+        return await self._least_busy().tokenize.remote(request)
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        return await self._least_busy().detokenize.remote(token_ids)
+
     async def stats(self) -> list[dict]:
         return await asyncio.gather(*[rank.stats.remote() for rank in self.ranks])
 

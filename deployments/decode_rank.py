@@ -113,6 +113,12 @@ class DecodeRank:
     def ep_abort(self, plan_id: str) -> bool:
         return self.ep.abort(plan_id)
 
+    async def tokenize(self, request: dict) -> dict:
+        return await asyncio.to_thread(self.engine.engine.tokenize, request)
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        return await asyncio.to_thread(self.engine.engine.detokenize, token_ids)
+
     def stats(self) -> dict:
         return dict(self.engine.stats(), rank=self.rank, kv_bytes_received=self.kv_bytes,
                     prefill_side_hit_tokens=self.prefill_side_hits, kv_transport=self.kv_transport,

@@ -20,6 +20,7 @@ class ServeBackend:
     def __init__(self, decode_handle, model_name: str, max_model_len: int, capacity: int | None = None):
         self.decode = decode_handle.options(stream=True)
         self.info = decode_handle.info
+        self.group = decode_handle
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.capacity = capacity
@@ -44,6 +45,21 @@ class ServeBackend:
             self.inflight -= 1
             stream.cancel()  # a no-op once finished; aborts the request upstream otherwise
 
+    async def tokenize(self, request: dict) -> dict:
+        return await self._unwrapped(self.group.tokenize.remote(request))
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        return await self._unwrapped(self.group.detokenize.remote(token_ids))
+
+    @staticmethod
+    async def _unwrapped(response):
+        try:
+            return await response
+        except RayTaskError as e:  # a bad request raised in a rank: the original, for the HTTP layer
+            if isinstance(e.cause, (RequestError, SamplingError)):
+                raise e.cause from None
+            raise
+
     async def health(self) -> dict:
         return {"model": self.model_name, **await self.info.remote()}
 
@@ -51,7 +67,8 @@ class ServeBackend:
 @serve.deployment(name="Ingress")
 @serve.ingress()
 class Ingress:
-    """HTTP: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health.
+    """HTTP: POST /v1/chat/completions, POST /v1/completions, POST /tokenize, POST /detokenize,
+    GET /v1/models, GET /health.
 
     Python (agent frameworks in the same Ray cluster)::
 
@@ -100,6 +117,14 @@ class Ingress:
         """Text completion chunks; call through `handle.options(stream=True)`."""
         async for chunk in self._stream("completion", request, session_id):
             yield chunk
+
+    async def tokenize(self, request) -> dict:
+        """vLLM's /tokenize: {"prompt"} or {"messages", "tools", ...} -> {"count", "tokens", ...}."""
+        return await self.service.tokenize(request)
+
+    async def detokenize(self, request) -> dict:
+        """vLLM's /detokenize: {"tokens"} -> {"prompt"}."""
+        return await self.service.detokenize(request)
 
     async def _complete(self, kind: str, request, session_id: str | None) -> dict:
         req, engine_request = self.service.parse(kind, request)

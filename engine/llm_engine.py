@@ -395,6 +395,24 @@ class LLMEngine:
             raise RequestError("prompt is empty")
         return ids
 
+    def tokenize(self, request: dict) -> dict:
+        """{"tokens", "token_strs"}: the token ids a request of this prompt (a string) or these messages
+        (with tools and chat_template_kwargs) would run, and with request["return_token_strs"] each
+        one's text. Reads only the tokenizer: any thread, no lock."""
+        ids = self._prompt_ids(request.get("prompt"), request.get("messages"), request.get("tools"),
+                               request.get("chat_template_kwargs"))
+        return {"tokens": ids, "token_strs": [self._token_text(t) for t in ids] if request.get("return_token_strs")
+                else None}
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        """The text of these token ids, special tokens included. Any thread, no lock."""
+        if self.tokenizer is None:
+            raise RequestError("detokenizing needs a tokenizer")
+        bad = [t for t in token_ids if not 0 <= t < self.model_cfg.vocab_size]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.model_cfg.vocab_size - 1})")
+        return self.tokenizer.hf.decode(token_ids, skip_special_tokens=False)
+
     def abort_request(self, request_id: str) -> RequestOutput | None:
         seq = self.requests.pop(request_id, None)
         if seq is None or seq.is_finished:

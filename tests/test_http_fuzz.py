@@ -24,8 +24,8 @@ def test_spec_is_a_valid_openapi_document():
         schema = schemathesis.openapi.from_dict(openapi_spec("m", **kwargs))
         schema.validate()  # against the OpenAPI 3.1 meta-schema
         ops = {(op.method.upper(), op.path) for op in (r.ok() for r in schema.get_all_operations())}
-        assert ops == {("POST", "/v1/chat/completions"), ("POST", "/v1/completions"),
-                       ("GET", "/v1/models"), ("GET", "/health")}
+        assert ops == {("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST", "/tokenize"),
+                       ("POST", "/detokenize"), ("GET", "/v1/models"), ("GET", "/health")}
 
 
 def test_spec_follows_the_configuration():

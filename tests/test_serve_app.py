@@ -193,6 +193,25 @@ def test_a_forced_call_after_thinking(served, tiny_ckpt):
     assert r.usage.completion_tokens_details.reasoning_tokens == 1  # the marker, forced by the bias
 
 
+def test_tokenize_through_the_group(served, tiny_ckpt):
+    """/tokenize and /detokenize over HTTP and through the Python handle: a rank's engine makes the
+    ids, as a request's would be made; bad input is still a 400."""
+    import httpx2 as httpx
+    client, port = served
+    tok = Tokenizer(tiny_ckpt)
+    messages = _messages("how many tokens is this?")
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as http:
+        got = http.post("/tokenize", json={"messages": messages, "chat_template_kwargs": {"thinking": True}}).json()
+        assert got["tokens"] == tok.apply_chat_template(messages, template_kwargs={"thinking": True})
+        assert http.post("/detokenize", json={"tokens": got["tokens"]}).json()["prompt"] == tok.hf.decode(got["tokens"])
+        bad = http.post("/detokenize", json={"tokens": [10**7]})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    handle = serve.get_app_handle("wideep")
+    assert handle.tokenize.remote({"prompt": "hello"}).result()["tokens"] == tok.encode("hello")
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=1)
+    assert r.usage.prompt_tokens == len(tok.apply_chat_template(messages))
+
+
 def test_second_turn_hits_prefix_cache(served):
     client, _ = served
     session = f"s-{uuid.uuid4().hex[:6]}"
