@@ -23,7 +23,7 @@ from typing import Any, AsyncIterator, Literal, Protocol
 import anyio
 from pydantic import BaseModel
 
-from engine.llm_engine import Overloaded, RequestError
+from engine.llm_engine import GrammarError, Overloaded, RequestError
 from engine.sampling import SamplingError
 from engine.tokenizer import THINK_END
 
@@ -54,8 +54,10 @@ def is_context_length_error(exc: BaseException) -> bool:
     return getattr(exc, "code", None) == "context_length_exceeded"
 
 
-def api_error_from(exc: BaseException, prompt_param: str | None = None) -> APIError:
-    """What a backend's exception means to the client."""
+def api_error_from(exc: BaseException, prompt_param: str | None = None, grammar_param: str | None = None
+                   ) -> APIError:
+    """What a backend's exception means to the client; prompt_param and grammar_param: the fields
+    a prompt too long and a grammar that does not compile are blamed on."""
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, Overloaded):
@@ -63,6 +65,8 @@ def api_error_from(exc: BaseException, prompt_param: str | None = None) -> APIEr
                         headers={"Retry-After": str(max(1, round(exc.retry_after_s)))})
     if is_context_length_error(exc):
         return bad_request(str(exc), param=prompt_param, code="context_length_exceeded")
+    if isinstance(exc, GrammarError):
+        return bad_request(str(exc), param=grammar_param)
     if isinstance(exc, (SamplingError, RequestError)):
         return bad_request(str(exc))
     log.exception("backend failed", exc_info=exc)
@@ -118,7 +122,9 @@ class OpenAIService:
                      "messages": messages, "tools": tools, "chat_template_kwargs": template_kwargs,
                      "sampling": oa.sampling_dict(params), "n": req.n,
                      **({"prompt_only": True} if oa.scores_prompt_only(req) else {}),
-                     **({"forced_tool_choice": forced} if forced is not None else {})}
+                     **({"forced_tool_choice": forced} if forced is not None else {}),
+                     # the field a grammar that does not compile is blamed on
+                     **({"structured_field": oa.structured_output(req)[1]} if params.structured_output else {})}
 
     async def tokenize(self, body: Any) -> dict:
         """vLLM's /tokenize: the token ids the engine would run for a prompt or a conversation."""
@@ -197,7 +203,8 @@ class OpenAIService:
             with anyio.CancelScope(shield=True):
                 await stream.aclose()
             if isinstance(e, Exception):
-                raise api_error_from(e, "messages" if kind == "chat" else "prompt") from None
+                raise api_error_from(e, "messages" if kind == "chat" else "prompt",
+                                     engine_request.get("structured_field")) from None
             raise
         if first.get("error"):  # failed before any output: a server fault, answered as such
             await stream.aclose()

@@ -31,6 +31,10 @@ class RequestError(ValueError):
     """A request the engine cannot serve (bad prompt, too long, duplicate id), named in the message."""
 
 
+class GrammarError(RequestError):
+    """A request's structured output that cannot be compiled (or allows no answer)."""
+
+
 class Overloaded(RuntimeError):
     """The server cannot take the request now; the client should retry after `retry_after_s`."""
 
@@ -259,7 +263,7 @@ class LLMEngine:
         try:
             self._grammar_compiler().compile(spec["kind"], spec["value"])
         except StructuredOutputError as e:
-            raise RequestError(str(e)) from None
+            raise GrammarError(str(e)) from None
 
     def _grammar_compiler(self) -> GrammarCompiler:
         if self.grammars is not None:  # made here, or given (bench/structured.py's synthetic vocabulary)
@@ -277,7 +281,7 @@ class LLMEngine:
         try:
             constraint = grammars.constraint(spec)
         except StructuredOutputError as e:
-            raise RequestError(str(e)) from None
+            raise GrammarError(str(e)) from None
         if not all(constraint.accept(t) for t in prior):
             raise RequestError("prior_output_ids do not follow the request's structured output")
         return constraint

@@ -307,6 +307,11 @@ def test_bad_input_over_http_gets_openai_errors(served):
             assert err["code"] == code
     ok = httpx.post(url, json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}, timeout=60)
     assert ok.status_code == 200
+    # a grammar that does not compile, found by a rank's engine: a 400 naming the field that asked
+    for body, param in (({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+            "type": "nope"}}}}, "response_format"), ({"structured_outputs": {"regex": "(ab"}}, "structured_outputs")):
+        r = httpx.post(url, json={"messages": [{"role": "user", "content": "hi"}], **body}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
 def test_client_disconnect_mid_stream_aborts_everywhere(served):
