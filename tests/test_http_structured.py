@@ -4,13 +4,12 @@ streamed, checked against the OpenAPI document; and the bad forms of each, each 
 import json
 import re
 
-import httpx2 as httpx
 import jsonschema
-import openai
 import pytest
 
 from app.openapi import openapi_spec
-from tests.test_http_api import API_KEY, AUTH, CHAT, COMPLETIONS, ENGINE_CFG, MODEL, serving
+# client and raw talk to this module's `served`
+from tests.test_http_api import CHAT, COMPLETIONS, ENGINE_CFG, MODEL, client, raw, serving  # noqa: F401
 
 MESSAGES = [{"role": "user", "content": "Describe a person as JSON."}]
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
@@ -21,18 +20,6 @@ def served(tiny_ckpt):
     # a longer context than test_http_api's: the template spells out each tool's schema
     with serving(tiny_ckpt, dict(ENGINE_CFG, max_model_len=1024)) as s:
         yield s
-
-
-@pytest.fixture(scope="module")
-def client(served):
-    with openai.OpenAI(api_key=API_KEY, base_url=served.url + "/v1", max_retries=0, timeout=60) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def raw(served):
-    with httpx.Client(base_url=served.url, headers=AUTH, timeout=60) as c:
-        yield c
 
 
 WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {

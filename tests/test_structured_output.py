@@ -14,6 +14,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, RequestError
 from engine.sampling import SamplingError, SamplingParams
 from engine.tokenizer import THINK_END
+from tests.test_penalties import recording  # noqa: F401  (the engine recording its raw logits per step)
 from wideep_kernels.token_mask import apply_token_mask_reference, apply_token_mask_triton, unpack_mask
 
 SCHEMA = {"type": "object", "properties": {
@@ -58,20 +59,6 @@ def test_mask_kernel_refuses_bad_shapes():
 
 
 # the engine ------------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def recording(tiny_ckpt):
-    """An engine whose raw logits per step and request are kept, before any mask."""
-    engine = LLMEngine.from_pretrained(tiny_ckpt, EngineConfig(block_size=4), progress=False)
-    engine.recorded = []
-    sample = engine.runner.sample
-
-    def record(seqs, logits):
-        engine.recorded.append({s.request_id: logits[i].float().clone() for i, s in enumerate(seqs)})
-        return sample(seqs, logits)
-    engine.runner.sample = record
-    return engine
-
 
 def _run(engine, requests: dict[str, tuple]):
     """Runs (prompt, params) per request id together; their final outputs and raw logits per step."""
