@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from engine.sampling import SamplingError, SamplingParams
 from engine.structured import validate_spec
 
-from .tool_calls import forced_call_schema
+from .forced_calls import forced_call_schema
 
 # torch generators take seeds in the signed-to-unsigned 64-bit range; outside it they overflow.
 SEED_MIN, SEED_MAX_EXCLUSIVE = -(2**63), 2**64

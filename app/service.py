@@ -30,7 +30,8 @@ from engine.tokenizer import THINK_END
 from . import openai_api as oa
 from .openai_api import APIError, bad_request
 from .reasoning import ReasoningStream, reasoning_tokens, split_reasoning, starts_in_reasoning
-from .tool_calls import ForcedCallStream, ToolCallStream, forced_calls, openai_tool_call, split_tool_calls
+from .forced_calls import ForcedCallStream, forced_calls
+from .tool_calls import ToolCallStream, openai_tool_call, split_tool_calls
 
 log = logging.getLogger(__name__)
 

@@ -7,13 +7,11 @@ A call cut short (the answer ran out of tokens) keeps what was written, as OpenA
 finish_reason ("length") tells it. Calls stream as OpenAI streams them: a call's name first,
 then its arguments in pieces.
 
-A forced call (tool_choice "required" or a named function) is not left to the model's format: the
-answer is constrained to JSON instead (engine/structured.py), as vLLM does. For a named function it
-is the call's arguments; for "required", a list of {"name", "parameters"} objects, one per call.
+A forced call (tool_choice "required" or a named function) is not left to the model's format: see
+forced_calls.py.
 """
 from __future__ import annotations
 
-import json
 import uuid
 
 from engine.tokenizer import CALL_BEGIN, CALL_END, CALL_SEP, CALLS_BEGIN
@@ -161,59 +159,3 @@ def marker_prefix_len(text: str, marker: str) -> int:
         if text.endswith(marker[:n]):
             return n
     return 0
-
-
-def forced_call_schema(functions: list[dict], forced: str, parallel: bool | None = None) -> dict:
-    """The JSON schema an answer forced to call `forced` ("required": any of `functions`, each
-    {"name", "parameters"}) is constrained to; parallel False: one call at most."""
-    def parameters(f: dict) -> dict:
-        return f.get("parameters") or {"type": "object"}
-    if forced != "required":
-        return parameters(next(f for f in functions if f["name"] == forced))
-    call = {"anyOf": [{"type": "object", "properties": {"name": {"const": f["name"]}, "parameters": parameters(f)},
-                       "required": ["name", "parameters"]} for f in functions]}
-    return {"type": "array", "items": call, "minItems": 1, **({"maxItems": 1} if parallel is False else {})}
-
-
-def forced_calls(text: str, forced: str) -> list[dict]:
-    """The calls of a whole forced answer ({"name", "arguments"}). A named function's call holds
-    whatever arguments were written, as its stream sent them (finish_reason "length" tells a cut
-    one); "required" gives none unless its list is complete JSON."""
-    if forced != "required":
-        return [{"name": forced, "arguments": text.strip()}]
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return []
-    return [{"name": c["name"], "arguments": json.dumps(c["parameters"], ensure_ascii=False)}
-            for c in value if isinstance(c, dict) and "name" in c and "parameters" in c]
-
-
-class ForcedCallStream:
-    """A forced answer's tool-call deltas as it streams. A named function's arguments go out as
-    they come, the first delta with the call's id and name, as OpenAI streams them; the calls of
-    "required" go out whole at the end, once the list is complete JSON."""
-
-    def __init__(self, forced: str):
-        self.forced = forced
-        self.text = ""
-        self.call_id: str | None = None
-        self.num_calls = 0
-
-    def feed(self, delta: str) -> list[dict]:
-        self.text += delta
-        if self.forced == "required" or not delta:
-            return []
-        if self.call_id is None:
-            self.call_id, self.num_calls = f"call_{uuid.uuid4().hex[:24]}", 1
-            return [{"index": 0, "id": self.call_id, "type": "function",
-                     "function": {"name": self.forced, "arguments": delta}}]
-        return [{"index": 0, "function": {"arguments": delta}}]
-
-    def finish(self) -> list[dict]:
-        """The calls still to send when the answer ends."""
-        if self.forced != "required":
-            return []
-        calls = forced_calls(self.text, "required")
-        self.num_calls = len(calls)
-        return [openai_tool_call(c, i) for i, c in enumerate(calls)]

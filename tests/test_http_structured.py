@@ -137,9 +137,10 @@ def test_forced_calls_streamed_equal_whole(raw, tool_choice):
             for c in whole["message"].get("tool_calls") or ()]
     assert [calls[i] for i in sorted(calls)] == want
     assert content == (whole["message"]["content"] or "")
-    if isinstance(tool_choice, dict):  # a named call's arguments stream in pieces
-        pieces = [d for ch in chunks for c in ch["choices"] for d in c["delta"].get("tool_calls") or ()]
-        assert len(pieces) > 1 and "id" in pieces[0] and "id" not in pieces[1]
+    # a call's arguments stream in pieces after its id and name, "required" calls' as well
+    pieces = [d for ch in chunks for c in ch["choices"] for d in c["delta"].get("tool_calls") or ()]
+    assert want and len(want[0]["arguments"]) > 4
+    assert len(pieces) > 2 and "id" in pieces[0] and "id" not in pieces[1]
 
 
 def test_the_python_client_parses_a_json_schema_answer(client):

@@ -1,0 +1,97 @@
+"""Forced tool calls read from their constrained JSON: a stream cut anywhere sends what the whole
+answer gives, "required" calls open as soon as their names are written, and cut answers keep what
+was written."""
+import random
+
+import pytest
+
+from app.forced_calls import ForcedCallStream, forced_call_schema, forced_calls
+
+
+def _streamed(text: str, forced: str, cuts: list[int]) -> tuple[dict[int, dict], list[dict]]:
+    stream, deltas, at = ForcedCallStream(forced), [], 0
+    for cut in cuts + [len(text)]:
+        deltas += stream.feed(text[at:cut])
+        at = cut
+    deltas += stream.finish()
+    calls: dict[int, dict] = {}
+    for d in deltas:
+        if "id" in d:
+            assert d["index"] not in calls, "a call opened twice"
+            calls[d["index"]] = {"name": d["function"]["name"], "arguments": ""}
+        calls[d["index"]]["arguments"] += d["function"]["arguments"]
+    return calls, deltas
+
+
+REQUIRED = [
+    ('[{"name": "weather", "parameters": {"city": "Paris"}}]',
+     [("weather", '{"city": "Paris"}')]),
+    ('[ {"name":"weather","parameters":{"city":"Pa\\"ris }]","n":[1,{"x":"}"}]}} ,\n'
+     ' {"name": "clock", "parameters": {}}]',
+     [("weather", '{"city":"Pa\\"ris }]","n":[1,{"x":"}"}]}'), ("clock", "{}")]),
+    ('[{"parameters": {"zone": "UTC"}, "name": "clock"}]', [("clock", '{"zone": "UTC"}')]),
+    ('[{"name": "count", "parameters": 12 }, {"name": "say", "parameters": "hi, \\u00e9"}]',
+     [("count", "12"), ("say", '"hi, \\u00e9"')]),
+    ('[{"name": "na\\u006de", "parameters": {\n  "a": true\n}\n}]', [("name", '{\n  "a": true\n}')]),
+    # cut short: a call whose name is written keeps the arguments written so far
+    ('[{"name": "weather", "parameters": {"city": "Par', [("weather", '{"city": "Par')]),
+    ('[{"name": "weather", "parameters": {"city": "Paris"}}, {"name": "clo', [("weather", '{"city": "Paris"}')]),
+    ('[{"name": "wea', []),
+    ('[', []),
+    ('', []),
+]
+
+
+@pytest.mark.parametrize("text, want", REQUIRED)
+def test_required_calls_whole_and_streamed_cut_anywhere(text, want):
+    whole = forced_calls(text, "required")
+    assert [(c["name"], c["arguments"]) for c in whole] == want
+    rng = random.Random(len(text))
+    for cuts in [list(range(1, len(text))), []] + [sorted(rng.sample(range(len(text) + 1), min(4, len(text))))
+                                                 for _ in range(20)]:
+        calls, _ = _streamed(text, "required", cuts)
+        assert [calls[i] for i in sorted(calls)] == whole
+    assert ForcedCallStream("required").num_calls == 0
+
+
+def test_a_required_call_opens_once_its_name_is_written_and_its_arguments_stream():
+    stream = ForcedCallStream("required")
+    assert stream.feed('[{"name": "weath') == []
+    (opened,) = stream.feed('er", "parameters": {"ci')
+    assert opened["function"] == {"name": "weather", "arguments": '{"ci'} and opened["index"] == 0
+    assert opened["id"].startswith("call_") and opened["type"] == "function"
+    assert stream.feed('ty": "Oslo"}') == [{"index": 0, "function": {"arguments": 'ty": "Oslo"}'}}]
+    assert stream.feed("}, ") == [] and stream.num_calls == 1
+    (second,) = stream.feed('{"name": "clock", "parameters": {}}]')
+    assert second["index"] == 1 and second["function"] == {"name": "clock", "arguments": "{}"}
+    assert second["id"] != opened["id"]
+    assert stream.finish() == [] and stream.num_calls == 2
+
+
+def test_blanks_inside_arguments_are_held_until_more_comes():
+    stream = ForcedCallStream("weather")
+    (opened,) = stream.feed('  {"city": "a ')
+    assert opened["function"] == {"name": "weather", "arguments": '{"city": "a'}
+    assert stream.feed("  ") == []
+    assert stream.feed('b"}') == [{"index": 0, "function": {"arguments": '   b"}'}}]
+    assert stream.feed(" \n") == [] and stream.finish() == []
+
+
+@pytest.mark.parametrize("text", ['{"city": "Paris"}', '\n {"city": "Pa', "", "  "])
+def test_a_named_call_is_the_answer_without_its_blanks(text):
+    (call,) = forced_calls(text, "weather")
+    assert call == {"name": "weather", "arguments": text.strip()}
+    calls, _ = _streamed(text, "weather", list(range(1, len(text))))
+    assert calls == {0: call}
+
+
+def test_the_schema_a_forced_answer_is_held_to():
+    functions = [{"name": "weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}},
+                 {"name": "clock"}]
+    assert forced_call_schema(functions, "clock") == {"type": "object"}
+    assert forced_call_schema(functions, "weather") == functions[0]["parameters"]
+    schema = forced_call_schema(functions, "required", parallel=False)
+    assert schema["maxItems"] == 1 and schema["minItems"] == 1
+    names = [c["properties"]["name"]["const"] for c in schema["items"]["anyOf"]]
+    assert names == ["weather", "clock"]
+    assert "maxItems" not in forced_call_schema(functions, "required")
