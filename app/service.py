@@ -23,7 +23,7 @@ from typing import Any, AsyncIterator, Literal, Protocol
 import anyio
 from pydantic import BaseModel
 
-from engine.llm_engine import GrammarError, Overloaded, RequestError
+from engine.errors import GrammarError, Overloaded, RequestError
 from engine.sampling import SamplingError
 from engine.tokenizer import THINK_END
 

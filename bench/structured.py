@@ -96,7 +96,7 @@ def engine_part(args, vocab: list[str]) -> list[dict]:
         device=args.device, dtype="bfloat16" if cuda else "float32", block_size=16, max_num_seqs=batch_max,
         num_blocks=batch_max * ((prompt + args.engine_steps + 40) // 16 + 2) + 16, warmup=cuda,
         max_num_batched_tokens=max(256, batch_max * prompt)))
-    engine.grammars = GrammarCompiler(None, len(vocab), [256], vocabulary=vocab)
+    engine.prompts.grammars = GrammarCompiler(None, len(vocab), [256], vocabulary=vocab)
     rows = []
     g = torch.Generator().manual_seed(0)
     for batch in args.batches:

@@ -22,7 +22,7 @@ import ray
 from ray import serve
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from engine.llm_engine import Overloaded
+from engine.errors import Overloaded
 
 from .decode_rank import DecodeRank
 from .rank_router import RankRouter

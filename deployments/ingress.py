@@ -10,7 +10,7 @@ from ray import serve
 from ray.exceptions import RayTaskError
 
 from app.service import OpenAIService
-from engine.llm_engine import Overloaded, RequestError
+from engine.errors import Overloaded, RequestError
 from engine.sampling import SamplingError
 
 

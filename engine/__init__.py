@@ -1,7 +1,8 @@
 """Ray-free inference engine for DeepSeek-family MoE models."""
 from .async_engine import AsyncLLMEngine
 from .config import ConfigError, EngineConfig, ModelConfig, preset
-from .llm_engine import ContextLengthError, LLMEngine, Overloaded, RequestError
+from .errors import ContextLengthError, Overloaded, RequestError
+from .llm_engine import LLMEngine
 from .sampling import SamplingError, SamplingParams
 from .sequence import RequestOutput
 

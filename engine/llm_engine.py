@@ -1,7 +1,6 @@
 """The engine's Python API: add and abort requests, step, generate."""
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,43 +12,19 @@ from wideep_kernels.mla_decode import warm_up as mla_warm_up
 
 from .checkpoint import ensure_checkpoint, load_model
 from .config import EngineConfig, ModelConfig
+from .errors import ContextLengthError, RequestError
 from .logprobs import logprob_records, token_logprobs
 from .model import DeepseekForCausalLM
 from .model_runner import ModelRunner
 from .sampling import SamplingParams, host_to_device
 from .scheduler import ScheduledBatch, Scheduler
+from .prompts import PromptReader
 from .sequence import RequestOutput, Sequence
-from .structured import Constraint, GrammarCompiler, StructuredOutputError
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 # How often a lockstep rank's serving loop steps while its group is idle (engine/async_engine.py):
 # the group's idle steps stand for its idle time (housekeeping).
 LOCKSTEP_IDLE_POLL_S = 0.005
-
-
-class RequestError(ValueError):
-    """A request the engine cannot serve (bad prompt, too long, duplicate id), named in the message."""
-
-
-class GrammarError(RequestError):
-    """A request's structured output that cannot be compiled (or allows no answer)."""
-
-
-class Overloaded(RuntimeError):
-    """The server cannot take the request now; the client should retry after `retry_after_s`."""
-
-    def __init__(self, message: str = "the server is overloaded; retry later", retry_after_s: float = 1.0):
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-    def __reduce__(self):
-        return (Overloaded, (str(self), self.retry_after_s))
-
-
-class ContextLengthError(RequestError):
-    """The prompt does not fit the context (with room for one output token)."""
-
-    code = "context_length_exceeded"
 
 
 def _stop_prefix_len(text: str, stops: list[str]) -> int:
@@ -114,9 +89,8 @@ class LLMEngine:
             self.runner.attach_ep(ep)
         self.scheduler = Scheduler(model.cfg, cfg)
         self.requests: dict[str, Sequence] = {}
-        self.grammars: GrammarCompiler | None = None  # made when a request first asks for structured output
-        self._grammars_lock = threading.Lock()
         self.eos_token_id = tokenizer.eos_token_id if tokenizer is not None else None
+        self.prompts = PromptReader(tokenizer, model.cfg.vocab_size, self.eos_token_id)
         self.runner.eos_token_id = self.eos_token_id  # min_tokens holds it back
         self.num_steps = 0
         self.num_steps_ahead = 0  # of num_steps, those launched before the previous step's tokens were read
@@ -232,7 +206,7 @@ class LLMEngine:
         if outside:
             raise RequestError(f"logit_bias token id {outside[0]} is outside the vocabulary "
                                f"(0..{self.model_cfg.vocab_size - 1})")
-        ids = self._prompt_ids(prompt, messages, tools, chat_template_kwargs)
+        ids = self.prompts.prompt_ids(prompt, messages, tools, chat_template_kwargs)
         if len(ids) >= self.max_model_len:
             raise ContextLengthError(f"prompt is {len(ids)} tokens; the context limit is {self.max_model_len} "
                                "(prompt plus at least one output token)")
@@ -242,9 +216,9 @@ class LLMEngine:
             raise RequestError("prior_output_ids must be token ids ending the prompt's token ids")
         seq = Sequence(request_id, ids, params, arrival=time.monotonic(), prior_output_ids=prior)
         if params.structured_output is not None:
-            seq.constraint = self._constraint(params.structured_output, prior)
+            seq.constraint = self.prompts.constraint(params.structured_output, prior)
         if params.prompt_logprobs is not None:  # the first token has nothing before it: no logprob
-            seq.prompt_logprobs = [{"token_id": ids[0], "token": self._token_text(ids[0]), "logprob": None, "top": []}]
+            seq.prompt_logprobs = [{"token_id": ids[0], "token": self.prompts.token_text(ids[0]), "logprob": None, "top": []}]
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
         if self.tokenizer is not None:
@@ -253,38 +227,19 @@ class LLMEngine:
         return seq
 
     def compile_grammar(self, params: SamplingParams | None) -> None:
-        """Compile a request's grammar ahead of add_request, which then finds it compiled: a
-        schema new to this engine takes tens of milliseconds (bench/structured.py), which a caller
-        on another thread (engine/async_engine.py) spends outside the engine's lock, not in a
-        step every running request waits for. Thread-safe."""
-        if params is None or params.structured_output is None:
-            return
-        spec = params.structured_output
-        try:
-            self._grammar_compiler().compile(spec["kind"], spec["value"])
-        except StructuredOutputError as e:
-            raise GrammarError(str(e)) from None
+        """Compile a request's grammar ahead of add_request, which then finds it compiled.
+        Thread-safe: a caller on another thread compiles outside the engine's lock."""
+        self.prompts.compile_grammar(params)
 
-    def _grammar_compiler(self) -> GrammarCompiler:
-        if self.grammars is not None:  # made here, or given (bench/structured.py's synthetic vocabulary)
-            return self.grammars
-        if self.tokenizer is None:
-            raise RequestError("structured output needs a tokenizer")
-        with self._grammars_lock:  # the vocabulary's walk takes most of a second at 129K tokens: once
-            if self.grammars is None:
-                self.grammars = GrammarCompiler(self.tokenizer.hf, self.model_cfg.vocab_size, [self.eos_token_id])
-        return self.grammars
+    def tokenize(self, request: dict) -> dict:
+        """{"tokens", "token_strs"}: the token ids a request of this prompt (a string) or these messages
+        (with tools and chat_template_kwargs) would run, and with request["return_token_strs"] each
+        one's text. Any thread, no lock."""
+        return self.prompts.tokenize(request)
 
-    def _constraint(self, spec: dict, prior: list[int]) -> Constraint:
-        """A request's grammar matcher, past the outputs of an earlier attempt (prior)."""
-        grammars = self._grammar_compiler()
-        try:
-            constraint = grammars.constraint(spec)
-        except StructuredOutputError as e:
-            raise GrammarError(str(e)) from None
-        if not all(constraint.accept(t) for t in prior):
-            raise RequestError("prior_output_ids do not follow the request's structured output")
-        return constraint
+    def detokenize(self, token_ids: list[int]) -> str:
+        """The text of these token ids, special tokens included. Any thread, no lock."""
+        return self.prompts.detokenize(token_ids)
 
     # prefill/decode hand-off ------------------------------------------------------------
     def reserve_remote(self, request_id: str, prompt=None, params: SamplingParams | None = None,
@@ -365,57 +320,6 @@ class LLMEngine:
 
     def release_held(self, request_id: str) -> None:
         self.scheduler.release_held(request_id)
-
-    def _prompt_ids(self, prompt, messages, tools=None, chat_template_kwargs=None) -> list[int]:
-        if (prompt is None) == (messages is None):
-            raise RequestError("give exactly one of prompt or messages")
-        if messages is not None:
-            if self.tokenizer is None:
-                raise RequestError("chat messages need a tokenizer")
-            if not isinstance(messages, list) or not messages or not all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str) and (
-                        isinstance(m.get("content"), str) or (m.get("content") is None and m.get("tool_calls")))
-                    for m in messages):
-                raise RequestError("messages must be a non-empty list of {role, content} objects "
-                                   "(content null only beside tool_calls)")
-            try:
-                ids = self.tokenizer.apply_chat_template(messages, tools=tools, template_kwargs=chat_template_kwargs)
-            except Exception as e:  # a checkpoint's own template may refuse a conversation's shape
-                raise RequestError(f"the chat template failed on these messages: {type(e).__name__}: {e}") from None
-        elif isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise RequestError("a text prompt needs a tokenizer")
-            ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)):
-            ids = list(prompt)
-            if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                raise RequestError("prompt token ids must be integers")
-            bad = [t for t in ids if not 0 <= t < self.model_cfg.vocab_size]
-            if bad:
-                raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.model_cfg.vocab_size - 1})")
-        else:
-            raise RequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        if not ids:
-            raise RequestError("prompt is empty")
-        return ids
-
-    def tokenize(self, request: dict) -> dict:
-        """{"tokens", "token_strs"}: the token ids a request of this prompt (a string) or these messages
-        (with tools and chat_template_kwargs) would run, and with request["return_token_strs"] each
-        one's text. Reads only the tokenizer: any thread, no lock."""
-        ids = self._prompt_ids(request.get("prompt"), request.get("messages"), request.get("tools"),
-                               request.get("chat_template_kwargs"))
-        return {"tokens": ids, "token_strs": [self._token_text(t) for t in ids] if request.get("return_token_strs")
-                else None}
-
-    def detokenize(self, token_ids: list[int]) -> str:
-        """The text of these token ids, special tokens included. Any thread, no lock."""
-        if self.tokenizer is None:
-            raise RequestError("detokenizing needs a tokenizer")
-        bad = [t for t in token_ids if not 0 <= t < self.model_cfg.vocab_size]
-        if bad:
-            raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.model_cfg.vocab_size - 1})")
-        return self.tokenizer.hf.decode(token_ids, skip_special_tokens=False)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         seq = self.requests.pop(request_id, None)
@@ -550,7 +454,7 @@ class LLMEngine:
             rows = step.logprob_rows
             ks = [step.batch.seqs[step.done[j]].params.logprobs for j in rows]
             for j, record in zip(rows, logprob_records(step.logprobs.tolist(), [tokens[j] for j in rows], ks,
-                                                       self._token_text)):
+                                                       self.prompts.token_text)):
                 records[j] = record
         return [self._append(step.batch.seqs[i], token, record)
                 for i, token, record in zip(step.done, tokens, records) if not step.batch.seqs[i].is_finished]
@@ -560,15 +464,11 @@ class LLMEngine:
         rows = packed.tolist()  # each row: the target's rank, then token_logprobs()'s row
         for seq, n in owners:
             records = logprob_records([r[1:] for r in rows[at:at + n]], targets[at:at + n],
-                                      [seq.params.prompt_logprobs] * n, self._token_text)
+                                      [seq.params.prompt_logprobs] * n, self.prompts.token_text)
             for record, row in zip(records, rows[at:at + n]):
                 record["rank"] = int(row[0])
             seq.prompt_logprobs += records
             at += n
-
-    def _token_text(self, token: int) -> str:
-        # special tokens by name too (an end-of-sequence token shows as such, not as "")
-        return self.tokenizer.token_text(token) if self.tokenizer is not None else f"token_id:{token}"
 
     def _ahead_rows(self, cur: "LaunchedStep") -> list[int]:
         """The rows of `cur` whose next step can be launched before cur's tokens are known: those
@@ -710,8 +610,8 @@ class LLMEngine:
             "preemptions": s.num_preemptions, "steps": self.num_steps, "steps_ahead": self.num_steps_ahead,
             # structured output: grammars compiled (each new schema, regex or grammar) and the seconds
             # they took, outside the engine's lock
-            **({"grammar_compiles": self.grammars.compiles, "grammar_compile_s": self.grammars.compile_s}
-               if self.grammars is not None else {}),
+            **({"grammar_compiles": grammars.compiles, "grammar_compile_s": grammars.compile_s}
+               if (grammars := self.prompts.grammars) is not None else {}),
             # expert parallelism: seconds this rank waited in the group's per-step agreement
             **({"group_wait_s": self.ep.wait_s} if self.ep is not None else {}),
             # CUDA graphs captured while requests waited on them, the seconds they took, and

@@ -86,7 +86,7 @@ def test_greedy_choices_are_the_argmax_of_what_the_grammar_allows(recording):
     tokens = outs["re"].output_token_ids
     assert re.fullmatch(REGEX, outs["re"].text) and outs["re"].finish_reason == "stop"
     assert tokens[-1] == recording.eos_token_id  # the grammar ends on the stop token
-    reference = recording.grammars.constraint({"kind": "regex", "value": REGEX, "reasoning_end": None})
+    reference = recording.prompts.grammars.constraint({"kind": "regex", "value": REGEX, "reasoning_end": None})
     mask = torch.zeros(1, (recording.model_cfg.vocab_size + 31) // 32, dtype=torch.int32)
     for step, (logits, token) in enumerate(zip(raw["re"], tokens)):
         reference.fill(mask, 0)
@@ -116,7 +116,7 @@ def test_sampled_outputs_follow_the_grammar(recording, spec, check):
     assert outs["free"].output_token_ids == alone["free-alone"].output_token_ids
     constrained = [o for rid, o in outs.items() if rid != "free"]
     for o in constrained:  # cut by max_tokens or not, every token followed the grammar
-        reference = recording.grammars.constraint(SamplingParams(structured_output=spec).structured_output)
+        reference = recording.prompts.grammars.constraint(SamplingParams(structured_output=spec).structured_output)
         assert all(reference.accept(t) for t in o.output_token_ids), o.text
         assert reference.finished == (o.finish_reason == "stop")
     stopped = [o for o in constrained if o.finish_reason == "stop"]
