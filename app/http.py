@@ -19,6 +19,7 @@ from starlette.routing import Route
 
 
 from . import openai_api as oa
+from . import openai_responses as responses
 from .openai_api import APIError, bad_request
 from .openapi import openapi_spec
 from .service import Backend, OpenAIService
@@ -193,11 +194,11 @@ async def _wait_for_disconnect(request: Request) -> None:
 async def _sse(chunks: AsyncIterator[dict]) -> AsyncIterator[bytes]:
     try:
         async for chunk in chunks:
-            yield oa.sse(chunk)
+            yield responses.sse(chunk)
     finally:
         with anyio.CancelScope(shield=True):
             await chunks.aclose()
-    yield oa.SSE_DONE
+    yield responses.SSE_DONE
 
 
 class _ClosingStreamingResponse(StreamingResponse):

@@ -28,6 +28,7 @@ from engine.sampling import SamplingError
 from engine.tokenizer import THINK_END
 
 from . import openai_api as oa
+from . import openai_responses as responses
 from .openai_api import APIError, bad_request
 from .reasoning import ReasoningStream, reasoning_tokens, split_reasoning, starts_in_reasoning
 from .forced_calls import ForcedCallStream, forced_calls
@@ -78,7 +79,7 @@ def _usage(choices: list["_Choice"], reasons: bool = False) -> dict:
     """The prompt counted once (choice 0's cached tokens), the completions added up; `reasons`:
     with the tokens spent thinking."""
     first = choices[0].last
-    return oa.usage(first.get("num_prompt_tokens", 0), sum(c.num_tokens for c in choices),
+    return responses.usage(first.get("num_prompt_tokens", 0), sum(c.num_tokens for c in choices),
                     first.get("num_cached_tokens", 0),
                     sum(reasoning_tokens(c.pieces, c.piece_tokens) for c in choices) if reasons else None)
 
@@ -119,7 +120,7 @@ class OpenAIService:
                 self.reasoning_parser, template_kwargs):
             params.structured_output["reasoning_end"] = THINK_END  # the grammar holds for the answer, not the thinking
         forced = req.forced_tool_choice() if kind == "chat" else None
-        return req, {"request_id": oa.new_request_id(kind), "prompt": text, "prompt_token_ids": token_ids,
+        return req, {"request_id": responses.new_request_id(kind), "prompt": text, "prompt_token_ids": token_ids,
                      "messages": messages, "tools": tools, "chat_template_kwargs": template_kwargs,
                      "sampling": oa.sampling_dict(params), "n": req.n,
                      **({"prompt_only": True} if oa.scores_prompt_only(req) else {}),
@@ -241,18 +242,18 @@ class OpenAIService:
             built = [_text_choice(i, c, getattr(req, "logprobs", None)) for i, c in enumerate(choices)]
             if k is not None:
                 for choice, c in zip(built, choices):
-                    choice["prompt_logprobs"] = oa.vllm_prompt_logprobs(c.prompt_logprobs or [], k)
-        response = oa.completion_response(kind, rid, self.backend.model_name, int(time.time()), built,
-                                          _usage(choices, kind == "chat" and self._reasons(engine_request)))
+                    choice["prompt_logprobs"] = responses.vllm_prompt_logprobs(c.prompt_logprobs or [], k)
+        response = responses.completion_response(kind, rid, self.backend.model_name, int(time.time()), built,
+                                                 _usage(choices, kind == "chat" and self._reasons(engine_request)))
         if k is not None and kind == "chat":  # vLLM's place for chat: the response's, the prompt being shared
-            response["prompt_logprobs"] = oa.vllm_prompt_logprobs(choices[0].prompt_logprobs or [], k)
+            response["prompt_logprobs"] = responses.vllm_prompt_logprobs(choices[0].prompt_logprobs or [], k)
         return response
 
     async def chunks(self, kind: Kind, req, engine_request: dict, stream: AsyncIterator[dict],
                      firsts: list[dict]) -> AsyncIterator[dict]:
         """The stream-chunk objects of a streaming response. A failure mid-stream ends it with
         an error object ({"error": ...}); the backend streams are closed however it ends."""
-        chunks = oa.StreamChunks(kind, engine_request["request_id"], self.backend.model_name, req.include_usage)
+        chunks = responses.StreamChunks(kind, engine_request["request_id"], self.backend.model_name, req.include_usage)
         choices = [_Choice(False, engine_request.get("prompt_only", False)) for _ in firsts]
         forced = engine_request.get("forced_tool_choice")
         for c in choices:
@@ -279,8 +280,8 @@ class OpenAIService:
                     if out.get("prompt_text") is not None:  # echo: the prompt goes out first
                         c.lead = len(out["prompt_text"])
                         records = out.get("prompt_logprobs")
-                        yield chunks.delta(out["prompt_text"], records, index=i,
-                                           text_offset=oa.prompt_offsets(records, out["prompt_text"]) if records else 0)
+                        at = responses.prompt_offsets(records, out["prompt_text"]) if records else 0
+                        yield chunks.delta(out["prompt_text"], records, index=i, text_offset=at)
                     offset = c.lead + c.text_len
                     c.add(out)
                     if c.prompt_only:  # echo with max_tokens 0: the completion's token is left out
@@ -370,15 +371,16 @@ def _text_choice(index: int, c: _Choice, k: int | None = None) -> dict:
     if prompt_records is not None and k is not None:
         prompt_records = [dict(r, top=r["top"][:k]) for r in prompt_records]
     if c.prompt_only:
-        return oa.text_choice(index, c.prompt_text or "", "length", prompt_records if logprobs is not None else None,
-                              oa.prompt_offsets(prompt_records, c.prompt_text) if logprobs is not None else None)
+        scored = logprobs is not None
+        return responses.text_choice(index, c.prompt_text or "", "length", prompt_records if scored else None,
+                                     responses.prompt_offsets(prompt_records, c.prompt_text) if scored else None)
     if c.prompt_text is not None:  # echo
         lead = c.prompt_text
         if logprobs is not None and prompt_records is not None:
             logprobs = prompt_records + logprobs
-            offsets = oa.prompt_offsets(prompt_records, lead) + [len(lead) + o for o in offsets]
+            offsets = responses.prompt_offsets(prompt_records, lead) + [len(lead) + o for o in offsets]
         text = lead + text
-    return oa.text_choice(index, text, c.last.get("finish_reason"), logprobs, offsets)
+    return responses.text_choice(index, text, c.last.get("finish_reason"), logprobs, offsets)
 
 
 def _chat_choice(index: int, c: _Choice, tools: bool, reasons: bool, forced: str | None = None) -> dict:
@@ -394,7 +396,7 @@ def _chat_choice(index: int, c: _Choice, tools: bool, reasons: bool, forced: str
         text, calls = split_tool_calls(text)
     if calls and reason == "stop":
         reason = "tool_calls"
-    return oa.chat_choice(index, text, reason, c.logprobs, [openai_tool_call(call) for call in calls], reasoning)
+    return responses.chat_choice(index, text, reason, c.logprobs, [openai_tool_call(call) for call in calls], reasoning)
 
 
 async def _outputs(firsts: list[dict], stream: AsyncIterator[dict], n: int) -> AsyncIterator[dict]:

@@ -218,7 +218,8 @@ class LLMEngine:
         if params.structured_output is not None:
             seq.constraint = self.prompts.constraint(params.structured_output, prior)
         if params.prompt_logprobs is not None:  # the first token has nothing before it: no logprob
-            seq.prompt_logprobs = [{"token_id": ids[0], "token": self.prompts.token_text(ids[0]), "logprob": None, "top": []}]
+            first = {"token_id": ids[0], "token": self.prompts.token_text(ids[0]), "logprob": None, "top": []}
+            seq.prompt_logprobs = [first]
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
         if self.tokenizer is not None:
