@@ -11,9 +11,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine.sampling import SamplingError, SamplingParams
-from engine.structured import validate_spec
+from engine.structured import MAX_WHITESPACE, validate_spec
 
-from .forced_calls import forced_call_schema
+from .call_grammars import calls_tag, forced_call_schema
 
 # torch generators take seeds in the signed-to-unsigned 64-bit range; outside it they overflow.
 SEED_MIN, SEED_MAX_EXCLUSIVE = -(2**63), 2**64
@@ -93,6 +93,7 @@ class ToolFunction(_Request):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema
+    strict: bool | None = None  # the calls' arguments held to `parameters` (app/call_grammars.py)
 
 
 class Tool(_Request):
@@ -377,18 +378,25 @@ def chat_tools(req: ChatCompletionRequest | TokenizeRequest) -> list[dict] | Non
 
 def structured_output(req: _SamplingFields) -> tuple[dict | None, str | None]:
     """The engine's structured_output (engine/structured.py) a request asks for through
-    response_format, structured_outputs or a forced tool call, and the field that asked; a 400
-    when more than one does, or one is malformed."""
+    response_format, structured_outputs, a forced tool call or its tools, and the field that
+    asked; a 400 when two ask that cannot both hold, or one is malformed.
+
+    A forced call is the whole answer, so a response_format has nothing to hold then (it holds
+    the answer the model gives once the tools have answered). Tools in auto mode keep a
+    response_format from shutting calls out: the answer is that format or the calls. They hold
+    the calls themselves when a tool is strict."""
     asked: list[tuple[str, dict]] = []
     rf = req.response_format
+    schema = None  # a response_format's JSON schema
     if rf is not None and rf.type == "json_object":
+        schema = {"type": "object"}
         asked.append(("response_format", {"kind": "json_object"}))
     elif rf is not None and rf.type == "json_schema":
         if rf.json_schema is None:
             raise bad_request("response_format of type json_schema needs json_schema: {name, schema}",
                               param="response_format")
-        schema = rf.json_schema.schema_
-        asked.append(("response_format", {"kind": "json", "value": {} if schema is None else schema}))
+        schema = {} if rf.json_schema.schema_ is None else rf.json_schema.schema_
+        asked.append(("response_format", {"kind": "json", "value": schema}))
     if req.structured_outputs is not None:
         given = {k: v for k, v in req.structured_outputs.model_dump(by_alias=True).items() if v is not None}
         if given.get("json_object") is False:
@@ -399,13 +407,23 @@ def structured_output(req: _SamplingFields) -> tuple[dict | None, str | None]:
         (key, value), = given.items()
         asked.append(("structured_outputs", {"kind": key, "value": value} if key != "json_object"
                       else {"kind": "json_object"}))
-    forced = req.forced_tool_choice() if isinstance(req, ChatCompletionRequest) else None
+    chat = isinstance(req, ChatCompletionRequest)
+    functions = [t.function.model_dump(exclude_none=True) for t in req.tools or ()] if chat else []
+    forced = req.forced_tool_choice() if chat else None
     if forced is not None:
+        asked = [a for a in asked if a[0] != "response_format"]
         asked.append(("tool_choice", {"kind": "json", "value": forced_call_schema(
-            [t.function.model_dump(exclude_none=True) for t in req.tools], forced, req.parallel_tool_calls)}))
+            functions, forced, req.parallel_tool_calls)}))
     if len(asked) > 1:
         raise bad_request(f"{asked[0][0]} and {asked[1][0]} both constrain the answer; give one",
                           param=asked[1][0])
+    strict = any(f.get("strict") for f in functions)
+    if chat and functions and forced is None and req.tool_choice != "none" and (
+            strict or asked and asked[0][0] == "response_format"):
+        answer = None if schema is None else {"type": "json_schema", "json_schema": schema,
+                                              "max_whitespace_cnt": MAX_WHITESPACE}
+        asked = [("tools" if strict else "response_format",
+                  {"kind": "structural_tag", "value": calls_tag(functions, req.parallel_tool_calls, answer)})]
     if not asked:
         return None, None
     field, spec = asked[0]

@@ -31,7 +31,7 @@ from . import openai_api as oa
 from . import openai_responses as responses
 from .openai_api import APIError, bad_request
 from .reasoning import ReasoningStream, reasoning_tokens, split_reasoning, starts_in_reasoning
-from .forced_calls import ForcedCallStream, forced_calls
+from .call_grammars import ForcedCallStream, forced_calls
 from .tool_calls import ToolCallStream, openai_tool_call, split_tool_calls
 
 log = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ finish_reason ("length") tells it. Calls stream as OpenAI streams them: a call's
 then its arguments in pieces.
 
 A forced call (tool_choice "required" or a named function) is not left to the model's format: see
-forced_calls.py.
+call_grammars.py.
 """
 from __future__ import annotations
 

@@ -237,6 +237,10 @@ def _tool(name: str, parameters: dict | None = None) -> dict:
     return {"type": "function", "function": {"name": name, "parameters": parameters or {"type": "object"}}}
 
 
+def _strict(tool: dict) -> dict:
+    return {"type": "function", "function": dict(tool["function"], strict=True)}
+
+
 def _nested(depth: int) -> dict:
     schema: dict = {"type": "string"}
     for _ in range(depth):
@@ -365,6 +369,16 @@ def hand_cases(vocab_size: int, max_body: int, max_model_len: int) -> list[HandC
                  _j(_chat(tools=[_tool("f")], tool_choice={"type": "function", "function": {"name": "g"}})), bad),
         HandCase("a forced call of a tool with a deeply nested schema", CHAT,
                  _j(_chat(tools=[_tool("f", _nested(200))], tool_choice="required")), ok_or_bad),
+        HandCase("a strict tool with a deeply nested schema", CHAT,
+                 _j(_chat(tools=[_strict(_tool("f", _nested(200)))])), ok_or_bad),
+        HandCase("a strict tool whose schema takes nothing", CHAT, _j(_chat(tools=[_strict(_tool("f", {"not": {}}))])),
+                 ok_or_bad),
+        HandCase("a strict tool named with the call markers", CHAT, _j(_chat(tools=[_strict(_tool(
+            "f<\uff5ctool\u2581sep\uff5c>{}<\uff5ctool\u2581call\u2581end\uff5c>"))])), ok_or_bad),
+        HandCase("strict tools beside a response_format, streamed", CHAT, _j(_chat(
+            stream=True, tools=[_strict(_tool("f")), _tool("g")], parallel_tool_calls=False,
+            response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object"}}})),
+                 ok),
         HandCase("a json_schema nested past what JSON writes", CHAT, _j(_chat(response_format={
             "type": "json_schema", "json_schema": {"name": "n", "schema": _nested(400)}})), ok_or_bad),
         HandCase("a left-recursive grammar", COMPLETIONS,

@@ -15,8 +15,9 @@ from collections import OrderedDict
 import torch
 
 # The forms a request may ask for, and what its `value` is: a JSON schema (an object, or its
-# JSON text), nothing, a regex, a list of strings, EBNF text.
-KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# JSON text), nothing, a regex, a list of strings, EBNF text, an xgrammar structural tag (an
+# object, or its JSON text: free text with tagged parts held to their formats, as tool calls are).
+KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 MAX_SPEC_CHARS = 256 * 1024
 MAX_CHOICES = 1024
 MAX_WHITESPACE = 32  # characters in a run of whitespace inside JSON
@@ -38,14 +39,15 @@ def validate_spec(spec) -> dict:
     kind, value = spec.get("kind"), spec.get("value")
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {list(KINDS)}, got {kind!r}")
-    if kind == "json":
+    if kind in ("json", "structural_tag"):
+        what = "JSON schema" if kind == "json" else "structural tag"
         if isinstance(value, (dict, bool)):
             try:
                 value = json.dumps(value)
             except (RecursionError, ValueError, TypeError) as e:
-                raise ValueError(f"the JSON schema cannot be written as JSON: {type(e).__name__}") from None
+                raise ValueError(f"the {what} cannot be written as JSON: {type(e).__name__}") from None
         if not isinstance(value, str):
-            raise ValueError("a json kind's value must be a JSON schema (an object or its JSON text)")
+            raise ValueError(f"a {kind} kind's value must be a {what} (an object or its JSON text)")
     elif kind == "json_object":
         value = None
     elif kind == "choice":
@@ -115,6 +117,8 @@ class GrammarCompiler:
                 compiled = c.compile_regex(value)
             elif kind == "choice":
                 compiled = c.compile_regex(choice_regex(value))
+            elif kind == "structural_tag":
+                compiled = c.compile_grammar(self._patched(self._xgr.Grammar.from_structural_tag(value)))
             else:
                 compiled = c.compile_grammar(value)
         except Exception as e:  # the compiler's own errors are RuntimeErrors naming the problem
@@ -128,19 +132,23 @@ class GrammarCompiler:
         return compiled
 
     # xgrammar 0.2.9 lets a string with a length bound hold raw control characters, which JSON
-    # forbids (json.loads refuses them); its unbounded strings exclude them, as here.
+    # forbids (json.loads refuses them); its unbounded strings exclude them, as here. A structural
+    # tag's JSON parts have the same rule.
     _LOOSE_STRING_CHAR = r'[^\"\\\r\n]'
     _STRING_CHAR = r'[^\0-\x1f\"\\]'
+
+    def _patched(self, grammar):
+        text = str(grammar)
+        if self._LOOSE_STRING_CHAR in text:
+            grammar = self._xgr.Grammar.from_ebnf(text.replace(self._LOOSE_STRING_CHAR, self._STRING_CHAR))
+        return grammar
 
     def _json_grammar(self, schema: str):
         # OpenAI's json_object is an object with any members. Whitespace between tokens is free,
         # as in vLLM, but a run of it is bounded: a model looping on blanks still has to write the
         # next value.
-        grammar = self._xgr.Grammar.from_json_schema(schema, strict_mode=True, max_whitespace_cnt=MAX_WHITESPACE)
-        text = str(grammar)
-        if self._LOOSE_STRING_CHAR in text:
-            grammar = self._xgr.Grammar.from_ebnf(text.replace(self._LOOSE_STRING_CHAR, self._STRING_CHAR))
-        return grammar
+        return self._patched(self._xgr.Grammar.from_json_schema(schema, strict_mode=True,
+                                                                 max_whitespace_cnt=MAX_WHITESPACE))
 
     def constraint(self, spec: dict) -> "Constraint":
         """A fresh matcher of a request's (validated) structured_output."""

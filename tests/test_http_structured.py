@@ -8,6 +8,7 @@ import jsonschema
 import pytest
 
 from app.openapi import openapi_spec
+from engine.tokenizer import CALLS_BEGIN, Tokenizer
 # client and raw talk to this module's `served`
 from tests.test_http_api import CHAT, COMPLETIONS, ENGINE_CFG, MODEL, client, raw, serving  # noqa: F401
 
@@ -169,14 +170,18 @@ BAD = {
     "an empty choice": (CHAT, _chat(structured_outputs={"choice": []}), "structured_outputs"),
     "both forms": (CHAT, _chat(response_format={"type": "json_object"}, structured_outputs={"regex": "a"}),
                    "structured_outputs"),
-    "a forced call and a format": (CHAT, _chat(tools=[WEATHER], tool_choice="required",
-                                               response_format={"type": "json_object"}), "tool_choice"),
+    "a forced call and vLLM's form": (CHAT, _chat(tools=[WEATHER], tool_choice="required",
+                                                  structured_outputs={"regex": "a"}), "tool_choice"),
     "required without tools": (CHAT, _chat(tool_choice="required"), "tool_choice"),
     "a named tool not given": (CHAT, _chat(tools=[WEATHER], tool_choice={"type": "function",
                                                                          "function": {"name": "nope"}}), "tool_choice"),
     "an unknown tool_choice": (CHAT, _chat(tools=[WEATHER], tool_choice="sometimes"), "tool_choice"),
     "a tool whose schema does not compile": (CHAT, _chat(tools=[{"type": "function", "function": {
         "name": "f", "parameters": {"type": "nope"}}}], tool_choice="required"), "tool_choice!"),
+    "a strict tool whose schema does not compile": (CHAT, _chat(tools=[{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "nope"}, "strict": True}}]), "tools!"),
+    "strict not a boolean": (CHAT, _chat(tools=[{"type": "function", "function": {
+        "name": "f", "strict": "yes"}}]), "tools"),
 }
 
 
@@ -223,3 +228,75 @@ def test_request_models_keep_their_aliased_fields():
     completion = oa.CompletionRequest.model_validate({"prompt": "x", "structured_outputs": {"json": PERSON}})
     _, engine_request = service.parse("completion", completion)
     assert json.loads(engine_request["sampling"]["structured_output"]["value"]) == PERSON
+
+
+def _calls_begin(raw) -> int:
+    (token,) = raw.post("/tokenize", json={"model": MODEL, "prompt": CALLS_BEGIN}).json()["tokens"]
+    return token
+
+
+def _strict(tool: dict) -> dict:
+    return {"type": "function", "function": dict(tool["function"], strict=True)}
+
+
+def _answers(responses: list[dict]) -> tuple[list[dict], list[dict]]:
+    """(the calls of the answers that called, the answers that gave content), of those that stopped."""
+    calls, contents = [], []
+    for r in responses:
+        _schema("ChatCompletion").validate(r)
+        c = r["choices"][0]
+        if c["finish_reason"] == "tool_calls":
+            assert c["message"]["content"] is None
+            calls += c["message"]["tool_calls"]
+        elif c["finish_reason"] == "stop":
+            contents.append(c["message"])
+    return calls, contents
+
+
+def test_strict_tools_hold_auto_mode_calls_to_their_schemas(raw):
+    """The bias makes the random model open a block of calls at once; the structural tag then
+    holds each call's name to the tools' and its arguments to the strict tool's schema, and ends
+    the answer after the block."""
+    bias = {str(_calls_begin(raw)): 100}
+    body = _chat(tools=[_strict(WEATHER), CLOCK], logit_bias=bias, max_tokens=60)
+    calls, _ = _answers(_seeds(raw, CHAT, body, range(6)))
+    assert calls
+    for call in calls:
+        args = json.loads(call["function"]["arguments"])
+        assert call["function"]["name"] in ("weather", "clock")
+        if call["function"]["name"] == "weather":
+            jsonschema.validate(args, WEATHER["function"]["parameters"])
+        else:  # not strict: any object
+            assert isinstance(args, dict)
+    one = _seeds(raw, CHAT, dict(body, parallel_tool_calls=False), range(4))
+    assert all(len(r["choices"][0]["message"].get("tool_calls") or []) <= 1 for r in one)
+    # without a strict tool the calls are the model's own: the bias then repeats the marker, no call in it
+    loose = raw.post(CHAT, json=_chat(tools=[WEATHER, CLOCK], logit_bias=bias, max_tokens=8)).json()
+    assert loose["choices"][0]["finish_reason"] == "length" and not loose["choices"][0]["message"].get("tool_calls")
+
+
+def test_tools_and_a_response_format_give_the_format_or_calls(raw, tiny_ckpt):
+    rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    # the random model takes the calls' branch if it may: the tokens that could start the marker barred
+    hf = Tokenizer(tiny_ckpt).hf
+    barred = {str(t): -100 for t in range(hf.vocab_size)
+              if (text := hf.decode([t])) and CALLS_BEGIN.startswith(text)}
+    _, contents = _answers(_seeds(raw, CHAT, _chat(tools=[WEATHER], response_format=rf, logit_bias=barred),
+                                  range(4)))
+    assert contents
+    for message in contents:
+        jsonschema.validate(json.loads(message["content"]), PERSON)
+    bias = {str(_calls_begin(raw)): 100}
+    calls, _ = _answers(_seeds(raw, CHAT, _chat(tools=[WEATHER], response_format=rf, logit_bias=bias), range(4)))
+    assert calls and all(c["function"]["name"] == "weather" for c in calls)
+    for call in calls:
+        assert isinstance(json.loads(call["function"]["arguments"]), dict)
+
+
+def test_a_forced_call_wins_over_a_response_format(raw):
+    body = _chat(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "weather"}},
+                 response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
+    calls, _ = _answers(_seeds(raw, CHAT, body))
+    assert calls
+    for call in calls:
+        jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER["function"]["parameters"])

@@ -1,11 +1,14 @@
-"""Forced tool calls read from their constrained JSON: a stream cut anywhere sends what the whole
-answer gives, "required" calls open as soon as their names are written, and cut answers keep what
-was written."""
+"""Tool calls held to a grammar. Forced calls read from their constrained JSON: a stream cut
+anywhere sends what the whole answer gives, "required" calls open as soon as their names are
+written, and cut answers keep what was written. Auto-mode calls held to their tools by a structural
+tag, alone or beside a response_format."""
 import random
 
 import pytest
 
-from app.forced_calls import ForcedCallStream, forced_call_schema, forced_calls
+from app.call_grammars import ForcedCallStream, calls_tag, forced_call_schema, forced_calls
+from engine.structured import GrammarCompiler, validate_spec
+from engine.tokenizer import CALL_BEGIN, CALL_END, CALL_SEP, CALLS_BEGIN, CALLS_END
 
 
 def _streamed(text: str, forced: str, cuts: list[int]) -> tuple[dict[int, dict], list[dict]]:
@@ -95,3 +98,49 @@ def test_the_schema_a_forced_answer_is_held_to():
     names = [c["properties"]["name"]["const"] for c in schema["items"]["anyOf"]]
     assert names == ["weather", "clock"]
     assert "maxItems" not in forced_call_schema(functions, "required")
+
+
+MARKERS = [CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, CALL_SEP]
+TEXTS = {
+    "text alone": "Let me think.",
+    "a strict call": f'Sure. {CALLS_BEGIN}{CALL_BEGIN}weather{CALL_SEP}{{"city": "Oslo"}}{CALL_END}{CALLS_END}',
+    "two calls": (f'{CALLS_BEGIN}{CALL_BEGIN}clock{CALL_SEP}{{"any": [1]}}{CALL_END}'
+                  f'{CALL_BEGIN}weather{CALL_SEP}{{"city":"Paris"}}{CALL_END}{CALLS_END}'),
+    "a value off the schema": f'{CALLS_BEGIN}{CALL_BEGIN}weather{CALL_SEP}{{"city": "Rome"}}{CALL_END}{CALLS_END}',
+    "a tool not given": f'{CALLS_BEGIN}{CALL_BEGIN}radio{CALL_SEP}{{}}{CALL_END}{CALLS_END}',
+    "text after the calls": f'{CALLS_BEGIN}{CALL_BEGIN}clock{CALL_SEP}{{}}{CALL_END}{CALLS_END} ok',
+    "a tab in a string": f'{CALLS_BEGIN}{CALL_BEGIN}clock{CALL_SEP}{{"a": "x\ty"}}{CALL_END}{CALLS_END}',
+    "the format's JSON": '{"name": "Ann", "age": 3}',
+}
+FUNCTIONS = [{"name": "weather", "strict": True, "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"]}},
+    {"name": "clock", "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}}}]
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6}, "age": {"type": "integer"}},
+          "required": ["name", "age"]}
+
+
+def _accepts(spec: dict, text: str) -> bool:
+    """Whether a grammar compiled as the engine compiles it takes `text` and then ends: over a
+    vocabulary of one token per character and per marker."""
+    chars = sorted({ch for t in TEXTS.values() for ch in t} | set("{}[]\",: 0123456789abcdefghijklmnopqrstuvwxyz"))
+    vocabulary = ["</s>"] + MARKERS + chars
+    constraint = GrammarCompiler(None, len(vocabulary), [0], vocabulary=vocabulary).constraint(validate_spec(spec))
+    at = 0
+    while at < len(text):
+        marker = next((m for m in MARKERS if text.startswith(m, at)), None)
+        token = vocabulary.index(marker or text[at])
+        if not constraint.accept(token):
+            return False
+        at += len(marker or text[at])
+    return constraint.accept(0) and constraint.finished
+
+
+@pytest.mark.parametrize("parallel, answer, taken", [
+    (None, False, {"text alone", "a strict call", "two calls", "the format's JSON"}),  # JSON is text too
+    (False, False, {"text alone", "a strict call", "the format's JSON"}),
+    (None, True, {"two calls", "the format's JSON"}),
+])
+def test_the_calls_tag_holds_calls_to_their_tools(parallel, answer, taken):
+    fmt = {"type": "json_schema", "json_schema": PERSON} if answer else None
+    spec = {"kind": "structural_tag", "value": calls_tag(FUNCTIONS, parallel, fmt)}
+    assert {name for name, text in TEXTS.items() if _accepts(spec, text)} == taken

@@ -1,17 +1,26 @@
-"""Forced tool calls (tool_choice "required" or a named function): the JSON an answer is held to,
-and the calls read from it as it streams.
+"""Tool calls held to a grammar: the JSON a forced call is written as, the structural tag that
+holds an auto-mode answer's calls to their tools, and the calls read from forced JSON as it streams.
 
-The answer is not left to the model's call format: it is constrained to JSON (engine/structured.py),
-as vLLM does. For a named function it is the call's arguments; for "required", a list of
-{"name", "parameters"} objects, one per call. Both stream as OpenAI streams calls: a call's id and
-name first, then its arguments in pieces, which are the text the model wrote (blanks around them
-left out). A whole answer gives what its stream sends, put together; a call cut short (max_tokens)
-keeps what was written, and finish_reason "length" tells it.
+A forced call (tool_choice "required" or a named function) is not left to the model's format: the
+answer is constrained to JSON (engine/structured.py), as vLLM does. For a named function it is the
+call's arguments; for "required", a list of {"name", "parameters"} objects, one per call. Both
+stream as OpenAI streams calls: a call's id and name first, then its arguments in pieces, which are
+the text the model wrote (blanks around them left out). A whole answer gives what its stream
+sends, put together; a call cut short (max_tokens) keeps what was written, and finish_reason
+"length" tells it.
+
+In auto mode the model writes its calls in its own format (app/tool_calls.py reads them). When a
+tool is strict (OpenAI's `strict: true`) or the answer has a response_format, that format is held to
+a structural tag: each call between DeepSeek's markers, its name one of the tools', its arguments
+a strict tool's schema (any JSON object for the others).
 """
 from __future__ import annotations
 
 import json
 import uuid
+
+from engine.structured import MAX_WHITESPACE
+from engine.tokenizer import CALL_BEGIN, CALL_END, CALL_SEP, CALLS_BEGIN, CALLS_END
 
 _BLANKS = " \t\r\n"
 
@@ -26,6 +35,25 @@ def forced_call_schema(functions: list[dict], forced: str, parallel: bool | None
     call = {"anyOf": [{"type": "object", "properties": {"name": {"const": f["name"]}, "parameters": parameters(f)},
                        "required": ["name", "parameters"]} for f in functions]}
     return {"type": "array", "items": call, "minItems": 1, **({"maxItems": 1} if parallel is False else {})}
+
+
+def calls_tag(functions: list[dict], parallel: bool | None = None, answer: dict | None = None) -> dict:
+    """The structural tag an auto-mode answer with these tools (each {"name", "parameters",
+    "strict"}) is held to. Without `answer`: any text, then at most one block of calls, after which
+    the answer ends. With `answer` (a structural-tag format: a response_format's JSON): either that
+    answer or the calls. parallel False: one call in the block."""
+    def arguments(f: dict) -> dict:
+        return (f.get("parameters") or {"type": "object"}) if f.get("strict") else {"type": "object"}
+    tags = [{"type": "tag", "begin": f"{CALL_BEGIN}{f['name']}{CALL_SEP}", "end": CALL_END,
+             "content": {"type": "json_schema", "json_schema": arguments(f), "max_whitespace_cnt": MAX_WHITESPACE}}
+            for f in functions]
+    calls = {"type": "tag", "begin": CALLS_BEGIN, "end": CALLS_END, "content": {
+        "type": "tags_with_separator", "tags": tags, "separator": "", "at_least_one": True,
+        "stop_after_first": parallel is False}}
+    if answer is not None:
+        return {"type": "structural_tag", "format": {"type": "or", "elements": [answer, calls]}}
+    return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [CALLS_BEGIN],
+                                                 "tags": [calls], "at_least_one": False, "stop_after_first": True}}
 
 
 def forced_calls(text: str, forced: str) -> list[dict]:
