@@ -15,6 +15,9 @@ the batch asking for the same kind. Two figures a kind, medians over `--iters` c
 
 For the kinds that cut with top-k or top-p, the same call with the sampler's reference filter
 (`Sampler.filter_by_sort`: sorting whole rows) is timed beside it, in the columns `sort ...`.
+With --flashinfer, FlashInfer's cuts are timed beside them too (`top_k_renorm_probs`,
+`top_p_renorm_probs` on the softmax, then the same exponential race), in the columns `fi ...`,
+with `fi same rows`: the share of rows whose kept tokens are exactly the engine's.
 
 The kinds are a greedy row, plain sampling (temperature), top-k 50, top-p 0.9, both, logprobs
 with 0, 5 and 20 alternatives, the three penalties (presence, frequency, repetition) over
@@ -80,6 +83,31 @@ def make_call(kind: str, batch: int, vocab: int, outputs: int, device: str, dtyp
     return call
 
 
+def flashinfer_calls(kind: str, batch: int, vocab: int, device: str, dtype: torch.dtype):
+    """(FlashInfer's cuts and sampling for this kind, as a closure; the share of rows whose kept
+    tokens match the engine's filter) on the same logits as make_call's."""
+    import flashinfer.sampling as fi
+
+    spec = KINDS[kind]
+    gen = torch.Generator().manual_seed(0)
+    logits = (torch.randn(batch, vocab, generator=gen) * 3).to(device, dtype)
+    top_p = torch.full((batch,), spec.get("top_p", 1.0), device=device)
+
+    def cut():
+        probs = (logits.float() / spec["temperature"]).softmax(-1)
+        if "top_k" in spec:
+            probs = fi.top_k_renorm_probs(probs, spec["top_k"])
+        return fi.top_p_renorm_probs(probs, top_p) if "top_p" in spec else probs
+
+    def call():
+        probs = cut()
+        return (probs / torch.empty_like(probs).exponential_(1.0)).argmax(-1)
+
+    ours = Sampler._filter(logits.float() / spec["temperature"], [SamplingParams(**spec)] * batch).isfinite()
+    same = (ours == (cut() > 0)).all(-1).float().mean().item()
+    return call, same
+
+
 def measure(call, device: str, iters: int) -> dict:
     for _ in range(3):
         call()
@@ -114,9 +142,12 @@ def main(argv=None) -> None:
     ap.add_argument("--outputs", type=int, default=1024, help="tokens each penalized row has produced")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--json", help="append each row to this file as a JSON line")
+    ap.add_argument("--flashinfer", action="store_true", help="time FlashInfer's top-k / top-p cuts beside ours")
     args = ap.parse_args(argv)
     dtype = getattr(torch, args.dtype)
-    print("| vocab | batch | kind | device ms | wall ms | sort device ms | sort wall ms |\n|---|---|---|---|---|---|---|")
+    print("| vocab | batch | kind | device ms | wall ms | sort device ms | sort wall ms |"
+          + (" fi device ms | fi wall ms | fi same rows |" if args.flashinfer else "")
+          + "\n|---|---|---|---|---|---|---|" + ("---|---|---|" if args.flashinfer else ""))
     fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
     for vocab in args.vocab:
         for batch in args.batches:
@@ -127,8 +158,14 @@ def main(argv=None) -> None:
                     sort = measure(make_call(kind, batch, vocab, args.outputs, args.device, dtype, SortingSampler()),
                                    args.device, args.iters)
                     row.update(sort_device_ms=sort["device_ms"], sort_wall_ms=sort["wall_ms"])
+                    if args.flashinfer:
+                        call, same = flashinfer_calls(kind, batch, vocab, args.device, dtype)
+                        theirs = measure(call, args.device, args.iters)
+                        row.update(fi_device_ms=theirs["device_ms"], fi_wall_ms=theirs["wall_ms"], fi_same_rows=same)
+                fi = (f" {fmt(row.get('fi_device_ms'))} | {fmt(row.get('fi_wall_ms'))} | {fmt(row.get('fi_same_rows'))} |"
+                      if args.flashinfer else "")
                 print(f"| {vocab} | {batch} | {kind} | {fmt(row['device_ms'])} | {fmt(row['wall_ms'])} | "
-                      f"{fmt(row.get('sort_device_ms'))} | {fmt(row.get('sort_wall_ms'))} |", flush=True)
+                      f"{fmt(row.get('sort_device_ms'))} | {fmt(row.get('sort_wall_ms'))} |{fi}", flush=True)
                 if args.json:
                     with open(args.json, "a") as f:
                         f.write(json.dumps(row) + "\n")

@@ -11,6 +11,8 @@ random allowed token after each fill (seeded), so the rows pass through keys, st
 and structure as a model's answer would. Figures:
 
 - compile_ms: the schema's first compile at this vocabulary, and a compile found in the cache;
+  tools_tag_compile_ms: the structural tag of 8 strict tools of this schema (app/call_grammars.py:
+  what an agent's turn with strict tools compiles once);
 - fill_us_per_row: median and 90th percentile of one row's fill (xgrammar's matcher);
 - step host ms: the fills of a batch one row at a time, every row constrained, plus the accept
   of each token; batch fill ms: the same fills as the engine runs them (fill_masks, over
@@ -36,6 +38,7 @@ import time
 
 import torch
 
+from app.call_grammars import calls_tag
 from engine.structured import FILL_THREADS, GrammarCompiler, fill_masks, validate_spec
 from wideep_kernels.token_mask import apply_token_mask, apply_token_mask_reference
 
@@ -150,10 +153,14 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     compiler.compile(spec["kind"], spec["value"])
     warm_ms = (time.perf_counter() - t0) * 1e3
+    tag = calls_tag([{"name": f"tool_{i}", "parameters": SCHEMA, "strict": True} for i in range(8)])
+    t0 = time.perf_counter()
+    compiler.compile("structural_tag", validate_spec({"kind": "structural_tag", "value": tag})["value"])
+    tag_ms = (time.perf_counter() - t0) * 1e3
     result = {"vocab": args.vocab, "tokenizer_info_ms": info_ms, "compile_ms": cold_ms, "cached_compile_ms": warm_ms,
-              "batches": []}
+              "tools_tag_compile_ms": tag_ms, "batches": []}
     print(f"vocabulary {args.vocab} (synthetic): tokenizer info {info_ms:.0f} ms, schema compile {cold_ms:.1f} ms, "
-          f"cached {warm_ms:.3f} ms")
+          f"cached {warm_ms:.3f} ms; 8 strict tools' tag {tag_ms:.1f} ms")
     words = (args.vocab + 31) // 32
     print(f"| batch | fill us/row p50 | p90 | mean | step host ms, one row at a time (fills + accepts) | "
           f"batch fill ms ({FILL_THREADS} threads) | apply kernel ms | apply reference ms |")
