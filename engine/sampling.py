@@ -8,6 +8,9 @@ from functools import cached_property
 import numpy as np
 import torch
 
+from wideep_kernels import triton_ok
+from wideep_kernels.nucleus import nucleus_threshold
+
 from .structured import validate_spec
 
 
@@ -203,7 +206,8 @@ class Sampler:
         what is left, set to -inf; tokens tied with the last one kept are kept. Both cuts are
         found among each row's largest `C` logits (one topk: C is the largest k asked) instead of
         a sort of the whole vocabulary, which costs a batch of 64 rows of 129K tokens 1.4 ms on an
-        H200 against 0.5 for the topk (bench.sampling); a row with top-p alone needs its whole row
+        H200 against 0.5 for the topk (bench.sampling). A row with top-p alone needs its whole row:
+        on a GPU its cut is found without a sort (wideep_kernels/nucleus.py), elsewhere the row is
         sorted (C = vocab). The cuts become a threshold per row, so no scatter back to vocabulary
         order."""
         vocab = logits.shape[-1]
@@ -219,6 +223,13 @@ class Sampler:
         rows = host_to_device(logits.device, [[k - 1 if k else 0, not k, p, p == 1] for k, p in zip(top_k, top_p)],
                               torch.float32)
         k_index, no_k, p_row, no_p = rows[:, :1].long(), rows[:, 1:2] > 0, rows[:, 2:3], rows[:, 3:4] > 0
+        if whole_row and k_max <= Sampler.TOPK_LIMIT and triton_ok(logits):
+            floor = torch.full_like(p_row, float("-inf"))
+            if k_max:
+                floor = torch.where(no_k, floor, logits.topk(k_max, -1).values.gather(1, k_index))
+            cut = nucleus_threshold(logits, floor[:, 0], p_row[:, 0])[:, None]
+            threshold = torch.where(no_p, floor, torch.maximum(floor, cut))
+            return logits.masked_fill(logits < threshold, float("-inf"))
         width = vocab if whole_row else k_max
         if width > Sampler.TOPK_LIMIT:
             values = logits.sort(-1, descending=True).values

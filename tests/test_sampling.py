@@ -4,6 +4,7 @@ import torch
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling import Sampler, SamplingError, SamplingParams
+from kernel_devices import INTERPRETING
 
 
 @pytest.fixture(scope="module")
@@ -42,12 +43,20 @@ MIXES = {
 }
 
 
+@pytest.mark.parametrize("kernel", [False, True])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no GPU"))])
 @pytest.mark.parametrize("mix", list(MIXES))
-def test_filter_keeps_the_same_tokens_as_sorting_whole_rows(mix, device):
-    """The top-k / top-p cuts found among each row's largest logits keep exactly the tokens that
-    sorting whole rows keeps (distinct logits: the two may treat ties at the cut apart)."""
+def test_filter_keeps_the_same_tokens_as_sorting_whole_rows(mix, device, kernel, monkeypatch):
+    """The top-k / top-p cuts found among each row's largest logits, or for a nucleus without a
+    top-k by the nucleus kernel (the GPU's path; interpreted on a CPU), keep exactly the tokens
+    that sorting whole rows keeps (distinct logits: the two may treat ties at the cut apart)."""
+    import engine.sampling
+    import wideep_kernels.nucleus
+    if kernel and device == "cpu" and not INTERPRETING:
+        pytest.skip("the kernel runs on a CPU only under TRITON_INTERPRET=1")
+    for module in (engine.sampling, wideep_kernels.nucleus):
+        monkeypatch.setattr(module, "triton_ok", lambda t: kernel)
     g = torch.Generator().manual_seed(3)
     rows = MIXES[mix] * 3
     vocab = 4096
@@ -68,6 +77,8 @@ def test_filter_keeps_the_same_tokens_as_sorting_whole_rows(mix, device):
         if kw.get("top_k"):
             assert n <= kw["top_k"]
     assert min(kept) >= 1 and len(set(kept)) > 1  # the cuts did cut, to different widths
+    import wideep_kernels
+    assert "nucleus_threshold" not in wideep_kernels._unusable  # the kernel ran, not its fallback
 
 
 @pytest.mark.parametrize("extra", [{}, dict(top_p=0.5), dict(top_k=5, top_p=0.5), dict(top_k=3)])

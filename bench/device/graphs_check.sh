@@ -12,7 +12,7 @@
 # bench/forward.py; then the same on .devpack/old, which must hold the tree before the change:
 # `git show f507114~1:wideep_kernels/mla_decode.py`). PARTS picks some (default all but merge,
 # about 9 minutes: past one call's 10-minute limit on a slow start, so `PARTS="tests turns"` then
-# `PARTS="serve ep"`, then `PARTS=merge`). `PARTS=structured`: structured output's tests, and
+# `PARTS="serve ep"`, then `PARTS=merge`). `PARTS=structured`: structured output's tests and the nucleus kernel's, and
 # bench/structured.py and bench/sampling.py at DeepSeek's vocabulary (about 6 minutes).
 source bench/device/setup.sh
 PARTS=${PARTS:-tests serve turns ep}  # and merge, structured
@@ -33,7 +33,8 @@ if has structured; then
   # the thirty-seventh session's structured output and deferred sampling, and the sampler's final
   # top-p path (.devpack/pydantic-site.tgz from bench/device/pack_pydantic.sh carries xgrammar)
   t 240 python3 -m pytest -q -p no:cacheprovider tests/test_structured_output.py tests/test_penalties.py \
-    tests/test_async_scheduling.py tests/test_sampling.py tests/test_prompt_logprobs.py > "$OUT/structured_tests.log" 2>&1
+    tests/test_async_scheduling.py tests/test_sampling.py tests/test_prompt_logprobs.py tests/test_kernel_nucleus.py \
+    tests/test_call_grammars.py > "$OUT/structured_tests.log" 2>&1
   tail -n 3 "$OUT/structured_tests.log"; grep -a FAILED "$OUT/structured_tests.log"
   t 200 python3 -m bench.structured --device cuda --vocab 129280 --batches 1 16 64 --engine-preset bench \
     --json "$OUT/structured.jsonl" > "$OUT/structured.log" 2>&1
