@@ -37,19 +37,24 @@ def forced_call_schema(functions: list[dict], forced: str, parallel: bool | None
     return {"type": "array", "items": call, "minItems": 1, **({"maxItems": 1} if parallel is False else {})}
 
 
-def calls_tag(functions: list[dict], parallel: bool | None = None, answer: dict | None = None) -> dict:
+def calls_tag(functions: list[dict], parallel: bool | None = None, answer: dict | None = None,
+              v3: bool = False) -> dict:
     """The structural tag an auto-mode answer with these tools (each {"name", "parameters",
     "strict"}) is held to. Without `answer`: any text, then at most one block of calls, after which
     the answer ends. With `answer` (a structural-tag format: a response_format's JSON): either that
-    answer or the calls. parallel False: one call in the block."""
+    answer or the calls. parallel False: one call in the block. v3: the calls in DeepSeek-V3's and
+    R1's form (`function`, the name, the arguments in a ```json block, a line between calls), as
+    their chat templates write them; else V3.1's."""
     def arguments(f: dict) -> dict:
         return (f.get("parameters") or {"type": "object"}) if f.get("strict") else {"type": "object"}
-    tags = [{"type": "tag", "begin": f"{CALL_BEGIN}{f['name']}{CALL_SEP}", "end": CALL_END,
-             "content": {"type": "json_schema", "json_schema": arguments(f), "max_whitespace_cnt": MAX_WHITESPACE}}
-            for f in functions]
+
+    def tag(f: dict) -> dict:
+        begin, end = (f"function{CALL_SEP}{f['name']}\n```json\n", "\n```") if v3 else (f"{f['name']}{CALL_SEP}", "")
+        return {"type": "tag", "begin": CALL_BEGIN + begin, "end": end + CALL_END, "content": {
+            "type": "json_schema", "json_schema": arguments(f), "max_whitespace_cnt": MAX_WHITESPACE}}
     calls = {"type": "tag", "begin": CALLS_BEGIN, "end": CALLS_END, "content": {
-        "type": "tags_with_separator", "tags": tags, "separator": "", "at_least_one": True,
-        "stop_after_first": parallel is False}}
+        "type": "tags_with_separator", "tags": [tag(f) for f in functions], "separator": "\n" if v3 else "",
+        "at_least_one": True, "stop_after_first": parallel is False}}
     if answer is not None:
         return {"type": "structural_tag", "format": {"type": "or", "elements": [answer, calls]}}
     return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [CALLS_BEGIN],

@@ -57,6 +57,14 @@ class ModelConfig(_Strict):
                     "'deepseek_v3' for DeepSeek-V3.1, which thinks when a request sets "
                     "`chat_template_kwargs: {thinking: true}`. Unset: the thinking stays in `content`.",
     )
+    tool_call_parser: Literal["deepseek_v31", "deepseek_v3"] = Field(
+        "deepseek_v31",
+        description="The form the model writes tool calls in, named as vLLM's tool-call parsers are: "
+                    "'deepseek_v31' (DeepSeek-V3.1 and later: the name, a separator, the JSON arguments) "
+                    "or 'deepseek_v3' (DeepSeek-V3 and R1: `function`, the name, the arguments in a "
+                    "```json block). Calls in either form are read from answers; strict tools' calls are "
+                    "held to this one.",
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> "ModelConfig":

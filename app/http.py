@@ -41,7 +41,7 @@ def error_response(exc: APIError) -> JSONResponse:
 
 def build_http_app(backend: Backend, *, session_header: str = "x-session-id", max_body_bytes: int = 1_000_000,
                    max_tokens_limit: int | None = None, api_key: str | None = None,
-                   reasoning_parser: str | None = None) -> Starlette:
+                   reasoning_parser: str | None = None, tool_call_parser: str = "deepseek_v31") -> Starlette:
     expected_auth = f"Bearer {api_key}".encode() if api_key else None
 
     def check_auth(request: Request) -> None:
@@ -84,7 +84,7 @@ def build_http_app(backend: Backend, *, session_header: str = "x-session-id", ma
             raise bad_request("the request body contains an unpaired UTF-16 surrogate escape") from None
         return value
 
-    service = OpenAIService(backend, max_tokens_limit, reasoning_parser)
+    service = OpenAIService(backend, max_tokens_limit, reasoning_parser, tool_call_parser)
 
     async def chat_completions(request: Request) -> Response:
         return await handle(request, "chat")

@@ -85,4 +85,4 @@ def build_app(args: dict | None = None):
     return Ingress.options(ray_actor_options=cpu_only or {"num_cpus": cfg.placement.ingress_cpus},
                            max_ongoing_requests=2 * capacity + 16).bind(
         decode, cfg.model.served_name, max_model_len, cfg.routing.model_dump(), cfg.http.model_dump(), capacity,
-        reasoning_parser=cfg.model.reasoning_parser)
+        reasoning_parser=cfg.model.reasoning_parser, tool_call_parser=cfg.model.tool_call_parser)

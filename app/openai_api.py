@@ -376,7 +376,7 @@ def chat_tools(req: ChatCompletionRequest | TokenizeRequest) -> list[dict] | Non
     return [{"type": "function", "function": t.function.model_dump(exclude_none=True)} for t in req.tools]
 
 
-def structured_output(req: _SamplingFields) -> tuple[dict | None, str | None]:
+def structured_output(req: _SamplingFields, tool_call_parser: str = "deepseek_v31") -> tuple[dict | None, str | None]:
     """The engine's structured_output (engine/structured.py) a request asks for through
     response_format, structured_outputs, a forced tool call or its tools, and the field that
     asked; a 400 when two ask that cannot both hold, or one is malformed.
@@ -384,7 +384,7 @@ def structured_output(req: _SamplingFields) -> tuple[dict | None, str | None]:
     A forced call is the whole answer, so a response_format has nothing to hold then (it holds
     the answer the model gives once the tools have answered). Tools in auto mode keep a
     response_format from shutting calls out: the answer is that format or the calls. They hold
-    the calls themselves when a tool is strict."""
+    the calls themselves when a tool is strict, in the form `tool_call_parser` names."""
     asked: list[tuple[str, dict]] = []
     rf = req.response_format
     schema = None  # a response_format's JSON schema
@@ -423,7 +423,8 @@ def structured_output(req: _SamplingFields) -> tuple[dict | None, str | None]:
         answer = None if schema is None else {"type": "json_schema", "json_schema": schema,
                                               "max_whitespace_cnt": MAX_WHITESPACE}
         asked = [("tools" if strict else "response_format",
-                  {"kind": "structural_tag", "value": calls_tag(functions, req.parallel_tool_calls, answer)})]
+                  {"kind": "structural_tag", "value": calls_tag(functions, req.parallel_tool_calls, answer,
+                                                                 v3=tool_call_parser == "deepseek_v3")})]
     if not asked:
         return None, None
     field, spec = asked[0]
@@ -449,7 +450,7 @@ _SAMPLING_ERROR_FIELD = re.compile(r"^invalid (\w+):")
 
 
 def sampling_params(req: _SamplingFields, *, default_max_tokens: int, max_model_len: int,
-                    max_tokens_limit: int | None = None) -> SamplingParams:
+                    max_tokens_limit: int | None = None, tool_call_parser: str = "deepseek_v31") -> SamplingParams:
     """Validated engine parameters; every problem is a 400 naming the field."""
     req.refuse_unsupported()
     # both limits are checked when both are given; the newer max_completion_tokens wins
@@ -496,7 +497,7 @@ def sampling_params(req: _SamplingFields, *, default_max_tokens: int, max_model_
         kwargs["logit_bias"] = _logit_bias(req.logit_bias)
     if req.top_k is not None:
         kwargs["top_k"] = -1 if req.top_k == 0 else req.top_k  # 0 means "off" in vLLM and SGLang too
-    kwargs["structured_output"] = structured_output(req)[0]
+    kwargs["structured_output"] = structured_output(req, tool_call_parser)[0]
     try:
         return SamplingParams(**kwargs)
     except SamplingError as e:

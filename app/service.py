@@ -89,11 +89,14 @@ def _wants_logprobs(engine_request: dict) -> bool:
 
 
 class OpenAIService:
-    def __init__(self, backend: Backend, max_tokens_limit: int | None = None, reasoning_parser: str | None = None):
-        """reasoning_parser: how chat answers' reasoning is told from their content (app/reasoning.py)."""
+    def __init__(self, backend: Backend, max_tokens_limit: int | None = None, reasoning_parser: str | None = None,
+                 tool_call_parser: str = "deepseek_v31"):
+        """reasoning_parser: how chat answers' reasoning is told from their content (app/reasoning.py);
+        tool_call_parser: the form strict tools' calls are held to (app/call_grammars.py)."""
         self.backend = backend
         self.max_tokens_limit = max_tokens_limit
         self.reasoning_parser = reasoning_parser
+        self.tool_call_parser = tool_call_parser
 
     # requests ---------------------------------------------------------------------------
     def parse(self, kind: Kind, body: Any) -> tuple[Any, dict]:
@@ -115,18 +118,19 @@ class OpenAIService:
             default_max = min(oa.COMPLETIONS_DEFAULT_MAX_TOKENS, b.max_model_len - 1)
         self._check_model(req.model)
         params = oa.sampling_params(req, default_max_tokens=default_max, max_model_len=b.max_model_len,
-                                    max_tokens_limit=self.max_tokens_limit)
+                                    max_tokens_limit=self.max_tokens_limit, tool_call_parser=self.tool_call_parser)
         if params.structured_output is not None and kind == "chat" and starts_in_reasoning(
                 self.reasoning_parser, template_kwargs):
             params.structured_output["reasoning_end"] = THINK_END  # the grammar holds for the answer, not the thinking
         forced = req.forced_tool_choice() if kind == "chat" else None
+        # the field a grammar that does not compile is blamed on
+        grammar_field = oa.structured_output(req, self.tool_call_parser)[1] if params.structured_output else None
         return req, {"request_id": responses.new_request_id(kind), "prompt": text, "prompt_token_ids": token_ids,
                      "messages": messages, "tools": tools, "chat_template_kwargs": template_kwargs,
                      "sampling": oa.sampling_dict(params), "n": req.n,
                      **({"prompt_only": True} if oa.scores_prompt_only(req) else {}),
                      **({"forced_tool_choice": forced} if forced is not None else {}),
-                     # the field a grammar that does not compile is blamed on
-                     **({"structured_field": oa.structured_output(req)[1]} if params.structured_output else {})}
+                     **({"structured_field": grammar_field} if grammar_field else {})}
 
     async def tokenize(self, body: Any) -> dict:
         """vLLM's /tokenize: the token ids the engine would run for a prompt or a conversation."""

@@ -82,10 +82,11 @@ class Ingress:
     """
 
     def __init__(self, decode_handle, model_name: str, max_model_len: int, routing: dict, http: dict,
-                 capacity: int | None = None, reasoning_parser: str | None = None):
+                 capacity: int | None = None, reasoning_parser: str | None = None,
+                 tool_call_parser: str = "deepseek_v31"):
         self.backend = ServeBackend(decode_handle, model_name, max_model_len, capacity)
-        self.reasoning_parser = reasoning_parser
-        self.service = OpenAIService(self.backend, http.get("max_tokens_limit"), reasoning_parser)
+        self.reasoning_parser, self.tool_call_parser = reasoning_parser, tool_call_parser
+        self.service = OpenAIService(self.backend, http.get("max_tokens_limit"), reasoning_parser, tool_call_parser)
         self.routing = routing
         self.http = http
 
@@ -98,7 +99,7 @@ class Ingress:
         return build_http_app(self.backend, session_header=self.routing["session_header"],
                               max_body_bytes=self.http["max_body_bytes"],
                               max_tokens_limit=self.http.get("max_tokens_limit"), api_key=api_key,
-                              reasoning_parser=self.reasoning_parser)
+                              reasoning_parser=self.reasoning_parser, tool_call_parser=self.tool_call_parser)
 
     async def chat(self, request, session_id: str | None = None) -> dict:
         """A chat completion (non-streaming)."""

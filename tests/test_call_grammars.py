@@ -7,6 +7,7 @@ import random
 import pytest
 
 from app.call_grammars import ForcedCallStream, calls_tag, forced_call_schema, forced_calls
+from app.tool_calls import split_tool_calls
 from engine.structured import GrammarCompiler, validate_spec
 from engine.tokenizer import CALL_BEGIN, CALL_END, CALL_SEP, CALLS_BEGIN, CALLS_END
 
@@ -122,7 +123,7 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 def _accepts(spec: dict, text: str) -> bool:
     """Whether a grammar compiled as the engine compiles it takes `text` and then ends: over a
     vocabulary of one token per character and per marker."""
-    chars = sorted({ch for t in TEXTS.values() for ch in t} | set("{}[]\",: 0123456789abcdefghijklmnopqrstuvwxyz"))
+    chars = sorted({ch for t in TEXTS.values() for ch in t} | set("{}[]\",: \n`0123456789abcdefghijklmnopqrstuvwxyz"))
     vocabulary = ["</s>"] + MARKERS + chars
     constraint = GrammarCompiler(None, len(vocabulary), [0], vocabulary=vocabulary).constraint(validate_spec(spec))
     at = 0
@@ -144,3 +145,16 @@ def test_the_calls_tag_holds_calls_to_their_tools(parallel, answer, taken):
     fmt = {"type": "json_schema", "json_schema": PERSON} if answer else None
     spec = {"kind": "structural_tag", "value": calls_tag(FUNCTIONS, parallel, fmt)}
     assert {name for name, text in TEXTS.items() if _accepts(spec, text)} == taken
+
+
+def test_the_calls_tag_in_deepseek_v3s_form():
+    """DeepSeek-V3's and R1's form: `function`, the name, the arguments in a ```json block, a line
+    between calls; V3.1's form is then refused, and the other way round."""
+    v3 = (f'Sure. {CALLS_BEGIN}{CALL_BEGIN}function{CALL_SEP}weather\n```json\n{{"city": "Oslo"}}\n```{CALL_END}\n'
+          f'{CALL_BEGIN}function{CALL_SEP}clock\n```json\n{{}}\n```{CALL_END}{CALLS_END}')
+    spec = {"kind": "structural_tag", "value": calls_tag(FUNCTIONS, v3=True)}
+    assert _accepts(spec, v3) and not _accepts(spec, TEXTS["a strict call"])
+    assert not _accepts(spec, v3.replace("Oslo", "Rome"))  # still held to the strict tool's schema
+    assert not _accepts({"kind": "structural_tag", "value": calls_tag(FUNCTIONS)}, v3)
+    assert split_tool_calls(v3) == ("Sure. ", [{"name": "weather", "arguments": '{"city": "Oslo"}'},
+                                               {"name": "clock", "arguments": "{}"}])

@@ -300,3 +300,23 @@ def test_a_forced_call_wins_over_a_response_format(raw):
     assert calls
     for call in calls:
         jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER["function"]["parameters"])
+
+
+def test_the_tool_call_parser_picks_the_form_strict_calls_are_held_to():
+    from app.config import parse_app_config
+    from app.service import OpenAIService
+
+    class Backend:
+        model_name, max_model_len = MODEL, 4096
+    body = _chat(tools=[_strict(WEATHER)])
+    forms = {}
+    for parser in ("deepseek_v31", "deepseek_v3"):
+        _, engine_request = OpenAIService(Backend(), tool_call_parser=parser).parse("chat", body)
+        spec = engine_request["sampling"]["structured_output"]
+        assert spec["kind"] == "structural_tag" and engine_request["structured_field"] == "tools"
+        forms[parser] = json.loads(spec["value"])["format"]["tags"][0]["content"]["tags"][0]["begin"]
+    assert forms == {"deepseek_v31": "<｜tool▁call▁begin｜>weather<｜tool▁sep｜>",
+                     "deepseek_v3": "<｜tool▁call▁begin｜>function<｜tool▁sep｜>weather\n```json\n"}
+    assert parse_app_config({"model": {"preset": "tiny"}}).model.tool_call_parser == "deepseek_v31"
+    with pytest.raises(Exception, match="tool_call_parser"):
+        parse_app_config({"model": {"preset": "tiny", "tool_call_parser": "hermes"}})
