@@ -14,6 +14,9 @@ from wideep_kernels.nucleus import nucleus_threshold
 from .structured import validate_spec
 
 
+FP32_MAX = torch.finfo(torch.float32).max
+
+
 class SamplingError(ValueError):
     """An invalid sampling parameter, named in the message."""
 
@@ -176,7 +179,9 @@ class Sampler:
         logits = logits.float()
         out = logits.argmax(-1)
         dev = logits.device
-        both = host_to_device(dev, [[i, params[i].temperature] for i in rows], torch.float32)  # one copy
+        # one copy; a temperature past fp32's range would be inf there, and a logit masked to -inf
+        # (a grammar, min_tokens) divided by it NaN, which the argmax could pick
+        both = host_to_device(dev, [[i, min(params[i].temperature, FP32_MAX)] for i in rows], torch.float32)
         idx = both[:, 0].long()
         sub = logits[idx]
         probs = self._filter(sub / both[:, 1:], [params[i] for i in rows]).softmax(-1)

@@ -125,6 +125,22 @@ def test_sampled_outputs_follow_the_grammar(recording, spec, check):
         check(o.text)
 
 
+def test_a_temperature_past_fp32s_range_still_keeps_to_the_grammar_and_min_tokens(recording):
+    """A huge temperature (the API lets any finite one through, as vLLM does) is inf in fp32; the
+    masked logits divided by it were NaN, which the argmax could pick: a token the grammar bars,
+    or an end of sequence before min_tokens."""
+    spec = {"kind": "regex", "value": REGEX}
+    requests = {f"hot{i}": (PROMPT, _params(spec, temperature=1e300, seed=i)) for i in range(3)}
+    requests["min"] = (PROMPT, SamplingParams(max_tokens=12, min_tokens=12, temperature=6.7e307, seed=5,
+                                              stop_token_ids=list(range(40))))
+    outs, _ = _run(recording, requests)
+    for i in range(3):
+        reference = recording.prompts.grammars.constraint({"kind": "regex", "value": REGEX, "reasoning_end": None})
+        assert all(reference.accept(t) for t in outs[f"hot{i}"].output_token_ids), outs[f"hot{i}"].text
+    assert len(outs["min"].output_token_ids) == 12 and outs["min"].finish_reason == "length"
+    assert not set(outs["min"].output_token_ids) & (set(range(40)) | {recording.eos_token_id})
+
+
 def test_logprobs_report_the_model_distribution_not_the_masked_one(recording):
     spec = {"kind": "choice", "value": ["alpha", "beta"]}
     outs, _ = _run(recording, {"c": (PROMPT, _params(spec, temperature=0, logprobs=5)),
