@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
-# One GPU, a few minutes: the nucleus kernel's GPU tests and its cost against the sort
-# (bench.sampling at DeepSeek's vocabulary), then structured output's GPU tests and its decode
-# steps (bench.structured). Carry .devpack/pydantic-site.tgz (bench/device/pack_pydantic.sh).
+# One GPU, a few minutes, the most wanted first (a run cut short keeps what it wrote): the nucleus
+# kernel's GPU tests and its cost against the sort (bench.sampling at DeepSeek's vocabulary), then
+# structured output's GPU tests and its decode steps (bench.structured). Carry
+# .devpack/pydantic-site.tgz (bench/device/pack_pydantic.sh).
 source bench/device/setup.sh
 t() { local s=$1; shift; local t0=$SECONDS; timeout "$s" "$@"; echo "rc=$? $((SECONDS - t0))s $*" >> "$OUT/steps.txt"; }
-t 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernel_nucleus.py tests/test_sampling.py \
-  tests/test_structured_output.py tests/test_call_grammars.py > "$OUT/tests.log" 2>&1
+t 120 python3 -m pytest -q -p no:cacheprovider tests/test_kernel_nucleus.py tests/test_sampling.py > "$OUT/tests.log" 2>&1
 tail -n 3 "$OUT/tests.log"; grep -a FAILED "$OUT/tests.log"
 t 100 python3 -m bench.sampling --device cuda --batches 1 16 64 --vocab 129280 \
   --kinds temperature top_k=50 top_p=0.9 top_k+top_p --json "$OUT/sampling.jsonl" > "$OUT/sampling.log" 2>&1
 cat "$OUT/sampling.log"
+t 120 python3 -m pytest -q -p no:cacheprovider tests/test_structured_output.py tests/test_call_grammars.py \
+  > "$OUT/structured_tests.log" 2>&1
+tail -n 3 "$OUT/structured_tests.log"; grep -a FAILED "$OUT/structured_tests.log"
 t 200 python3 -m bench.structured --device cuda --vocab 129280 --batches 1 16 64 --steps 20 \
   --engine-preset bench --engine-steps 30 --json "$OUT/structured.jsonl" > "$OUT/structured.log" 2>&1
 cat "$OUT/structured.log" "$OUT/steps.txt"
