@@ -25,7 +25,9 @@ SCRIPT = textwrap.dedent("""
 
     def recording_run(self, *args, grid, warmup, **kwargs):
         names = self.arg_names
-        plain = {names.index(a) if isinstance(a, str) else a for a in self.kwargs.get("do_not_specialize") or ()}
+        # as Triton reads do_not_specialize: by position or name, names not among the arguments ignored
+        listed = self.kwargs.get("do_not_specialize") or ()
+        plain = {i for i, name in enumerate(names) if i in listed or name in listed}
         sig = []
         for i, v in enumerate(args):
             if isinstance(v, torch.Tensor):
@@ -57,9 +59,15 @@ SCRIPT = textwrap.dedent("""
     p = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     long = prompts(83)[0]
     # (a context several times the warm-up's longest: row widths the warm-up never had)
+    outs = []
     for batch in ([long], prompts(2), prompts(39), prompts(7, 12, 30, 45, 61), prompts(*([9] * 16)),
                   [long + prompts(11)[0]], [long + prompts(3)[0], *prompts(50, 20)], prompts(300)):
-        engine.generate(batch, p)
+        outs += engine.generate(batch, p)
+    # sampled rows: a top-p without a top-k takes the nucleus kernel, beside rows with a top-k
+    sampled = [dict(temperature=0.8, top_p=0.9, seed=1), dict(temperature=0.7, top_p=0.5),
+               dict(temperature=1.0, top_k=5, top_p=0.8)]
+    outs += engine.generate(prompts(6, 9, 14), [SamplingParams(max_tokens=3, ignore_eos=True, **kw) for kw in sampled])
+    print("REASONS", sorted({o.finish_reason for o in outs}))
     new = sorted(k for k, v in builds.items() if v == "serve")
     print("KERNELS", sorted(kernels))
     print("NEW", len(new))
@@ -75,8 +83,9 @@ def test_serving_after_warmup_builds_no_new_kernel_variant(tiny_v4_ckpt):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     lines = r.stdout.splitlines()
     kernels = next(line for line in lines if line.startswith("KERNELS"))
+    assert "REASONS ['length']" in lines, "\n".join(lines[-40:])  # every request ran to its end
     assert "NEW 0" in lines, "\n".join(lines[-40:])
     # the warm-up went through the kernel path, not the references
     for name in ("_split_kernel", "_score_tile_kernel", "_select_kernel", "_radix_pass_kernel", "_emit_chunk_kernel",
-                 "_count_chunk_kernel", "_route_kernel", "_gate_up_kernel", "_align_one_kernel"):
+                 "_count_chunk_kernel", "_route_kernel", "_gate_up_kernel", "_align_one_kernel", "_mass_kernel"):
         assert name in kernels, kernels

@@ -51,24 +51,26 @@ def nucleus_threshold_reference(logits: torch.Tensor, floor: torch.Tensor, top_p
 if triton is not None:
     from .row_select import _key_to_score, _order_key
 
+    # row_ptr: each row's floor, then each row's top_p ([2 * rows] fp32, one fresh buffer: views of
+    # the caller's would be 16-byte aligned or not by batch size, and each case a build of its own)
     @triton.jit
-    def _chunk_logits(x_ptr, floor_ptr, row, chunk, vocab, stride, BLOCK: tl.constexpr):
+    def _chunk_logits(x_ptr, row_ptr, row, chunk, vocab, stride, BLOCK: tl.constexpr):
         cols = chunk * BLOCK + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + row.to(tl.int64) * stride + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
-        return tl.where(x >= tl.load(floor_ptr + row), x, float("-inf"))
+        return tl.where(x >= tl.load(row_ptr + row), x, float("-inf"))
 
     @triton.jit(do_not_specialize=["vocab", "stride"])
-    def _stats_kernel(x_ptr, floor_ptr, stats_ptr, vocab, stride, BLOCK: tl.constexpr):
+    def _stats_kernel(x_ptr, row_ptr, stats_ptr, vocab, stride, BLOCK: tl.constexpr):
         """Each chunk's largest logit and the sum of exp(logit - it) over the chunk."""
         row, chunk, chunks = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
-        x = _chunk_logits(x_ptr, floor_ptr, row, chunk, vocab, stride, BLOCK)
+        x = _chunk_logits(x_ptr, row_ptr, row, chunk, vocab, stride, BLOCK)
         m = tl.max(x, axis=0)
         s = tl.sum(tl.where(x > float("-inf"), tl.exp(x - m), 0.0), axis=0)
         tl.store(stats_ptr + (row * chunks + chunk) * 2, m)
         tl.store(stats_ptr + (row * chunks + chunk) * 2 + 1, s)
 
     @triton.jit
-    def _row_state(stats_ptr, p_ptr, part_ptr, state_ptr, row, rows, chunks, PASS: tl.constexpr,
+    def _row_state(stats_ptr, row_ptr, part_ptr, state_ptr, row, rows, chunks, PASS: tl.constexpr,
                    CHUNKS: tl.constexpr, SPLITS: tl.constexpr):
         """(the row's largest logit, the mass top_p asks for, and the key interval (lo, hi] that
         holds the threshold) before pass PASS: the same in every program of the row."""
@@ -77,7 +79,7 @@ if triton is not None:
         s_c = tl.load(stats_ptr + (row * chunks + c) * 2 + 1, mask=c < chunks, other=0.0)
         m = tl.max(m_c, axis=0)
         total = tl.sum(tl.where(m_c > float("-inf"), s_c * tl.exp(m_c - m), 0.0), axis=0)
-        target = tl.load(p_ptr + row) * total
+        target = tl.load(row_ptr + rows + row) * total
         # Invariant: the mass above key lo reaches the target (key 0 lies below every float's),
         # the mass above hi does not (nothing lies above the maximum).
         if PASS == 0:
@@ -97,15 +99,15 @@ if triton is not None:
         return m, target, lo, hi
 
     @triton.jit(do_not_specialize=["vocab", "stride", "rows", "chunks"])
-    def _mass_kernel(x_ptr, floor_ptr, p_ptr, stats_ptr, part_ptr, state_ptr, vocab, stride, rows, chunks,
+    def _mass_kernel(x_ptr, row_ptr, stats_ptr, part_ptr, state_ptr, vocab, stride, rows, chunks,
                      PASS: tl.constexpr, CHUNKS: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
         """Pass PASS: the chunk's mass above each split point of the row's interval."""
         row, chunk = tl.program_id(0), tl.program_id(1)
-        m, target, lo, hi = _row_state(stats_ptr, p_ptr, part_ptr, state_ptr, row, rows, chunks, PASS, CHUNKS, SPLITS)
+        m, target, lo, hi = _row_state(stats_ptr, row_ptr, part_ptr, state_ptr, row, rows, chunks, PASS, CHUNKS, SPLITS)
         if chunk == 0:  # for the next pass's programs
             tl.store(state_ptr + (PASS * rows + row) * 2, lo)
             tl.store(state_ptr + (PASS * rows + row) * 2 + 1, hi)
-        x = _chunk_logits(x_ptr, floor_ptr, row, chunk, vocab, stride, BLOCK)
+        x = _chunk_logits(x_ptr, row_ptr, row, chunk, vocab, stride, BLOCK)
         key = _order_key(x).to(tl.int64)
         w = tl.where(x > float("-inf"), tl.exp(x - m), 0.0)
         out = part_ptr + ((PASS * rows + row) * chunks + chunk) * SPLITS
@@ -114,10 +116,10 @@ if triton is not None:
             tl.store(out + k, tl.sum(tl.where(key > split, w, 0.0), axis=0))
 
     @triton.jit(do_not_specialize=["rows", "chunks"])
-    def _threshold_kernel(stats_ptr, p_ptr, part_ptr, state_ptr, out_ptr, rows, chunks,
+    def _threshold_kernel(stats_ptr, row_ptr, part_ptr, state_ptr, out_ptr, rows, chunks,
                           PASS: tl.constexpr, CHUNKS: tl.constexpr, SPLITS: tl.constexpr):
         row = tl.program_id(0)
-        _, _, _, hi = _row_state(stats_ptr, p_ptr, part_ptr, state_ptr, row, rows, chunks, PASS, CHUNKS, SPLITS)
+        _, _, _, hi = _row_state(stats_ptr, row_ptr, part_ptr, state_ptr, row, rows, chunks, PASS, CHUNKS, SPLITS)
         # every logit with a key from hi up is kept, every one at lo or under is not
         tl.store(out_ptr + row, _key_to_score(hi.to(tl.uint32)))
 
@@ -134,16 +136,16 @@ def nucleus_threshold_triton(logits: torch.Tensor, floor: torch.Tensor, top_p: t
     if not rows:
         return out
     chunks = triton.cdiv(vocab, _BLOCK)
-    floor, top_p = floor.float().contiguous(), top_p.float().contiguous()
+    row_params = torch.cat([floor.float(), top_p.float()])
     stats = torch.empty(rows, chunks, 2, dtype=torch.float32, device=x.device)
     part = torch.empty(_PASSES, rows, chunks, _SPLITS, dtype=torch.float32, device=x.device)
     state = torch.empty(_PASSES, rows, 2, dtype=torch.int64, device=x.device)
     consts = dict(CHUNKS=triton.next_power_of_2(chunks), SPLITS=_SPLITS)
-    _stats_kernel[(rows, chunks)](x, floor, stats, vocab, x.stride(0), BLOCK=_BLOCK, num_warps=8)
+    _stats_kernel[(rows, chunks)](x, row_params, stats, vocab, x.stride(0), BLOCK=_BLOCK, num_warps=8)
     for p in range(_PASSES):
-        _mass_kernel[(rows, chunks)](x, floor, top_p, stats, part, state, vocab, x.stride(0), rows, chunks,
+        _mass_kernel[(rows, chunks)](x, row_params, stats, part, state, vocab, x.stride(0), rows, chunks,
                                      PASS=p, BLOCK=_BLOCK, num_warps=8, **consts)
-    _threshold_kernel[(rows,)](stats, top_p, part, state, out, rows, chunks, PASS=_PASSES, **consts)
+    _threshold_kernel[(rows,)](stats, row_params, part, state, out, rows, chunks, PASS=_PASSES, **consts)
     return out
 
 
