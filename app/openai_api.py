@@ -417,7 +417,10 @@ def structured_output(req: _SamplingFields, tool_call_parser: str = "deepseek_v3
     if len(asked) > 1:
         raise bad_request(f"{asked[0][0]} and {asked[1][0]} both constrain the answer; give one",
                           param=asked[1][0])
-    strict = any(f.get("strict") for f in functions)
+    strict = any(f.get("strict") for f in functions) and forced is None and req.tool_choice != "none"
+    if strict and asked and asked[0][0] == "structured_outputs":
+        raise bad_request("structured_outputs and strict tools both constrain the answer; give one",
+                          param="structured_outputs")
     if chat and functions and forced is None and req.tool_choice != "none" and (
             strict or asked and asked[0][0] == "response_format"):
         answer = None if schema is None else {"type": "json_schema", "json_schema": schema,

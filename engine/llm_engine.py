@@ -16,9 +16,9 @@ from .errors import ContextLengthError, RequestError
 from .logprobs import logprob_records, token_logprobs
 from .model import DeepseekForCausalLM
 from .model_runner import ModelRunner
+from .prompts import PromptReader
 from .sampling import SamplingParams, host_to_device
 from .scheduler import ScheduledBatch, Scheduler
-from .prompts import PromptReader
 from .sequence import RequestOutput, Sequence
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 

@@ -38,6 +38,10 @@ def _chat(**kw):
     return dict(dict(model=MODEL, messages=MESSAGES, max_tokens=80, temperature=0.8, seed=1), **kw)
 
 
+def _strict(tool: dict) -> dict:
+    return {"type": "function", "function": dict(tool["function"], strict=True)}
+
+
 def _seeds(raw, path, body, seeds=range(4)):
     """Responses for a few seeds: the tiny model's random weights may wander past max_tokens on
     one, so checks that need a complete answer take those that stopped."""
@@ -180,6 +184,8 @@ BAD = {
         "name": "f", "parameters": {"type": "nope"}}}], tool_choice="required"), "tool_choice!"),
     "a strict tool whose schema does not compile": (CHAT, _chat(tools=[{"type": "function", "function": {
         "name": "f", "parameters": {"type": "nope"}, "strict": True}}]), "tools!"),
+    "strict tools beside vLLM's form": (CHAT, _chat(tools=[_strict(WEATHER)], structured_outputs={"regex": "a"}),
+                                        "structured_outputs"),
     "strict not a boolean": (CHAT, _chat(tools=[{"type": "function", "function": {
         "name": "f", "strict": "yes"}}]), "tools"),
 }
@@ -233,10 +239,6 @@ def test_request_models_keep_their_aliased_fields():
 def _calls_begin(raw) -> int:
     (token,) = raw.post("/tokenize", json={"model": MODEL, "prompt": CALLS_BEGIN}).json()["tokens"]
     return token
-
-
-def _strict(tool: dict) -> dict:
-    return {"type": "function", "function": dict(tool["function"], strict=True)}
 
 
 def _answers(responses: list[dict]) -> tuple[list[dict], list[dict]]:
