@@ -229,8 +229,8 @@ class CompletionRequest(_SamplingFields):
     def refuse_unsupported(self) -> None:
         if self.best_of not in (None, 1):
             raise bad_request(f"only best_of=1 is supported, got {self.best_of}", param="best_of")
-        if self.suffix:
-            raise bad_request("suffix (insertion) is not supported", param="suffix")
+        if self.suffix and self.echo:  # the prompt echoed would be the prefix, apart from the suffix
+            raise bad_request("echo cannot be combined with suffix", param="suffix")
 
     def engine_logprobs(self) -> int | None:
         if self.logprobs is not None and not 0 <= self.logprobs <= SamplingParams.MAX_LOGPROBS:
@@ -437,15 +437,18 @@ def structured_output(req: _SamplingFields, tool_call_parser: str = "deepseek_v3
         raise bad_request(f"invalid {field}: {e}", param=field) from None
 
 
-def completion_prompt(req: CompletionRequest) -> tuple[str | None, list[int] | None]:
-    """(text prompt, token-id prompt): exactly one is set."""
+def completion_prompt(req: CompletionRequest) -> tuple[str | dict | None, list[int] | None]:
+    """(text prompt, token-id prompt): exactly one is set. With a suffix the text prompt is the
+    engine's fill-in-the-middle form, {"prefix", "suffix"}: DeepSeek's FIM completion."""
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
             raise bad_request(f"only one prompt per request is supported, got {len(prompt)}", param="prompt")
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return prompt, None
+        return ({"prefix": prompt, "suffix": req.suffix} if req.suffix else prompt), None
+    if req.suffix:
+        raise bad_request("suffix needs a text prompt (the middle is found between two texts)", param="suffix")
     return None, list(prompt)
 
 

@@ -113,8 +113,10 @@ def _unsupported_fields(chat: dict, completion: dict) -> None:
             if branch.get("type") == "integer":
                 branch["minimum"] = 0
     _set_branch(completion["best_of"], {"type": "integer", "enum": [1]})
-    _set_branch(completion["suffix"], {"type": "string", "maxLength": 0})
-    completion["suffix"]["description"] = "Not supported: only empty."
+    completion["suffix"]["description"] = (
+        "Fill in the middle: the completion is what goes between the prompt (a text) and this text, "
+        "as DeepSeek's FIM completion. Needs a model whose tokenizer has the fill-in-the-middle tokens; "
+        "not with echo.")
     chat["tools"]["description"] = ("Functions the model may call (DeepSeek's tool-call format); its calls come "
                                     "back as message.tool_calls with finish_reason \"tool_calls\".")
     chat["tool_choice"]["description"] = (

@@ -257,8 +257,9 @@ def random_weights(cfg: ModelConfig, seed: int = 0, std: float = 0.02, device="c
 
 RANDOM_MARKER = "random_weights.json"
 # What a preset's random checkpoint holds; one written by an older format is written again:
-# 1 masked output rows, 2 the tokenizer's tool-call markers, 3 its think markers.
-RANDOM_FORMAT = 3
+# 1 masked output rows, 2 the tokenizer's tool-call markers, 3 its think markers, 4 its fill-in-the-middle
+# markers.
+RANDOM_FORMAT = 4
 
 
 def mask_output_rows(weight: torch.Tensor, keep: list[int]) -> torch.Tensor:

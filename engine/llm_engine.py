@@ -185,11 +185,12 @@ class LLMEngine:
         return cls(model, Tokenizer(path), cfg, ep)
 
     # requests ---------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | list[int] | None = None,
+    def add_request(self, request_id: str, prompt: str | list[int] | dict | None = None,
                     params: SamplingParams | None = None, messages: list[dict] | None = None,
                     hold_kv: bool = False, tools: list[dict] | None = None,
                     prior_output_ids: list[int] | None = None, chat_template_kwargs: dict | None = None) -> Sequence:
-        """Queue a request. hold_kv (prefill servers): keep its KV blocks after it finishes,
+        """Queue a request. prompt: text, token ids, or {"prefix", "suffix"} (fill in the middle: the
+        model writes what goes between them). hold_kv (prefill servers): keep its KV blocks after it finishes,
         until release_held(), so they can be sent to a decode engine. tools: function definitions
         the chat template describes to the model (with messages); chat_template_kwargs: more
         variables for the template (e.g. DeepSeek-V3.1's `thinking`). prior_output_ids: the end of

@@ -40,6 +40,15 @@ class PromptReader:
             if self.tokenizer is None:
                 raise RequestError("a text prompt needs a tokenizer")
             ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, dict):  # fill in the middle: {"prefix", "suffix"}, both text
+            if self.tokenizer is None:
+                raise RequestError("a fill-in-the-middle prompt needs a tokenizer")
+            if set(prompt) != {"prefix", "suffix"} or not all(isinstance(v, str) for v in prompt.values()):
+                raise RequestError("a fill-in-the-middle prompt is {prefix, suffix}, both text")
+            try:
+                ids = self.tokenizer.fill_in_middle(prompt["prefix"], prompt["suffix"])
+            except ValueError as e:
+                raise RequestError(str(e)) from None
         elif isinstance(prompt, (list, tuple)):
             ids = list(prompt)
             if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
@@ -48,7 +57,8 @@ class PromptReader:
             if bad:
                 raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
         else:
-            raise RequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+            raise RequestError(f"prompt must be a string, a list of token ids or {{prefix, suffix}}, "
+                               f"got {type(prompt).__name__}")
         if not ids:
             raise RequestError("prompt is empty")
         return ids

@@ -13,7 +13,10 @@ OUTPUT_BEGIN, OUTPUT_END = "<｜tool▁output▁begin｜>", "<｜tool▁output�
 TOOL_MARKERS = [CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, CALL_SEP, OUTPUT_BEGIN, OUTPUT_END]
 # A reasoning model's thinking comes between these (app/reasoning.py); text too, as in DeepSeek's tokenizer.
 THINK_BEGIN, THINK_END = "<think>", "</think>"
-TEXT_MARKERS = TOOL_MARKERS + [THINK_BEGIN, THINK_END]
+# Fill in the middle (a completion's `suffix`): the model writes what goes between a prefix and a
+# suffix given as BOS <begin> prefix <hole> suffix <end>, DeepSeek's layout; text tokens, as there.
+FIM_BEGIN, FIM_HOLE, FIM_END = "<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"
+TEXT_MARKERS = TOOL_MARKERS + [THINK_BEGIN, THINK_END, FIM_BEGIN, FIM_HOLE, FIM_END]
 
 # DeepSeek-style chat template: the tools described first, then system text, user/assistant turns
 # marked by special tokens, an assistant's tool calls and the tools' outputs by the markers. With
@@ -92,9 +95,22 @@ class Tokenizer:
         self.hf = AutoTokenizer.from_pretrained(str(path))
         self.eos_token_id = self.hf.eos_token_id
         self._token_texts: dict[int, str] = {}  # at most one entry per vocabulary token
+        vocab = self.hf.get_vocab()
+        fim = [vocab.get(m) for m in (FIM_BEGIN, FIM_HOLE, FIM_END)]
+        # None: the checkpoint's tokenizer has no fill-in-the-middle tokens (the model was not trained for it)
+        self.fim_ids: tuple[int, int, int] | None = None if None in fim else tuple(fim)
 
     def encode(self, text: str) -> list[int]:
         return self.hf.encode(text, add_special_tokens=False)
+
+    def fill_in_middle(self, prefix: str, suffix: str) -> list[int]:
+        """The prompt that asks for what goes between `prefix` and `suffix`."""
+        if self.fim_ids is None:
+            raise ValueError("this model's tokenizer has no fill-in-the-middle tokens "
+                             f"({FIM_BEGIN}, {FIM_HOLE}, {FIM_END})")
+        begin, hole, end = self.fim_ids
+        bos = [] if self.hf.bos_token_id is None else [self.hf.bos_token_id]
+        return bos + [begin] + self.encode(prefix) + [hole] + self.encode(suffix) + [end]
 
     def decode(self, ids: list[int]) -> str:
         return self.hf.decode(ids, skip_special_tokens=True)
