@@ -33,6 +33,8 @@ except Exception:  # the reference path must keep working where triton is absent
     triton = None
 
 _BLOCK = 4096
+_SUB = 512  # a mass program's logits per step: [SPLITS, SUB] sums in registers
+_PROGRAMS_WANTED = 256  # mass programs in all (two an SM of an H100) where rows allow
 _SPLITS = 16
 _PASSES = 8  # 16**8 = 2**32: an interval of every uint32 key closes to one
 
@@ -70,7 +72,7 @@ if triton is not None:
         tl.store(stats_ptr + (row * chunks + chunk) * 2 + 1, s)
 
     @triton.jit
-    def _row_state(stats_ptr, row_ptr, part_ptr, state_ptr, row, rows, chunks, PASS: tl.constexpr,
+    def _row_state(stats_ptr, row_ptr, part_ptr, state_ptr, row, rows, chunks, progs, PASS: tl.constexpr,
                    CHUNKS: tl.constexpr, SPLITS: tl.constexpr):
         """(the row's largest logit, the mass top_p asks for, and the key interval (lo, hi] that
         holds the threshold) before pass PASS: the same in every program of the row."""
@@ -89,8 +91,8 @@ if triton is not None:
             lo = tl.load(state_ptr + ((PASS - 1) * rows + row) * 2)
             hi = tl.load(state_ptr + ((PASS - 1) * rows + row) * 2 + 1)
             k = tl.arange(0, SPLITS)
-            above = tl.sum(tl.load(part_ptr + (((PASS - 1) * rows + row) * chunks + c[:, None]) * SPLITS + k[None, :],
-                                   mask=(c[:, None] < chunks) & (k[None, :] > 0), other=0.0), axis=0)
+            above = tl.sum(tl.load(part_ptr + (((PASS - 1) * rows + row) * progs + c[:, None]) * SPLITS + k[None, :],
+                                   mask=(c[:, None] < progs) & (k[None, :] > 0), other=0.0), axis=0)
             split = lo + ((hi - lo) * k) // SPLITS
             under = (above < target) & (k > 0)
             new_hi = tl.min(tl.where(under, split, hi), axis=0)
@@ -98,30 +100,48 @@ if triton is not None:
             hi = new_hi
         return m, target, lo, hi
 
-    @triton.jit(do_not_specialize=["vocab", "stride", "rows", "chunks"])
-    def _mass_kernel(x_ptr, row_ptr, stats_ptr, part_ptr, state_ptr, vocab, stride, rows, chunks,
-                     PASS: tl.constexpr, CHUNKS: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
-        """Pass PASS: the chunk's mass above each split point of the row's interval."""
-        row, chunk = tl.program_id(0), tl.program_id(1)
-        m, target, lo, hi = _row_state(stats_ptr, row_ptr, part_ptr, state_ptr, row, rows, chunks, PASS, CHUNKS, SPLITS)
-        if chunk == 0:  # for the next pass's programs
+    @triton.jit(do_not_specialize=["vocab", "stride", "rows", "chunks", "per_prog"])
+    def _mass_kernel(x_ptr, row_ptr, stats_ptr, part_ptr, state_ptr, vocab, stride, rows, chunks, per_prog,
+                     PASS: tl.constexpr, CHUNKS: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
+                     SUB: tl.constexpr):
+        """Pass PASS: the mass above each split point of the row's interval in the program's
+        `per_prog` chunks."""
+        row, prog, progs = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
+        m, target, lo, hi = _row_state(stats_ptr, row_ptr, part_ptr, state_ptr, row, rows, chunks, progs,
+                                       PASS, CHUNKS, SPLITS)
+        if prog == 0:  # for the next pass's programs
             tl.store(state_ptr + (PASS * rows + row) * 2, lo)
             tl.store(state_ptr + (PASS * rows + row) * 2 + 1, hi)
-        x = _chunk_logits(x_ptr, row_ptr, row, chunk, vocab, stride, BLOCK)
-        key = _order_key(x).to(tl.int64)
-        w = tl.where(x > float("-inf"), tl.exp(x - m), 0.0)
-        out = part_ptr + ((PASS * rows + row) * chunks + chunk) * SPLITS
-        for k in tl.static_range(1, SPLITS):
-            split = lo + ((hi - lo) * k) // SPLITS
-            tl.store(out + k, tl.sum(tl.where(key > split, w, 0.0), axis=0))
+        k = tl.arange(0, SPLITS)
+        # every split lies in [lo, hi], within the uint32 keys: compared in 32 bits
+        split = (lo + ((hi - lo) * k) // SPLITS).to(tl.uint32)
+        # the masses above every split point summed side by side, reduced once at the end: a
+        # block-wide sum per split point (15 barriers a chunk) cost more than the adds
+        acc = tl.zeros([SPLITS, SUB], dtype=tl.float32)
+        for i in range(per_prog):
+            for sub in tl.static_range(BLOCK // SUB):
+                part = ((prog * per_prog + i) * BLOCK) // SUB + sub  # past the row's end: masked
+                x = _chunk_logits(x_ptr, row_ptr, row, part, vocab, stride, SUB)
+                w = tl.where(x > float("-inf"), tl.exp(x - m), 0.0)
+                acc += tl.where(_order_key(x)[None, :] > split[:, None], w[None, :], 0.0)
+        out = part_ptr + ((PASS * rows + row) * progs + prog) * SPLITS
+        tl.store(out + k, tl.sum(acc, axis=1), mask=k > 0)
 
-    @triton.jit(do_not_specialize=["rows", "chunks"])
-    def _threshold_kernel(stats_ptr, row_ptr, part_ptr, state_ptr, out_ptr, rows, chunks,
+    @triton.jit(do_not_specialize=["rows", "chunks", "progs"])
+    def _threshold_kernel(stats_ptr, row_ptr, part_ptr, state_ptr, out_ptr, rows, chunks, progs,
                           PASS: tl.constexpr, CHUNKS: tl.constexpr, SPLITS: tl.constexpr):
         row = tl.program_id(0)
-        _, _, _, hi = _row_state(stats_ptr, row_ptr, part_ptr, state_ptr, row, rows, chunks, PASS, CHUNKS, SPLITS)
+        _, _, _, hi = _row_state(stats_ptr, row_ptr, part_ptr, state_ptr, row, rows, chunks, progs,
+                                 PASS, CHUNKS, SPLITS)
         # every logit with a key from hi up is kept, every one at lo or under is not
         tl.store(out_ptr + row, _key_to_score(hi.to(tl.uint32)))
+
+
+def chunks_per_program(rows: int, chunks: int) -> int:
+    """How many of a row's chunks one mass program adds up: each program first rebuilds its row's
+    state from every program's masses of the pass before, so a few long programs a row beat many
+    short ones, down to enough programs to fill the GPU."""
+    return max(1, min(chunks, chunks * rows // _PROGRAMS_WANTED))
 
 
 def nucleus_threshold_triton(logits: torch.Tensor, floor: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -136,16 +156,19 @@ def nucleus_threshold_triton(logits: torch.Tensor, floor: torch.Tensor, top_p: t
     if not rows:
         return out
     chunks = triton.cdiv(vocab, _BLOCK)
+    per_prog = chunks_per_program(rows, chunks)
+    progs = triton.cdiv(chunks, per_prog)
     row_params = torch.cat([floor.float(), top_p.float()])
     stats = torch.empty(rows, chunks, 2, dtype=torch.float32, device=x.device)
-    part = torch.empty(_PASSES, rows, chunks, _SPLITS, dtype=torch.float32, device=x.device)
+    part = torch.empty(_PASSES, rows, progs, _SPLITS, dtype=torch.float32, device=x.device)
     state = torch.empty(_PASSES, rows, 2, dtype=torch.int64, device=x.device)
+    # CHUNKS bounds the programs of a row too (one build for every batch size)
     consts = dict(CHUNKS=triton.next_power_of_2(chunks), SPLITS=_SPLITS)
     _stats_kernel[(rows, chunks)](x, row_params, stats, vocab, x.stride(0), BLOCK=_BLOCK, num_warps=8)
     for p in range(_PASSES):
-        _mass_kernel[(rows, chunks)](x, row_params, stats, part, state, vocab, x.stride(0), rows, chunks,
-                                     PASS=p, BLOCK=_BLOCK, num_warps=8, **consts)
-    _threshold_kernel[(rows,)](stats, row_params, part, state, out, rows, chunks, PASS=_PASSES, **consts)
+        _mass_kernel[(rows, progs)](x, row_params, stats, part, state, vocab, x.stride(0), rows, chunks, per_prog,
+                                    PASS=p, BLOCK=_BLOCK, SUB=_SUB, num_warps=8, **consts)
+    _threshold_kernel[(rows,)](stats, row_params, part, state, out, rows, chunks, progs, PASS=_PASSES, **consts)
     return out
 
 
