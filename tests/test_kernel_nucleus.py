@@ -50,13 +50,13 @@ def test_odd_rows(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 # the programs a row's 4 chunks are spread over: 4, 2, 2 (one holding a chunk past the row's end), 1
-@pytest.mark.parametrize("wanted", [256, 9, 7, 1])
+@pytest.mark.parametrize("wanted", [128, 9, 7, 1])
 def test_wide_rows_in_many_chunks_and_bf16(device, wanted, monkeypatch):
     """A vocabulary of many chunks (DeepSeek's 129,280 is 32 of them) and odd ends, added up by
     programs of one chunk or several; bf16 logits as the model gives them, ties and all."""
     monkeypatch.setattr(nucleus, "_PROGRAMS_WANTED", wanted)
     n, vocab = 6, 3 * 4096 + 77
-    assert nucleus.chunks_per_program(n, 4) == {256: 1, 9: 2, 7: 3, 1: 4}[wanted]
+    assert nucleus.chunks_per_program(n, 4) == {128: 1, 9: 2, 7: 3, 1: 4}[wanted]
     logits = torch.cat([_rows(3, vocab, seed=7, scale=3.0), _rows(3, vocab, seed=8, scale=0.3)])
     top_p = torch.tensor([0.2, 0.6, 0.9, 0.95, 0.99, 0.7])
     floor = torch.full((n,), float("-inf"))

@@ -34,7 +34,8 @@ except Exception:  # the reference path must keep working where triton is absent
 
 _BLOCK = 4096
 _SUB = 512  # a mass program's logits per step: [SPLITS, SUB] sums in registers
-_PROGRAMS_WANTED = 256  # mass programs in all (two an SM of an H100) where rows allow
+_PROGRAMS_WANTED = 128  # mass programs in all (about one an SM) where the rows allow
+_MOST_CHUNKS_PER_PROGRAM = 4
 _SPLITS = 16
 _PASSES = 8  # 16**8 = 2**32: an interval of every uint32 key closes to one
 
@@ -138,10 +139,11 @@ if triton is not None:
 
 
 def chunks_per_program(rows: int, chunks: int) -> int:
-    """How many of a row's chunks one mass program adds up: each program first rebuilds its row's
-    state from every program's masses of the pass before, so a few long programs a row beat many
-    short ones, down to enough programs to fill the GPU."""
-    return max(1, min(chunks, chunks * rows // _PROGRAMS_WANTED))
+    """How many of a row's chunks one mass program adds up. Each program first rebuilds its row's
+    state from every program's masses of the pass before, so past a few programs an SM, longer
+    programs win. On an H100 at 129,280 tokens (bench/RESULTS.md, thirty-ninth session) one chunk
+    a program was best at batch 1 and four at batches 16 and 64."""
+    return max(1, min(chunks, _MOST_CHUNKS_PER_PROGRAM, chunks * rows // _PROGRAMS_WANTED))
 
 
 def nucleus_threshold_triton(logits: torch.Tensor, floor: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
