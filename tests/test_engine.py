@@ -152,8 +152,10 @@ def test_request_errors_name_the_problem(tiny_ckpt):
         engine.add_request("none", None)
     with pytest.raises(RequestError, match="messages must be"):
         engine.add_request("msgs", messages=[{"role": "user"}])
-    with pytest.raises(RequestError, match="string or a list"):
+    with pytest.raises(RequestError, match="a string, a list of token ids or"):
         engine.add_request("type", 42)
+    with pytest.raises(RequestError, match="prefix, suffix"):
+        engine.add_request("fim", {"prefix": "a"})
     engine.add_request("ok", "hello")
     with pytest.raises(RequestError, match="duplicate request id"):
         engine.add_request("ok", "hello")
