@@ -92,7 +92,8 @@ def _exact_kept(logits, top_p):
     """Tokens each row keeps, its masses added in fp64: the cut the kernel and the fp32 sort both
     approximate. Over tens of thousands of tokens the fp32 sort's running sum drifts by more than a
     token's mass (the rows below: 1 token off in two of six; at 129,280 tokens up to 13); the
-    kernel's sums (each program's 512 running sums, then the programs') matched fp64 in every row tried."""
+    kernel's sums (each program's 512 running sums, then the programs') matched fp64 in the rows below,
+    and at 129,280 tokens in all but 1 of 81 random rows on an H100 (bench.nucleus_ab)."""
     ordered = logits.double().sort(-1, descending=True).values
     probs = ordered.softmax(-1)
     kept = ((probs.cumsum(-1) - probs) < top_p[:, None].double()).sum(-1, keepdim=True).clamp(min=1)
