@@ -23,6 +23,10 @@ and structure as a model's answer would. Figures:
 With --engine-preset (e.g. `bench`): decode steps of that preset's random model, its vocabulary
 made --vocab tokens, at each batch, every row plain, under a regex, under the JSON schema, or penalized;
 the grammars read the synthetic vocabulary, so a step's fills cost what they would at that size.
+Each row also says where the host's time went a step: fill_ms (the masks), wait_ms (blocked on the
+device: the step is bound by the GPU when this is most of step_ms) and busy_ms (the rest: the host
+is the bound when wait_ms is near 0). --profile-host prints the host's top functions (cProfile) over
+an extra pass of each mode at the largest batch.
 
     python -m bench.structured --device cuda --vocab 129280 --batches 1 16 64 --engine-preset bench
     python -m bench.structured --device cpu --vocab 2048 --batches 2 --engine-preset tiny --engine-steps 10
@@ -30,7 +34,10 @@ the grammars read the synthetic vocabulary, so a step's fills cost what they wou
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
 import json
+import pstats
 import random
 import statistics
 import string
@@ -86,6 +93,7 @@ def engine_part(args, vocab: list[str]) -> list[dict]:
     """Decode steps of the bench model with every row of one mode, async scheduling as configured
     (on by default on a GPU): a constrained or penalized row's step launches its forward ahead
     and samples once the previous token is read, its masks filled while the forward runs."""
+    import engine.model_runner as model_runner
     from bench.ep_decode import build
     from engine.config import EngineConfig, preset
     from engine.llm_engine import LLMEngine
@@ -97,7 +105,7 @@ def engine_part(args, vocab: list[str]) -> list[dict]:
     batch_max, prompt = max(args.batches), 32
     engine = LLMEngine(model, None, EngineConfig(
         device=args.device, dtype="bfloat16" if cuda else "float32", block_size=16, max_num_seqs=batch_max,
-        num_blocks=batch_max * ((prompt + args.engine_steps + 40) // 16 + 2) + 16, warmup=cuda,
+        num_blocks=batch_max * ((prompt + 2 * args.engine_steps + 40) // 16 + 2) + 16, warmup=cuda,
         max_num_batched_tokens=max(256, batch_max * prompt)))
     engine.prompts.grammars = GrammarCompiler(None, len(vocab), [256], vocabulary=vocab)
     rows = []
@@ -106,28 +114,61 @@ def engine_part(args, vocab: list[str]) -> list[dict]:
         for mode, kwargs in ENGINE_MODES.items():
             for i in range(batch):
                 engine.add_request(f"{mode}-{batch}-{i}", torch.randint(300, len(vocab), (prompt,), generator=g).tolist(),
-                                   SamplingParams(max_tokens=args.engine_steps + 8, ignore_eos=True, **kwargs))
+                                   # room for --profile-host's pass after the timed one
+                                   SamplingParams(max_tokens=2 * args.engine_steps + 8, ignore_eos=True, **kwargs))
             for _ in range(4):  # the prompts, then the first decode steps
                 engine.step()
             if cuda:
                 torch.cuda.synchronize()
             ahead0 = engine.num_steps_ahead
-            t0 = time.perf_counter()
-            for _ in range(args.engine_steps):
-                engine.step()
-            if cuda:
-                torch.cuda.synchronize()
-            step_ms = (time.perf_counter() - t0) * 1e3 / args.engine_steps
+            spent = {"fill": 0.0, "wait": 0.0}
+            with _timed(model_runner, "fill_masks", spent, "fill"), _timed(torch.cuda.Event, "synchronize", spent, "wait"):
+                t0 = time.perf_counter()
+                for _ in range(args.engine_steps):
+                    engine.step()
+                if cuda:
+                    torch.cuda.synchronize()
+                step_ms = (time.perf_counter() - t0) * 1e3 / args.engine_steps
             live = sum(1 for seq in engine.requests.values() if not seq.is_finished)
+            fill_ms, wait_ms = (spent[k] * 1e3 / args.engine_steps for k in ("fill", "wait"))
             row = {"part": "engine", "mode": mode, "batch": batch, "step_ms": round(step_ms, 3),
+                   "fill_ms": round(fill_ms, 3), "wait_ms": round(wait_ms, 3),
+                   "busy_ms": round(step_ms - fill_ms - wait_ms, 3),
                    "steps_ahead": engine.num_steps_ahead - ahead0, "live_rows": live}
             rows.append(row)
             print(json.dumps(row), flush=True)
+            if args.profile_host and batch == batch_max:
+                profile = cProfile.Profile()
+                profile.enable()
+                for _ in range(args.engine_steps):
+                    engine.step()
+                profile.disable()
+                print(f"host profile, {mode} at batch {batch}, {args.engine_steps} steps:")
+                pstats.Stats(profile).sort_stats("tottime").print_stats(15)
             for rid in list(engine.requests):
                 engine.abort_request(rid)
             while engine.has_unfinished_requests():
                 engine.step()
     return rows
+
+
+@contextlib.contextmanager
+def _timed(owner, name: str, spent: dict, key: str):
+    """Add the seconds spent in owner.name to spent[key] while inside."""
+    fn = getattr(owner, name)
+
+    def wrapper(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            spent[key] += time.perf_counter() - t0
+
+    setattr(owner, name, wrapper)
+    try:
+        yield
+    finally:
+        setattr(owner, name, fn)
 
 
 def main(argv=None) -> None:
@@ -140,6 +181,8 @@ def main(argv=None) -> None:
     ap.add_argument("--engine-preset", help="also time decode steps of this preset's random model (of --vocab "
                     "tokens) with every row constrained, penalized or plain")
     ap.add_argument("--engine-steps", type=int, default=50)
+    ap.add_argument("--profile-host", action="store_true", help="with --engine-preset: the host's top functions "
+                    "a mode spends its steps in, at the largest batch")
     args = ap.parse_args(argv)
     vocab = synthetic_vocabulary(args.vocab)
     eos = 256
