@@ -23,10 +23,11 @@ and structure as a model's answer would. Figures:
 With --engine-preset (e.g. `bench`): decode steps of that preset's random model, its vocabulary
 made --vocab tokens, at each batch, every row plain, under a regex, under the JSON schema, or penalized;
 the grammars read the synthetic vocabulary, so a step's fills cost what they would at that size.
-Each row also says where the host's time went a step: fill_ms (the masks), wait_ms (blocked on the
-device: the step is bound by the GPU when this is most of step_ms) and busy_ms (the rest: the host
-is the bound when wait_ms is near 0). --profile-host prints the host's top functions (cProfile) over
-an extra pass of each mode at the largest batch.
+Each row also says where the host's time went a step (see _engine_mode): fill_ms (the masks),
+wait_ms (blocked on the device: the step is bound by the GPU when this is most of step_ms, by the
+host when it is near 0), and the sections around them. --fill-threads N ... times the fills (and
+the constrained modes' steps) at each thread count; --profile-host prints the host's top functions
+(cProfile) over an extra pass of each mode at the largest batch.
 
     python -m bench.structured --device cuda --vocab 129280 --batches 1 16 64 --engine-preset bench
     python -m bench.structured --device cpu --vocab 2048 --batches 2 --engine-preset tiny --engine-steps 10
@@ -94,62 +95,83 @@ def engine_part(args, vocab: list[str]) -> list[dict]:
     (on by default on a GPU): a constrained or penalized row's step launches its forward ahead
     and samples once the previous token is read, its masks filled while the forward runs."""
     import engine.model_runner as model_runner
+    import engine.structured as structured
     from bench.ep_decode import build
     from engine.config import EngineConfig, preset
     from engine.llm_engine import LLMEngine
-    from engine.sampling import SamplingParams
+    from engine.structured import Constraint
 
     cuda = args.device.startswith("cuda")
     cfg = preset(args.engine_preset, vocab_size=len(vocab))  # DeepSeek's vocabulary size: its lm_head and masks
     model = build(cfg, args.device, torch.bfloat16 if cuda else torch.float32)
-    batch_max, prompt = max(args.batches), 32
+    batch_max, prompt = max(args.batches), 32  # prompt: _engine_mode's length
     engine = LLMEngine(model, None, EngineConfig(
         device=args.device, dtype="bfloat16" if cuda else "float32", block_size=16, max_num_seqs=batch_max,
         num_blocks=batch_max * ((prompt + 2 * args.engine_steps + 40) // 16 + 2) + 16, warmup=cuda,
         max_num_batched_tokens=max(256, batch_max * prompt)))
     engine.prompts.grammars = GrammarCompiler(None, len(vocab), [256], vocabulary=vocab)
+    # where the host's time goes: (owner, attribute) timed while the steps run
+    sections = {"fill": (model_runner, "fill_masks"), "mask": (model_runner.ModelRunner, "_mask_grammar"),
+                "sample": (LLMEngine, "_sample"), "accept": (Constraint, "accept"), "launch": (LLMEngine, "_launch"),
+                "complete": (LLMEngine, "_complete"), "wait": (torch.cuda.Event, "synchronize")}
     rows = []
     g = torch.Generator().manual_seed(0)
     for batch in args.batches:
         for mode, kwargs in ENGINE_MODES.items():
-            for i in range(batch):
-                engine.add_request(f"{mode}-{batch}-{i}", torch.randint(300, len(vocab), (prompt,), generator=g).tolist(),
-                                   # room for --profile-host's pass after the timed one
-                                   SamplingParams(max_tokens=2 * args.engine_steps + 8, ignore_eos=True, **kwargs))
-            for _ in range(4):  # the prompts, then the first decode steps
-                engine.step()
-            if cuda:
-                torch.cuda.synchronize()
-            ahead0 = engine.num_steps_ahead
-            spent = {"fill": 0.0, "wait": 0.0}
-            with _timed(model_runner, "fill_masks", spent, "fill"), _timed(torch.cuda.Event, "synchronize", spent, "wait"):
-                t0 = time.perf_counter()
-                for _ in range(args.engine_steps):
+            for threads in args.fill_threads if "structured_output" in kwargs else [None]:
+                if threads is not None:
+                    structured.FILL_THREADS = threads
+                rows.append(_engine_mode(engine, args, vocab, g, mode, kwargs, batch, threads, sections))
+                if args.profile_host and batch == max(args.batches):
+                    profile = cProfile.Profile()
+                    profile.enable()
+                    for _ in range(args.engine_steps):
+                        engine.step()
+                    profile.disable()
+                    print(f"host profile, {mode} at batch {batch}, {args.engine_steps} steps:")
+                    pstats.Stats(profile).sort_stats("tottime").print_stats(15)
+                for rid in list(engine.requests):
+                    engine.abort_request(rid)
+                while engine.has_unfinished_requests():
                     engine.step()
-                if cuda:
-                    torch.cuda.synchronize()
-                step_ms = (time.perf_counter() - t0) * 1e3 / args.engine_steps
-            live = sum(1 for seq in engine.requests.values() if not seq.is_finished)
-            fill_ms, wait_ms = (spent[k] * 1e3 / args.engine_steps for k in ("fill", "wait"))
-            row = {"part": "engine", "mode": mode, "batch": batch, "step_ms": round(step_ms, 3),
-                   "fill_ms": round(fill_ms, 3), "wait_ms": round(wait_ms, 3),
-                   "busy_ms": round(step_ms - fill_ms - wait_ms, 3),
-                   "steps_ahead": engine.num_steps_ahead - ahead0, "live_rows": live}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-            if args.profile_host and batch == batch_max:
-                profile = cProfile.Profile()
-                profile.enable()
-                for _ in range(args.engine_steps):
-                    engine.step()
-                profile.disable()
-                print(f"host profile, {mode} at batch {batch}, {args.engine_steps} steps:")
-                pstats.Stats(profile).sort_stats("tottime").print_stats(15)
-            for rid in list(engine.requests):
-                engine.abort_request(rid)
-            while engine.has_unfinished_requests():
-                engine.step()
     return rows
+
+
+def _engine_mode(engine, args, vocab, g, mode: str, kwargs: dict, batch: int, threads: int | None,
+                 sections: dict) -> dict:
+    from engine.sampling import SamplingParams
+
+    cuda = args.device.startswith("cuda")
+    for i in range(batch):
+        engine.add_request(f"{mode}-{batch}-{threads}-{i}", torch.randint(300, len(vocab), (32,), generator=g).tolist(),
+                           # room for --profile-host's pass after the timed one
+                           SamplingParams(max_tokens=2 * args.engine_steps + 8, ignore_eos=True, **kwargs))
+    for _ in range(4):  # the prompts, then the first decode steps
+        engine.step()
+    if cuda:
+        torch.cuda.synchronize()
+    ahead0 = engine.num_steps_ahead
+    spent = dict.fromkeys(sections, 0.0)
+    with contextlib.ExitStack() as timers:
+        for key, (owner, name) in sections.items():
+            timers.enter_context(_timed(owner, name, spent, key))
+        t0 = time.perf_counter()
+        for _ in range(args.engine_steps):
+            engine.step()
+        if cuda:
+            torch.cuda.synchronize()
+        step_ms = (time.perf_counter() - t0) * 1e3 / args.engine_steps
+    # host ms a step in each section, each counting what it calls: launch (a forward, and its
+    # sampling unless deferred) and sample (both paths) hold mask (a host buffer filled, copied
+    # and applied), which holds fill; complete (tokens read, outputs) holds wait (on the device)
+    # and accept (the grammars' advance)
+    row = {"part": "engine", "mode": mode, "batch": batch, "fill_threads": threads, "step_ms": step_ms,
+           **{f"{key}_ms": spent[key] * 1e3 / args.engine_steps for key in sections}}
+    row = {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}
+    row.update(steps_ahead=engine.num_steps_ahead - ahead0,
+               live_rows=sum(1 for seq in engine.requests.values() if not seq.is_finished))
+    print(json.dumps(row), flush=True)
+    return row
 
 
 @contextlib.contextmanager
@@ -181,6 +203,8 @@ def main(argv=None) -> None:
     ap.add_argument("--engine-preset", help="also time decode steps of this preset's random model (of --vocab "
                     "tokens) with every row constrained, penalized or plain")
     ap.add_argument("--engine-steps", type=int, default=50)
+    ap.add_argument("--fill-threads", type=int, nargs="+", default=[FILL_THREADS], metavar="N",
+                    help="threads filling a batch's masks together (default: the engine's)")
     ap.add_argument("--profile-host", action="store_true", help="with --engine-preset: the host's top functions "
                     "a mode spends its steps in, at the largest batch")
     args = ap.parse_args(argv)
@@ -205,14 +229,15 @@ def main(argv=None) -> None:
     print(f"vocabulary {args.vocab} (synthetic): tokenizer info {info_ms:.0f} ms, schema compile {cold_ms:.1f} ms, "
           f"cached {warm_ms:.3f} ms; 8 strict tools' tag {tag_ms:.1f} ms")
     words = (args.vocab + 31) // 32
+    threads = args.fill_threads
     print(f"| batch | fill us/row p50 | p90 | mean | step host ms, one row at a time (fills + accepts) | "
-          f"batch fill ms ({FILL_THREADS} threads) | apply kernel ms | apply reference ms |")
-    print("|---|---|---|---|---|---|---|---|")
+          + "".join(f"batch fill ms ({t} threads) | " for t in threads) + "apply kernel ms | apply reference ms |")
+    print("|---|---|---|---|---|" + "---|" * len(threads) + "---|---|")
     for batch in args.batches:
         rng = random.Random(batch)
         rows = [compiler.constraint(spec) for _ in range(batch)]
         mask = torch.empty(batch, words, dtype=torch.int32)
-        per_row, steps, batched = [], [], []
+        per_row, steps, batched = [], [], {t: [] for t in threads}
         for _ in range(args.steps):
             fills = 0.0
             for j, c in enumerate(rows):
@@ -220,9 +245,10 @@ def main(argv=None) -> None:
                 c.fill(mask, j)
                 per_row.append((time.perf_counter() - t0) * 1e6)
                 fills += per_row[-1] / 1e3
-            t0 = time.perf_counter()
-            fill_masks(rows, mask)  # what the engine runs: the rows over FILL_THREADS threads
-            batched.append((time.perf_counter() - t0) * 1e3)
+            for t in threads:  # what the engine runs: the rows over t threads
+                t0 = time.perf_counter()
+                fill_masks(rows, mask, t)
+                batched[t].append((time.perf_counter() - t0) * 1e3)
             allowed = [torch.nonzero(
                 ((mask[j, :, None] >> torch.arange(32, dtype=torch.int32)) & 1).reshape(-1)[:args.vocab]).flatten()
                 for j in range(batch)]
@@ -263,11 +289,11 @@ def main(argv=None) -> None:
         q = statistics.quantiles(per_row, n=10)
         row = {"batch": batch, "fill_us_p50": statistics.median(per_row), "fill_us_p90": q[-1],
                "fill_us_mean": statistics.fmean(per_row), "step_host_ms": statistics.median(steps),
-               "batch_fill_ms": statistics.median(batched), "fill_threads": FILL_THREADS, "apply_ms": apply}
+               "batch_fill_ms": {t: statistics.median(v) for t, v in batched.items()}, "apply_ms": apply}
         result["batches"].append(row)
         fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
         print(f"| {batch} | {row['fill_us_p50']:.1f} | {row['fill_us_p90']:.1f} | {row['fill_us_mean']:.1f} | "
-              f"{row['step_host_ms']:.3f} | {row['batch_fill_ms']:.3f} | "
+              f"{row['step_host_ms']:.3f} | " + "".join(f"{v:.3f} | " for v in row["batch_fill_ms"].values()) +
               f"{fmt(apply.get('kernel'))} | {fmt(apply.get('reference'))} |", flush=True)
     if args.engine_preset:
         result["engine"] = engine_part(args, vocab)

@@ -583,11 +583,14 @@ class ModelRunner:
         """`logits` with every token a row's grammar does not allow next at -inf: a copy unless
         already one (logprobs report the model's own distribution)."""
         n, words = len(rows), (logits.shape[-1] + 31) // 32
-        # the mask words, then the rows they apply to, in one host array: one copy to the device
-        host = torch.empty(n * words + n, dtype=torch.int32)
+        # the mask words, then the rows they apply to, in one host array: one copy to the device.
+        # Filled in pinned memory, where a copy from pageable memory first stages all of it there
+        # (1 MB at batch 64 of 129K tokens)
+        cuda = self.device.type == "cuda"
+        host = torch.empty(n * words + n, dtype=torch.int32, pin_memory=cuda)
         fill_masks(constraints, host[:n * words].view(n, words))
         host[n * words:] = torch.tensor(rows, dtype=torch.int32)
-        both = host_to_device(self.device, host.numpy())
+        both = host.to(self.device, non_blocking=True) if cuda else host
         if copy:
             logits = logits.clone()
         apply_token_mask(logits, both[:n * words].view(n, words), both[n * words:])

@@ -169,7 +169,7 @@ class GrammarCompiler:
 # Threads that fill a step's masks together: a batch of 64 rows of 129K tokens takes about 2 ms
 # of one core's time (bench/structured.py), which runs while the GPU computes the step's forward.
 FILL_THREADS = max(1, min(8, (os.cpu_count() or 1)))
-_batch_matcher = None
+_batch_matchers: dict[int, object] = {}  # by thread count
 
 
 # Below this many rows the fills run on the calling thread. On 2 cores (bench/structured.py,
@@ -178,17 +178,19 @@ _batch_matcher = None
 FILL_THREADS_FROM_ROWS = 8
 
 
-def fill_masks(constraints: list["Constraint"], mask: torch.Tensor) -> None:
-    """Row j of `mask` [len(constraints), words] int32: the tokens constraints[j] allows next."""
-    global _batch_matcher
-    if len(constraints) < FILL_THREADS_FROM_ROWS or FILL_THREADS == 1:
+def fill_masks(constraints: list["Constraint"], mask: torch.Tensor, threads: int | None = None) -> None:
+    """Row j of `mask` [len(constraints), words] int32: the tokens constraints[j] allows next.
+    threads: how many fill them together (FILL_THREADS unless given)."""
+    threads = threads or FILL_THREADS
+    if len(constraints) < FILL_THREADS_FROM_ROWS or threads == 1:
         for j, c in enumerate(constraints):
             c.fill(mask, j)
         return
-    if _batch_matcher is None:
+    matcher = _batch_matchers.get(threads)
+    if matcher is None:
         import xgrammar as xgr
-        _batch_matcher = xgr.BatchGrammarMatcher(max_threads=FILL_THREADS)
-    _batch_matcher.batch_fill_next_token_bitmask([c.matcher for c in constraints], mask)
+        matcher = _batch_matchers[threads] = xgr.BatchGrammarMatcher(max_threads=threads)
+    matcher.batch_fill_next_token_bitmask([c.matcher for c in constraints], mask)
 
 
 class Constraint:
