@@ -35,7 +35,7 @@ except Exception:  # the reference path must keep working where triton is absent
 _BLOCK = 4096
 _SUB = 512  # a mass program's logits per step: [SPLITS, SUB] sums in registers
 _PROGRAMS_WANTED = 128  # mass programs in all (about one an SM) where the rows allow
-_MOST_CHUNKS_PER_PROGRAM = 4
+_MOST_CHUNKS_PER_PROGRAM = 8
 _SPLITS = 16
 _PASSES = 8  # 16**8 = 2**32: an interval of every uint32 key closes to one
 
@@ -141,8 +141,10 @@ if triton is not None:
 def chunks_per_program(rows: int, chunks: int) -> int:
     """How many of a row's chunks one mass program adds up. Each program first rebuilds its row's
     state from every program's masses of the pass before, so past a few programs an SM, longer
-    programs win. On an H100 at 129,280 tokens (bench/RESULTS.md, thirty-ninth session) one chunk
-    a program was best at batch 1 and four at batches 16 and 64."""
+    programs win. On an H100 at 129,280 tokens (32 chunks a row; bench/RESULTS.md, fortieth
+    session), us a call by chunks a program 1 / 2 / 4 / 8: batch 1 39 / 54 / 79 / 130, batch 8
+    58 / 57 / 81 / 132, batch 16 102 / 86 / 83 / 134, batch 32 186 / 152 / 138 / 137, batch 64
+    363 / 295 / 267 / 251, batch 256 1410 / 1152 / 1007 / 959."""
     return max(1, min(chunks, _MOST_CHUNKS_PER_PROGRAM, chunks * rows // _PROGRAMS_WANTED))
 
 
