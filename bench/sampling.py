@@ -74,7 +74,7 @@ def make_call(kind: str, batch: int, vocab: int, outputs: int, device: str, dtyp
             penalized = [s for s in seqs if s.params.penalized]
             for s in penalized:  # one new token a step, as in decoding
                 s.output_ids.append(int(s.penalty_counted) % vocab)
-            adjusted = adjust_logits(logits, params, counts.rows(penalized) if penalized else None)
+            adjusted = adjust_logits(logits, params, counts, counts.rows(penalized) if penalized else None)
         tokens = sampler.sample(adjusted, params, generators)
         rows = [j for j, p in enumerate(params) if p.logprobs is not None]
         if rows:

@@ -140,8 +140,10 @@ class LLMEngine:
                 run([prompt(n, salt=n)])
         # Decode batches of 3 and of 16 sequences (graph buckets 4 and 16).
         run([prompt(5, salt=-1 - s) for s in range(3)])
-        # The sampler's kernels: a top-p without a top-k is cut by wideep_kernels/nucleus.py's passes.
+        # The sampler's kernels: a top-p without a top-k is cut by wideep_kernels/nucleus.py's
+        # passes, after the penalties' kernel.
         self.generate([prompt(5, salt=-30)], SamplingParams(max_tokens=2, temperature=1.0, top_p=0.9, seed=0,
+                                                            frequency_penalty=0.1, repetition_penalty=1.1,
                                                             ignore_eos=True))
         run([prompt(5, salt=-10 - s) for s in range(min(16, cfg.max_num_seqs))])
         if mc.index_topk:

@@ -561,10 +561,12 @@ class ModelRunner:
         params = [s.params for s in seqs]
         copied = False
         if any(p.adjusts_logits for p in params):
-            penalized = [s for s in seqs if s.params.penalized]
-            if penalized and self.token_counts is None:
-                self.token_counts = TokenCounts(logits.shape[-1], logits.device)
-            logits, copied = adjust_logits(logits, params, self.token_counts.rows(penalized) if penalized else None), True
+            penalized, count_rows = [s for s in seqs if s.params.penalized], None
+            if penalized:
+                if self.token_counts is None:
+                    self.token_counts = TokenCounts(logits.shape[-1], logits.device)
+                count_rows = self.token_counts.rows(penalized)
+            logits, copied = adjust_logits(logits, params, self.token_counts, count_rows), True
         constrained = [i for i, s in enumerate(seqs) if s.constraint is not None and s.constraint.active]
         if constrained:
             logits = self._mask_grammar(logits, [seqs[i].constraint for i in constrained], constrained, copy=not copied)

@@ -4,14 +4,16 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from wideep_kernels.penalties import apply_penalties
+
 from .sampling import SamplingParams, host_to_device
 
 
 class TokenCounts:
     """The output tokens of the penalized sequences counted per vocabulary entry, a row each in
     one tensor on the device, and for the repetition penalty which tokens each one's prompt
-    holds. A step adds its rows' new tokens in one scatter and reads its rows in one gather,
-    whatever the batch: a launch or two per row would cost a batch of 64 a millisecond.
+    holds. A step adds its rows' new tokens in one scatter, whatever the batch (a launch or two
+    per row would cost a batch of 64 a millisecond), and the penalties read the rows in place.
     A sequence keeps its row (`seq.penalty_row`) until it finishes; rows grow in number as needed."""
 
     def __init__(self, vocab: int, device: torch.device):
@@ -20,9 +22,8 @@ class TokenCounts:
         self.in_prompt = torch.zeros(0, vocab, dtype=torch.bool, device=device)
         self.owners: list = []  # the sequence holding each row, or None
 
-    def rows(self, seqs: list) -> tuple[torch.Tensor, torch.Tensor]:
-        """(counts, seen) [len(seqs), vocab] of these sequences, their outputs so far counted;
-        seen: in the output so far or in the prompt."""
+    def rows(self, seqs: list) -> list[int]:
+        """The rows of these sequences, their outputs so far counted in them."""
         rows, new_rows, new_tokens = [], [], []
         for seq in seqs:
             if seq.penalty_row is None or self.owners[seq.penalty_row] is not seq:
@@ -35,9 +36,13 @@ class TokenCounts:
         if new_tokens:
             at = host_to_device(self.device, [new_rows, new_tokens])
             self.counts.index_put_((at[0], at[1]), torch.ones(len(new_tokens), device=self.device), accumulate=True)
-        idx = host_to_device(self.device, rows)
-        counts = self.counts.index_select(0, idx)
-        return counts, (counts > 0) | self.in_prompt.index_select(0, idx)
+        return rows
+
+    def seen(self, rows: list[int]) -> torch.Tensor:
+        """[len(rows), vocab] bool: the tokens in each row's output so far, or in its prompt where
+        its repetition penalty reads the prompt."""
+        idx = torch.tensor(rows, device=self.device)
+        return (self.counts[idx] > 0) | self.in_prompt[idx]
 
     def _assign(self, seq) -> None:
         free = [r for r, owner in enumerate(self.owners) if owner is None or owner.is_finished]
@@ -60,24 +65,23 @@ class TokenCounts:
                                         accumulate=True)
 
 
-def adjust_logits(logits: torch.Tensor, params: list[SamplingParams],
-                  penalized: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], counts: TokenCounts | None = None,
+                  count_rows: list[int] | None = None) -> torch.Tensor:
     """A fp32 copy of `logits` [rows, vocab] with each row's penalties, then its logit bias.
-    penalized: TokenCounts.rows() of the penalized rows, in order. The input is left as it is:
-    logprobs report the model's own distribution."""
-    logits = logits.float().clone()
+    counts, count_rows: the penalized rows' counts, count_rows[j] the row of the j-th penalized
+    row (TokenCounts.rows()). The input is left as it is: logprobs report the model's own
+    distribution."""
+    logits = logits.clone() if logits.dtype == torch.float32 else logits.float()
     dev, vocab = logits.device, logits.shape[-1]
     # Each kind of adjustment takes one copy to the device, whatever the batch: a copy or a
     # Python loop per row or per biased token cost a batch of 64 milliseconds.
     pen = [(i, p) for i, p in enumerate(params) if p.penalized]
     if pen:
-        counts, seen = penalized
-        rows = host_to_device(dev, [[i, p.repetition_penalty, p.frequency_penalty, p.presence_penalty]
-                                    for i, p in pen], torch.float32)
-        idx, rep, freq, pres = rows[:, 0].long(), rows[:, 1:2], rows[:, 2:3], rows[:, 3:4]
-        sub = logits.index_select(0, idx)
-        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
-        logits[idx] = sub - freq * counts - pres * (counts > 0).float()
+        # rows and count rows as floats: exact below 2**24
+        table = host_to_device(dev, [[i, row, p.repetition_penalty, p.frequency_penalty, p.presence_penalty]
+                                     for (i, p), row in zip(pen, count_rows, strict=True)], torch.float32)
+        apply_penalties(logits, table[:, 0].int(), table[:, 1].int(), counts.counts, counts.in_prompt,
+                        table[:, 2:].contiguous())
     biased = [(i, p.bias_arrays) for i, p in enumerate(params) if p.logit_bias]
     if biased:
         # flat positions and biases as one float64 array (positions exact below 2**53); the engine

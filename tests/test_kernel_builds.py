@@ -65,8 +65,9 @@ SCRIPT = textwrap.dedent("""
     for batch in ([long], prompts(2), prompts(39), prompts(7, 12, 30, 45, 61), prompts(*([9] * 16)),
                   [long + prompts(11)[0]], [long + prompts(3)[0], *prompts(50, 20)], prompts(300)):
         outs += engine.generate(batch, p)
-    # sampled rows: a top-p without a top-k takes the nucleus kernel, beside rows with a top-k
-    sampled = [dict(temperature=0.8, top_p=0.9, seed=1), dict(temperature=0.7, top_p=0.5),
+    # sampled rows: a top-p without a top-k takes the nucleus kernel, beside rows with a top-k and a
+    # penalized row
+    sampled = [dict(temperature=0.8, top_p=0.9, seed=1), dict(temperature=0.7, top_p=0.5, presence_penalty=0.5),
                dict(temperature=1.0, top_k=5, top_p=0.8)]
     outs += engine.generate(prompts(6, 9, 14), [SamplingParams(max_tokens=3, ignore_eos=True, **kw) for kw in sampled])
     print("REASONS", sorted({o.finish_reason for o in outs}))
@@ -91,5 +92,6 @@ def test_serving_after_warmup_builds_no_new_kernel_variant(tiny_v4_ckpt):
     assert "NEW 0" in lines, "\n".join(lines[-40:])
     # the warm-up went through the kernel path, not the references
     for name in ("_split_kernel", "_score_tile_kernel", "_select_kernel", "_radix_pass_kernel", "_emit_chunk_kernel",
-                 "_count_chunk_kernel", "_route_kernel", "_gate_up_kernel", "_align_one_kernel", "_mass_kernel"):
+                 "_count_chunk_kernel", "_route_kernel", "_gate_up_kernel", "_align_one_kernel", "_mass_kernel",
+                 "_penalties_kernel"):
         assert name in kernels, kernels

@@ -53,7 +53,7 @@ def test_adjustment_follows_the_formula_and_leaves_the_raw_logits():
     p0 = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=2.0, logit_bias={3: -7.5})
     p1 = SamplingParams(logit_bias={0: 4.0})
     counts = TokenCounts(vocab, torch.device("cpu"))
-    got = adjust_logits(logits, [p0, p1], counts.rows([_seq([1, 11], [2, 2, 10, 2], repetition_penalty=2.0)]))
+    got = adjust_logits(logits, [p0, p1], counts, counts.rows([_seq([1, 11], [2, 2, 10, 2], repetition_penalty=2.0)]))
     assert torch.equal(logits, raw)
     want = raw.float().clone()
     c = torch.bincount(torch.tensor([2, 2, 10, 2]), minlength=vocab).float()
@@ -71,22 +71,27 @@ def _bincount(ids, vocab=8):
 
 def test_counts_grow_by_the_new_tokens_only_and_rows_are_reused():
     counts = TokenCounts(8, torch.device("cpu"))
+
+    def read(seqs):
+        rows = counts.rows(seqs)
+        return counts.counts[rows].tolist(), counts.seen(rows)
+
     a, b = _seq([2], [1, 1, 3], frequency_penalty=1.0), _seq([2, 5], [4, 4], repetition_penalty=1.3)
-    c, seen = counts.rows([a, b])
-    assert c.tolist() == [_bincount([1, 1, 3]), _bincount([4, 4])]
+    c, seen = read([a, b])
+    assert c == [_bincount([1, 1, 3]), _bincount([4, 4])]
     assert seen[0].nonzero().flatten().tolist() == [1, 3]  # no repetition penalty: the prompt is not "seen"
     assert seen[1].nonzero().flatten().tolist() == [2, 4, 5]
     a.output_ids += [1, 7]
     counts.rows([b, a])
-    c, _ = counts.rows([a])  # nothing new: nothing counted twice
-    assert c.tolist() == [_bincount([1, 1, 3, 1, 7])]
+    c, _ = read([a])  # nothing new: nothing counted twice
+    assert c == [_bincount([1, 1, 3, 1, 7])]
     many = [_seq([0], [i % 8], presence_penalty=1.0) for i in range(20)]  # more rows than made at first
-    c, _ = counts.rows(many)
-    assert c.tolist() == [_bincount([i % 8]) for i in range(20)]
+    c, _ = read(many)
+    assert c == [_bincount([i % 8]) for i in range(20)]
     a.is_finished = True
     fresh = _seq([0], [6, 6, 6], frequency_penalty=1.0)
-    c, _ = counts.rows([fresh])
-    assert fresh.penalty_row == a.penalty_row and c.tolist() == [_bincount([6, 6, 6])]  # a's row, cleared
+    c, _ = read([fresh])
+    assert fresh.penalty_row == a.penalty_row and c == [_bincount([6, 6, 6])]  # a's row, cleared
 
 
 @pytest.mark.parametrize("kwargs", [dict(frequency_penalty=1.5), dict(presence_penalty=2.0),
