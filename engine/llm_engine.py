@@ -145,6 +145,11 @@ class LLMEngine:
         self.generate([prompt(5, salt=-30)], SamplingParams(max_tokens=2, temperature=1.0, top_p=0.9, seed=0,
                                                             frequency_penalty=0.1, repetition_penalty=1.1,
                                                             ignore_eos=True))
+        if self.tokenizer is not None:
+            # Structured output: the grammar compiler's walk of the vocabulary (seconds at 129K
+            # tokens) and the mask's kernel, paid here rather than by the first such request.
+            self.generate([prompt(5, salt=-31)], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True,
+                                                                structured_output={"kind": "json_object"}))
         run([prompt(5, salt=-10 - s) for s in range(min(16, cfg.max_num_seqs))])
         if mc.index_topk:
             # Prefill rows past index_topk, in a full and a partial chunk, then a next turn on the
@@ -169,6 +174,8 @@ class LLMEngine:
             self.runner.graphs.forget_serving()
         s = self.scheduler
         s.prefix_hit_tokens = s.replayed_tokens = s.num_preemptions = 0
+        if self.prompts.grammars is not None:
+            self.prompts.grammars.compiles, self.prompts.grammars.compile_s = 0, 0.0
         self.num_steps = self.num_steps_ahead = 0
         for moe in self.runner.model.moe_layers():
             moe.take_load()

@@ -70,6 +70,11 @@ SCRIPT = textwrap.dedent("""
     sampled = [dict(temperature=0.8, top_p=0.9, seed=1), dict(temperature=0.7, top_p=0.5, presence_penalty=0.5),
                dict(temperature=1.0, top_k=5, top_p=0.8)]
     outs += engine.generate(prompts(6, 9, 14), [SamplingParams(max_tokens=3, ignore_eos=True, **kw) for kw in sampled])
+    # grammar rows, one and five of them (their rows sit at other offsets of the mask's buffer);
+    # a grammar no answer of 3 tokens completes, so that every request ends by length
+    letters = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True,
+                             structured_output={"kind": "regex", "value": "[a-z ]{64}"})
+    outs += engine.generate(prompts(7), letters) + engine.generate(prompts(4, 5, 6, 7, 8), letters)
     print("REASONS", sorted({o.finish_reason for o in outs}))
     new = sorted(k for k, v in builds.items() if v == "serve")
     print("KERNELS", sorted(kernels))
@@ -93,5 +98,5 @@ def test_serving_after_warmup_builds_no_new_kernel_variant(tiny_v4_ckpt):
     # the warm-up went through the kernel path, not the references
     for name in ("_split_kernel", "_score_tile_kernel", "_select_kernel", "_radix_pass_kernel", "_emit_chunk_kernel",
                  "_count_chunk_kernel", "_route_kernel", "_gate_up_kernel", "_align_one_kernel", "_mass_kernel",
-                 "_penalties_kernel"):
+                 "_penalties_kernel", "_apply_token_mask_kernel"):
         assert name in kernels, kernels
