@@ -285,6 +285,13 @@ def test_models_and_health(client, raw):
 
 # --- bad input -----------------------------------------------------------------------------
 
+def _deep_schema(objects: int) -> dict:
+    schema = {"type": "string"}
+    for _ in range(objects):
+        schema = {"type": "object", "properties": {"x": schema}}
+    return schema
+
+
 def _chat(**fields):
     return json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **fields}).encode()
 
@@ -352,6 +359,8 @@ BAD_REQUESTS = {
     "tool_choice a number": ("POST", CHAT, _chat(tool_choice=3), 400, "tool_choice"),
     "response_format of type json_schema without one": ("POST", CHAT, _chat(response_format={"type": "json_schema"}),
                                                          400, "response_format"),
+    "response_format schema nested 140 levels": ("POST", CHAT, _chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "deep", "schema": _deep_schema(70)}}), 400, "response_format"),
     "chat_template_kwargs a list": ("POST", CHAT, _chat(chat_template_kwargs=["thinking"]), 400,
                                     "chat_template_kwargs"),
     "chat_template_kwargs setting tools": ("POST", CHAT, _chat(chat_template_kwargs={"tools": []}), 400,
