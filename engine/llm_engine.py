@@ -7,9 +7,6 @@ from pathlib import Path
 
 import torch
 
-from wideep_kernels.indexer import warm_up as indexer_warm_up
-from wideep_kernels.mla_decode import warm_up as mla_warm_up
-
 from .checkpoint import ensure_checkpoint, load_model
 from .config import EngineConfig, ModelConfig
 from .errors import ContextLengthError, RequestError
@@ -21,6 +18,7 @@ from .sampling import SamplingParams, host_to_device
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import RequestOutput, Sequence
 from .tokenizer import IncrementalDetokenizer, Tokenizer
+from .warmup import warm_up
 
 # How often a lockstep rank's serving loop steps while its group is idle (engine/async_engine.py):
 # the group's idle steps stand for its idle time (housekeeping).
@@ -110,77 +108,10 @@ class LLMEngine:
             self.warmup()
 
     def warmup(self) -> None:
-        """Run short requests before the first real one: the Triton kernels build a variant per
-        shape class on first use (up to a second each) and decode graphs are captured, so that
-        cost is paid at start, not by the first users (a build met mid-serving stalls every running
-        request). The shape classes are what the kernels specialise on: integer arguments equal to 1,
-        multiples of 16 or neither (token and row counts, batch sizes), the MoE GEMM's tile by
-        rows per expert, the tuned attention configuration by batch bucket, and the prefill rows
-        past index_topk and their prefix-hit replay. Widths that grow with context were made
-        shape-neutral in the kernels instead. Then the CUDA graphs of every batch size for the
-        contexts below cuda_graph_min_tokens. Leaves no request, used block or statistic behind.
-        On a rank of an expert-parallel group every rank must call it at the same time: its
-        requests step with the group's (generate), its captures are made by all ranks together."""
-        cfg, mc = self.cfg, self.model_cfg
-        limit = self.max_model_len - 4
-        vocab = mc.vocab_size
-
-        def prompt(n: int, salt: int = 0) -> list[int]:
-            return [4 + (i * 7919 + salt * 104729) % (vocab - 4) for i in range(n)]
-
-        def run(prompts: list[list[int]]) -> None:
-            if prompts:
-                self.generate(prompts, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
-
-        chunk = cfg.max_num_batched_tokens
-        # One prompt per step (no two share a prefix): token counts 1, 17 and 64, and fractions
-        # of a full prefill chunk.
-        for n in sorted({1, 17, 64, max(1, chunk // 4), max(1, chunk // 2), chunk}):
-            if n <= limit:
-                run([prompt(n, salt=n)])
-        # Decode batches of 3 and of 16 sequences (graph buckets 4 and 16).
-        run([prompt(5, salt=-1 - s) for s in range(3)])
-        # The sampler's kernels: a top-p without a top-k is cut by wideep_kernels/nucleus.py's
-        # passes, after the penalties' kernel.
-        self.generate([prompt(5, salt=-30)], SamplingParams(max_tokens=2, temperature=1.0, top_p=0.9, seed=0,
-                                                            frequency_penalty=0.1, repetition_penalty=1.1,
-                                                            ignore_eos=True))
-        if self.tokenizer is not None:
-            # Structured output: the grammar compiler's walk of the vocabulary (seconds at 129K
-            # tokens) and the mask's kernel, paid here rather than by the first such request.
-            self.generate([prompt(5, salt=-31)], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True,
-                                                                structured_output={"kind": "json_object"}))
-        run([prompt(5, salt=-10 - s) for s in range(min(16, cfg.max_num_seqs))])
-        if mc.index_topk:
-            # Prefill rows past index_topk, in a full and a partial chunk, then a next turn on the
-            # same prefix: a prefix hit whose window is replayed.
-            n = mc.index_topk + chunk + 17
-            if n + 8 <= limit:
-                run([prompt(n, salt=-100)])
-                run([prompt(n, salt=-100) + prompt(8, salt=-101)])
-        if cfg.decode_kernels:
-            # The attention kernel's tuned configuration of every batch bucket: decode batches and
-            # the row counts of prefill chunks.
-            kv = self.runner.kv
-            mla_warm_up(mc.num_attention_heads, mc.kv_lora_rank, mc.qk_rope_head_dim, self.runner.dtype,
-                        kv.global_kv.dtype, self.runner.device, max(cfg.max_num_seqs, chunk), mc.index_topk,
-                        mc.sliding_window, cfg.block_size)
-            if mc.index_topk:  # the top-k selection's variants by row count and by row width
-                indexer_warm_up(mc.index_topk, self.runner.device, max(cfg.max_num_seqs, chunk))
-        if self.runner.graphs is not None:
-            # Every batch size's graph for the short contexts (cuda_graph_min_tokens): the requests
-            # above met only some of them, and each first met while serving stalls every request.
-            self.runner.graphs.capture_short()
-            self.runner.graphs.forget_serving()
-        s = self.scheduler
-        s.prefix_hit_tokens = s.replayed_tokens = s.num_preemptions = 0
-        if self.prompts.grammars is not None:
-            self.prompts.grammars.compiles, self.prompts.grammars.compile_s = 0, 0.0
-        self.num_steps = self.num_steps_ahead = 0
-        for moe in self.runner.model.moe_layers():
-            moe.take_load()
-        if self.ep is not None:
-            self.ep.wait_s = 0.0
+        """Run short requests before the first real one (engine/warmup.py): kernel builds and graph
+        captures at start, not met by the first users. Leaves no request, used block or statistic
+        behind. On a rank of an expert-parallel group every rank calls it at the same time."""
+        warm_up(self)
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | Path, cfg: EngineConfig | None = None,
