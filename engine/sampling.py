@@ -10,6 +10,7 @@ import torch
 
 from wideep_kernels import triton_ok
 from wideep_kernels.nucleus import nucleus_threshold
+from wideep_kernels.race import race_sample
 
 from .structured import validate_spec
 
@@ -177,12 +178,19 @@ class Sampler:
         if not rows:  # the fp32 cast is exact, so the same argmax; two calls a step fewer
             return logits.argmax(-1)
         logits = logits.float()
-        out = logits.argmax(-1)
         dev = logits.device
         # one copy; a temperature past fp32's range would be inf there, and a logit masked to -inf
         # (a grammar, min_tokens) divided by it NaN, which the argmax could pick
         both = host_to_device(dev, [[i, min(params[i].temperature, FP32_MAX)] for i in rows], torch.float32)
         idx = both[:, 0].long()
+        if triton_ok(logits):
+            tokens = self._race(logits, [params[i] for i in rows], [generators[i] for i in rows], idx, both[:, 1])
+            if len(rows) == len(params):  # no greedy row: no argmax of the whole batch
+                return tokens
+            out = logits.argmax(-1)
+            out[idx] = tokens
+            return out
+        out = logits.argmax(-1)
         sub = logits[idx]
         probs = self._filter(sub / both[:, 1:], [params[i] for i in rows]).softmax(-1)
         # Exponential race: argmax(p / E) with E ~ Exp(1) samples from p. Unseeded rows draw
@@ -201,6 +209,25 @@ class Sampler:
             e[j].exponential_(1.0, generator=generators[rows[j]])
         out[idx] = (probs / e).argmax(-1)
         return out
+
+    def _race(self, logits: torch.Tensor, params: list[SamplingParams], generators: list, idx: torch.Tensor,
+              temperature: torch.Tensor) -> torch.Tensor:
+        """The GPU's draw (wideep_kernels/race.py): one pass over each row of logits[idx], with no
+        softmax or probabilities written. A row with a seed takes its uniforms' seed from its
+        generator, so its tokens do not depend on the batch; the others' come from the default
+        generator."""
+        if any(p.top_k > 0 or p.top_p < 1 for p in params):
+            source, rows = self._filter(logits[idx] / temperature[:, None], params), torch.arange(len(params),
+                                                                                                   device=logits.device)
+            inv_temperature = torch.ones_like(temperature)
+        else:
+            source, rows, inv_temperature = logits, idx, 1.0 / temperature
+        seeds = torch.randint(-2 ** 63, 2 ** 63 - 1, (len(params),), dtype=torch.long, device=logits.device)
+        for j, g in enumerate(generators):
+            if g is not None:
+                seeds[j:j + 1] = torch.randint(-2 ** 63, 2 ** 63 - 1, (1,), dtype=torch.long, device=logits.device,
+                                               generator=g)
+        return race_sample(source, rows, inv_temperature, seeds)
 
     # Past this many candidates a row's top-k is no cheaper than sorting the row.
     TOPK_LIMIT = 1024

@@ -98,5 +98,5 @@ def test_serving_after_warmup_builds_no_new_kernel_variant(tiny_v4_ckpt):
     # the warm-up went through the kernel path, not the references
     for name in ("_split_kernel", "_score_tile_kernel", "_select_kernel", "_radix_pass_kernel", "_emit_chunk_kernel",
                  "_count_chunk_kernel", "_route_kernel", "_gate_up_kernel", "_align_one_kernel", "_mass_kernel",
-                 "_penalties_kernel", "_apply_token_mask_kernel"):
+                 "_penalties_kernel", "_apply_token_mask_kernel", "_race_kernel"):
         assert name in kernels, kernels
