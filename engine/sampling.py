@@ -8,9 +8,9 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from wideep_kernels import triton_ok
+from wideep_kernels import kernel_or_reference, triton_ok
 from wideep_kernels.nucleus import nucleus_threshold
-from wideep_kernels.race import race_sample
+from wideep_kernels.race import race_sample_triton
 
 from .structured import validate_spec
 
@@ -183,8 +183,9 @@ class Sampler:
         # (a grammar, min_tokens) divided by it NaN, which the argmax could pick
         both = host_to_device(dev, [[i, min(params[i].temperature, FP32_MAX)] for i in rows], torch.float32)
         idx = both[:, 0].long()
-        if triton_ok(logits):
-            tokens = self._race(logits, [params[i] for i in rows], [generators[i] for i in rows], idx, both[:, 1])
+        tokens = (self._race(logits, [params[i] for i in rows], [generators[i] for i in rows], idx, both[:, 1])
+                  if triton_ok(logits) else None)
+        if tokens is not None:
             if len(rows) == len(params):  # no greedy row: no argmax of the whole batch
                 return tokens
             out = logits.argmax(-1)
@@ -215,7 +216,8 @@ class Sampler:
         """The GPU's draw (wideep_kernels/race.py): one pass over each row of logits[idx], with no
         softmax or probabilities written. A row with a seed takes its uniforms' seed from its
         generator, so its tokens do not depend on the batch; the others' come from the default
-        generator."""
+        generator. None where the kernel cannot run here: the torch draw takes over (the
+        kernel's own reference recomputes Philox in torch, far slower)."""
         if any(p.top_k > 0 or p.top_p < 1 for p in params):
             source, rows = self._filter(logits[idx] / temperature[:, None], params), torch.arange(len(params),
                                                                                                    device=logits.device)
@@ -227,7 +229,7 @@ class Sampler:
             if g is not None:
                 seeds[j:j + 1] = torch.randint(-2 ** 63, 2 ** 63 - 1, (1,), dtype=torch.long, device=logits.device,
                                                generator=g)
-        return race_sample(source, rows, inv_temperature, seeds)
+        return kernel_or_reference("race", race_sample_triton, None, source, rows, inv_temperature, seeds)
 
     # Past this many candidates a row's top-k is no cheaper than sorting the row.
     TOPK_LIMIT = 1024

@@ -83,3 +83,24 @@ def test_bad_arguments_are_refused():
         race_sample(logits, rows, inv_t[:2], seeds)
     with pytest.raises(ValueError, match="rows"):
         race_sample(logits, rows.float(), inv_t, seeds)
+
+
+def test_the_sampler_takes_its_torch_draw_where_the_kernel_fails(monkeypatch):
+    """A kernel that cannot be built here (a Triton release it was not checked on) hands the
+    draw back to the sampler's torch path, not to the reference's slow Philox in torch."""
+    import engine.sampling
+    import wideep_kernels
+    from engine.sampling import Sampler, SamplingParams
+
+    def fails(*args):
+        raise RuntimeError("no build")
+    monkeypatch.setattr(engine.sampling, "triton_ok", lambda t: True)
+    monkeypatch.setattr(engine.sampling, "race_sample_triton", fails)
+    monkeypatch.setattr(wideep_kernels, "_unusable", set())
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    params = [SamplingParams(temperature=0.8), SamplingParams(temperature=0), SamplingParams(temperature=0.5, seed=3)]
+    tokens = Sampler()(logits, params, [None, None, torch.Generator().manual_seed(3)])
+    assert tokens[1] == logits[1].argmax() and all(0 <= t < 50 for t in tokens)
+    assert wideep_kernels._unusable == {"race"}
+    again = Sampler()(logits, params, [None, None, torch.Generator().manual_seed(3)])
+    assert again[2] == tokens[2]  # the torch draw of a seeded row, as before the kernel

@@ -27,8 +27,9 @@ def triton_ok(t: torch.Tensor) -> bool:
 
 def kernel_or_reference(name: str, kernel, reference, *args):
     """kernel(*args), unless it cannot be built or launched here (a Triton release or GPU it was
-    not checked on): then warn once and use the reference from then on. Argument errors
-    (ValueError, TypeError) are the caller's and still raise; wrong results are the tests' job."""
+    not checked on): then warn once and use the reference from then on (reference None: return
+    None, for a caller with a path of its own). Argument errors (ValueError, TypeError) are the
+    caller's and still raise; wrong results are the tests' job."""
     if name not in _unusable:
         try:
             return kernel(*args)
@@ -36,6 +37,6 @@ def kernel_or_reference(name: str, kernel, reference, *args):
             raise
         except Exception as e:
             _unusable.add(name)
-            log.warning("Triton kernel %s failed here (%s: %s); using its torch reference from now on",
-                        name, type(e).__name__, e)
-    return reference(*args)
+            log.warning("Triton kernel %s failed here (%s: %s); using %s from now on", name, type(e).__name__, e,
+                        "the caller's torch path" if reference is None else "its torch reference")
+    return None if reference is None else reference(*args)
