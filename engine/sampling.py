@@ -218,10 +218,9 @@ class Sampler:
         generator, so its tokens do not depend on the batch; the others' come from the default
         generator. None where the kernel cannot run here: the torch draw takes over (the
         kernel's own reference recomputes Philox in torch, far slower)."""
-        if any(p.top_k > 0 or p.top_p < 1 for p in params):
-            source, rows = self._filter(logits[idx] / temperature[:, None], params), torch.arange(len(params),
-                                                                                                   device=logits.device)
-            inv_temperature = torch.ones_like(temperature)
+        if any(p.top_k > 0 or p.top_p < 1 for p in params):  # the cuts need the scaled rows themselves
+            source = self._filter(logits[idx] / temperature[:, None], params)
+            rows, inv_temperature = torch.arange(len(params), device=logits.device), torch.ones_like(temperature)
         else:
             source, rows, inv_temperature = logits, idx, 1.0 / temperature
         seeds = torch.randint(-2 ** 63, 2 ** 63 - 1, (len(params),), dtype=torch.long, device=logits.device)
