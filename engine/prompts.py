@@ -18,6 +18,7 @@ class PromptReader:
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
         self.grammars: GrammarCompiler | None = None  # made when a request first asks for structured output
+        self._grammars_error: str | None = None  # why it could not be made
         self._grammars_lock = threading.Lock()
 
     def prompt_ids(self, prompt, messages, tools=None, chat_template_kwargs=None) -> list[int]:
@@ -105,7 +106,14 @@ class PromptReader:
             raise RequestError("structured output needs a tokenizer")
         with self._grammars_lock:  # the vocabulary's walk takes most of a second at 129K tokens: once
             if self.grammars is None:
-                self.grammars = GrammarCompiler(self.tokenizer.hf, self.vocab_size, [self.eos_token_id])
+                if self._grammars_error is None:
+                    try:
+                        self.grammars = GrammarCompiler(self.tokenizer.hf, self.vocab_size, [self.eos_token_id])
+                    except Exception as e:  # a tokenizer the grammar library cannot read: once, not per request
+                        self._grammars_error = ("structured output is not available with this model's tokenizer: "
+                                                f"{type(e).__name__}: {e}")
+            if self.grammars is None:
+                raise GrammarError(self._grammars_error)
         return self.grammars
 
     def constraint(self, spec: dict, prior: list[int]) -> Constraint:

@@ -2,10 +2,15 @@
 are paid before the first user's request (LLMEngine.warmup)."""
 from __future__ import annotations
 
+import logging
+
 from wideep_kernels.indexer import warm_up as indexer_warm_up
 from wideep_kernels.mla_decode import warm_up as mla_warm_up
 
+from .errors import RequestError
 from .sampling import SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 def warm_up(engine) -> None:
@@ -47,8 +52,15 @@ def warm_up(engine) -> None:
     if engine.tokenizer is not None:
         # Structured output: the grammar compiler's walk of the vocabulary (seconds at 129K
         # tokens) and the mask's kernel, paid here rather than by the first such request.
-        engine.generate([prompt(5, salt=-31)], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True,
-                                                            structured_output={"kind": "json_object"}))
+        # A tokenizer the grammar library cannot read fails here as it does each such request
+        # (a 400 that says so): serving without structured output goes on.
+        try:
+            engine.compile_grammar(SamplingParams(structured_output={"kind": "json_object"}))
+        except RequestError as e:
+            log.warning("%s", e)
+        else:
+            engine.generate([prompt(5, salt=-31)], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True,
+                                                                structured_output={"kind": "json_object"}))
     run([prompt(5, salt=-10 - s) for s in range(min(16, cfg.max_num_seqs))])
     if mc.index_topk:
         # Prefill rows past index_topk, in a full and a partial chunk, then a next turn on the

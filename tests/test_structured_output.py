@@ -198,6 +198,30 @@ def test_constrained_rows_run_ahead_and_match(tiny_ckpt):
     assert ahead.stats()["kv_blocks_used"] == 0
 
 
+def test_a_tokenizer_the_grammars_cannot_read_refuses_structured_requests_only(tiny_ckpt, monkeypatch, caplog):
+    """The warm-up meets it first and goes on; each structured request is then refused with the
+    reason (a RequestError: a 400), found once, and other requests are served."""
+    import engine.prompts
+
+    made = []
+
+    def unreadable(*args, **kwargs):
+        made.append(1)
+        raise RuntimeError("no byte fallback")
+    monkeypatch.setattr(engine.prompts, "GrammarCompiler", unreadable)
+    eng = LLMEngine.from_pretrained(tiny_ckpt, EngineConfig(block_size=16, max_num_batched_tokens=64, max_num_seqs=4,
+                                                            warmup=False), progress=False)
+    with caplog.at_level("WARNING"):
+        eng.warmup()
+    assert "not available with this model's tokenizer" in caplog.text
+    for _ in range(2):
+        with pytest.raises(RequestError, match="not available with this model's tokenizer: RuntimeError"):
+            eng.add_request("json", PROMPT, _params({"kind": "json_object"}))
+    assert made == [1]  # the tokenizer is read once, not per request
+    out = eng.generate([PROMPT], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0]
+    assert len(out.output_token_ids) == 3 and eng.stats()["kv_blocks_used"] == 0
+
+
 def test_a_retry_from_the_tokens_so_far_continues_the_grammar(recording):
     p = _params({"kind": "regex", "value": REGEX}, temperature=0)
     whole = _run(recording, {"whole": (PROMPT, p)})[0]["whole"]
