@@ -35,6 +35,7 @@ class DecodeBatch:
     # this step's latents that sit in its window (the row itself first).
     ring_rows: torch.Tensor | None = None    # [T] which sequence's window ring a row reads
     fresh_index: torch.Tensor | None = None  # [T, W]
+    row_seqs: torch.Tensor | None = None     # [T] each row's sequence (the indexer scores a run of them at once)
 
 
 def build_decode_batch(positions: torch.Tensor, block_tables: torch.Tensor, block_size: int,
@@ -68,7 +69,7 @@ def build_token_batch(positions: torch.Tensor, starts: torch.Tensor, seq_of: tor
     block_tables = tables[seq_of]
     if window is None:
         return DecodeBatch(block_tables=block_tables, g_lens=(positions + 1).to(torch.int32),
-                           block_size=block_size, sparse=sparse)
+                           block_size=block_size, sparse=sparse, row_seqs=seq_of)
     p, s = positions[:, None], starts[:, None]
     ring = ring_pos[seq_of]
     ring_ok = (ring >= 0) & (ring > p - window) & (ring < s)
@@ -78,7 +79,7 @@ def build_token_batch(positions: torch.Tensor, starts: torch.Tensor, seq_of: tor
     covered = ring_ok.sum(1) + fresh_ok.sum(1)
     return DecodeBatch(block_tables=block_tables, g_lens=(positions + 1 - covered).to(torch.int32),
                        block_size=block_size, sparse=sparse, win_valid=torch.cat([ring_ok, fresh_ok], dim=1),
-                       ring_rows=seq_of, fresh_index=fresh_index)
+                       ring_rows=seq_of, fresh_index=fresh_index, row_seqs=seq_of)
 
 
 def decode_topk(attn, idx_q: torch.Tensor | None, idx_w: torch.Tensor | None, ctx) -> torch.Tensor | None:
@@ -89,7 +90,8 @@ def decode_topk(attn, idx_q: torch.Tensor | None, idx_w: torch.Tensor | None, ct
         return None
     scale = ctx.index_scale[attn.source] if ctx.index_scale is not None else None
     return indexer_topk(idx_q, idx_w, ctx.index_keys[attn.source], dec.block_tables, dec.g_lens,
-                        dec.block_size, cfg.index_topk, key_scale=scale, w_scale=attn.indexer.n_heads ** -0.5)
+                        dec.block_size, cfg.index_topk, key_scale=scale, w_scale=attn.indexer.n_heads ** -0.5,
+                        row_seqs=dec.row_seqs)
 
 
 def decode_attention(attn, q: tuple[torch.Tensor, torch.Tensor], topk_pos: torch.Tensor | None,
