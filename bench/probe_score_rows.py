@@ -19,6 +19,7 @@ import json
 import torch
 
 import wideep_kernels.index_score as score
+import wideep_kernels.indexer as indexer
 from bench.kernel_timing import graph_ms
 from wideep_kernels.indexer import indexer_topk_triton
 
@@ -53,6 +54,8 @@ def main(argv=None) -> None:
     ap.add_argument("--kinds", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
     ap.add_argument("--choices", nargs="+", default=[f"{score.ROWS_TILE}:{score.ROWS_WARPS}"], help="tile:warps")
     ap.add_argument("--rows-per-program", type=int, nargs="+", default=[0], help="0: rows_per_group's choice")
+    ap.add_argument("--no-fused", action="store_true",
+                    help="also time the indexer with the wide rows' selection where the one-launch select serves")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -92,6 +95,15 @@ def main(argv=None) -> None:
                 print(json.dumps(row), flush=True)
                 out.append(row)
         score.rows_per_group = default_rows
+        if args.no_fused and context <= indexer.FUSED_MAX_WIDTH:  # the wide rows' selection instead
+            fused, indexer.FUSED_MAX_WIDTH = indexer.FUSED_MAX_WIDTH, 0
+            same = bool(torch.equal(topk(row_seqs).sort(dim=1).values, want_sets))
+            row = dict(base, choice=f"{score.ROWS_TILE}:{score.ROWS_WARPS}, no one-launch select",
+                       rows_per_program=default_rows(HEADS), score_ms=None,
+                       indexer_ms=graph_ms(lambda: topk(row_seqs), 3, args.iters), same_topk=same)
+            indexer.FUSED_MAX_WIDTH = fused
+            print(json.dumps(row), flush=True)
+            out.append(row)
     print("\n| context | keys | decoding rows | choice | rows a program | score ms | indexer ms | same top-k |")
     print("|---|---|---|---|---|---|---|---|")
     ms = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731 (None: the call could not be captured)
