@@ -205,7 +205,7 @@ def _score_launch(q, w, index_keys, block_tables, g_lens, block_size,
     heads = _next_pow2(num_heads, 16)
     dim = _next_pow2(head_dim, 16)
     probe = tile is not None or num_warps is not None  # a probe's choice: nothing built in mixed in
-    grouped = row_seqs is not None and rows_per_group(num_heads) > 0 and num_seqs > 1 and not probe
+    grouped = row_seqs is not None and rows_per_group(num_heads) > 0 and not probe
     if grouped:
         tile, num_warps = ROWS_TILE, ROWS_WARPS
     elif not probe:

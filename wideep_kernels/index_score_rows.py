@@ -13,7 +13,9 @@ row's heads.
 The rows of a group need not share a sequence (a step may mix decoding sequences with prompt
 chunks): the program takes the group's sequences one after another (rows of a sequence are
 consecutive), loading each one's keys through its own block table and keeping the scores of its
-rows alone. The formula, the -inf past each row's g_len, the workspace zeroing and the strided
+rows alone. A sequence with one row in the group (a decoding one) is multiplied with its own
+heads alone, as the row-by-row launch does: with all of the group's columns, a step of 64
+decoding rows beside a 1,024-row chunk at 32K scored in 1.04 ms against 0.76 row by row (H100). The formula, the -inf past each row's g_len, the workspace zeroing and the strided
 group maxima are those of _score_tile_kernel.
 """
 from __future__ import annotations
@@ -43,6 +45,29 @@ def rows_per_group(num_heads: int) -> int:
 if triton is not None:
     from .row_select import _key_to_score, _order_key
 
+    @triton.jit
+    def _one_row(keys, q_ptr, w_ptr, row, stride_qb, stride_qh, stride_qd, stride_wb, stride_wh, num_heads,
+                 w_scale, d, d_ok, HEADS: tl.constexpr, UPCAST: tl.constexpr, F16: tl.constexpr,
+                 PRECISION: tl.constexpr):
+        """One row's scores of a key tile [TILE, DIM], as _score_tile_kernel computes them (its heads
+        padded to HEADS >= 16 with zero weight); the per-key scale and g_len are the caller's."""
+        h = tl.arange(0, HEADS)
+        h_ok = h < num_heads
+        q = tl.load(q_ptr + row.to(tl.int64) * stride_qb + d[:, None] * stride_qd + h[None, :] * stride_qh,
+                    mask=d_ok[:, None] & h_ok[None, :], other=0.0)
+        q_exp = 0.0
+        if UPCAST:
+            q = q.to(tl.float32)
+        elif F16:
+            qf = q.to(tl.float32)
+            q_exp = tl.maximum(tl.ceil(tl.log2(tl.max(tl.max(tl.abs(qf), axis=1), axis=0))) - 14.0, 0.0)
+            q = (qf * tl.exp2(-q_exp)).to(tl.float16)
+        wt = tl.load(w_ptr + row.to(tl.int64) * stride_wb + h * stride_wh, mask=h_ok, other=0.0).to(tl.float32)
+        dots = tl.dot(keys, q, input_precision=PRECISION)
+        if F16:
+            dots = dots * tl.exp2(q_exp)
+        return tl.sum(tl.maximum(dots, 0.0) * (wt * w_scale)[None, :], axis=1)
+
     @triton.jit(do_not_specialize=["stride_tb", "tiles", "num_rows"])
     def _score_rows_kernel(q_ptr, w_ptr, keys_ptr, scale_ptr, table_ptr, lens_ptr, seq_ptr, out_ptr, m_ptr,
                            stride_qb, stride_qh, stride_qd, stride_wb, stride_wh,
@@ -51,7 +76,7 @@ if triton is not None:
                            ROWS: tl.constexpr, HEADS: tl.constexpr, DIM: tl.constexpr, TILE: tl.constexpr,
                            PRECISION: tl.constexpr, UPCAST: tl.constexpr, SCALED: tl.constexpr,
                            ZERO: tl.constexpr, SKIP_DEAD: tl.constexpr, F16: tl.constexpr,
-                           MAXIMA: tl.constexpr, PDL: tl.constexpr = 0):
+                           MAXIMA: tl.constexpr, NARROW_HEADS: tl.constexpr, PDL: tl.constexpr = 0):
         """Program (group, p) scores tiles p, p + P, ... (`tiles` of them) of rows group * ROWS ..
         group * ROWS + ROWS - 1. seq_ptr: each row's sequence (rows of one are consecutive)."""
         pdl_enter(PDL)
@@ -119,18 +144,30 @@ if triton is not None:
                         keys = keys.to(tl.float16)
                     elif SCALED:  # E4M3 values are exact in q's 16-bit type
                         keys = keys.to(q.dtype)
-                    dots = tl.dot(keys, q, input_precision=PRECISION)  # [TILE, ROWS * HEADS] fp32
-                    if F16:
-                        dots = dots * tl.exp2(q_exp)[None, :]
-                    score = tl.sum(tl.reshape(tl.maximum(dots, 0.0) * wt[None, :], [TILE, ROWS, HEADS]), axis=2)
-                    score = tl.trans(score)  # [ROWS, TILE]
-                    if SCALED:  # relu(q . (s k)) = s relu(q . k) for the positive per-key scale s
-                        scale = tl.load(scale_ptr + slot, mask=live, other=1.0)
-                        score = score * scale[None, :]
-                    score = tl.where(pos[None, :] < g_len[:, None], score, float("-inf"))
-                    tl.store(out_rows + pos[None, :], score, mask=own[:, None] & (pos[None, :] < width))
-                    if MAXIMA:
-                        best = tl.where(own[:, None], tl.maximum(best, _order_key(score)), best)
+                    if run_end - done == 1:  # a lone row (a decoding sequence's): its own heads alone
+                        score1 = _one_row(keys, q_ptr, w_ptr, lead, stride_qb, stride_qh, stride_qd, stride_wb,
+                                          stride_wh, num_heads, w_scale, d, d_ok, NARROW_HEADS, UPCAST, F16,
+                                          PRECISION)
+                        if SCALED:
+                            score1 = score1 * tl.load(scale_ptr + slot, mask=live, other=1.0)
+                        score1 = tl.where(live, score1, float("-inf"))
+                        tl.store(out_ptr + lead.to(tl.int64) * stride_ob + pos, score1, mask=pos < width)
+                        if MAXIMA:
+                            best = tl.where((rows == lead)[:, None], tl.maximum(best, _order_key(score1)[None, :]),
+                                            best)
+                    else:
+                        dots = tl.dot(keys, q, input_precision=PRECISION)  # [TILE, ROWS * HEADS] fp32
+                        if F16:
+                            dots = dots * tl.exp2(q_exp)[None, :]
+                        score = tl.sum(tl.reshape(tl.maximum(dots, 0.0) * wt[None, :], [TILE, ROWS, HEADS]),
+                                       axis=2)
+                        score = tl.trans(score)  # [ROWS, TILE]
+                        if SCALED:  # relu(q . (s k)) = s relu(q . k) for the positive per-key scale s
+                            score = score * tl.load(scale_ptr + slot, mask=live, other=1.0)[None, :]
+                        score = tl.where(pos[None, :] < g_len[:, None], score, float("-inf"))
+                        tl.store(out_rows + pos[None, :], score, mask=own[:, None] & (pos[None, :] < width))
+                        if MAXIMA:
+                            best = tl.where(own[:, None], tl.maximum(best, _order_key(score)), best)
                     done = run_end
             else:
                 if not SKIP_DEAD:  # no row of the group reaches this tile: -inf, nothing to score
@@ -177,5 +214,5 @@ def score_rows_launch(q, w, index_keys, block_tables, g_lens, row_seqs, block_si
         zero.numel() // num_rows if zero is not None else 0, tiles,
         ROWS=rows, HEADS=heads, DIM=dim, TILE=tile, PRECISION="ieee" if fp32 else "tf32", UPCAST=upcast,
         SCALED=key_scale is not None, ZERO=zero is not None, SKIP_DEAD=skip_dead, F16=f16,
-        MAXIMA=maxima is not None, num_warps=num_warps, **pdl_launch(q))
+        MAXIMA=maxima is not None, NARROW_HEADS=max(16, heads), num_warps=num_warps, **pdl_launch(q))
     return out

@@ -6,7 +6,8 @@ classes). The engine's warm-up requests are short, so they build the scoring ker
 one-launch select's flags. Rows past FUSED_MAX_WIDTH zero the radix histograms instead, FP8 keys
 take several tiles a program once the batch has enough of them, and the threshold select's rows
 also write the group maxima; each is a build of its own, which the first decode step that meets
-it would wait for (a second or so, every running request with it).
+it would wait for (a second or so, every running request with it). Prompt rows past index_topk
+positions take the launch of wideep_kernels/index_score_rows.py, whose wide variants are built here too.
 
 `remember` notes the dtypes, strides and alignment of each scoring call's inputs (the engine's
 warm-up makes them); `build_wide_variants` then runs the indexer on stand-ins with those layouts
@@ -69,6 +70,9 @@ def build_wide_variants(device) -> int:
             width = -(-width // block_size) * block_size
             tables = torch.zeros(rows, width // block_size, dtype=torch.int32, device=device)
             g_lens = torch.full((rows,), width, dtype=torch.int32, device=device)
-            indexer_topk_triton(_stand_in(q_layout, rows, device), _stand_in(w_layout, rows, device), keys, tables,
-                                g_lens, block_size, topk, key_scale=scale, w_scale=w_scale)
+            # as decode rows, and as one prompt's rows (scored several to a program)
+            for row_seqs in (None, torch.zeros(rows, dtype=torch.int64, device=device)):
+                indexer_topk_triton(_stand_in(q_layout, rows, device), _stand_in(w_layout, rows, device), keys,
+                                    tables, g_lens, block_size, topk, key_scale=scale, w_scale=w_scale,
+                                    row_seqs=row_seqs)
     return len(layouts)
