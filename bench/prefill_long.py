@@ -31,8 +31,9 @@ ONE = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
 PARTS = [
     ("index scoring", r"score"),
     ("index selection", r"radix|select|threshold|emit|_topk|hist|maxima"),
-    ("attention", r"mla|attn|attention|merge"),
-    ("moe", r"moe|expert|routing|route|swiglu|align"),
+    ("attention", r"mla|attn|attention|merge|split_kernel|resolve_slots"),
+    ("moe", r"moe|expert|routing|route|swiglu|align|gate_up|_down_kernel|sum_pairs|_offsets_kernel|_count_kernel|"
+            r"_place_kernel"),
     ("gemm", r"gemm|gemv|sm90|cutlass|nvjet|ampere|matmul|splitK"),
     ("norm / rope / latent", r"norm|rope|latent"),
 ]
