@@ -21,6 +21,7 @@ import torch
 import wideep_kernels.index_score as score
 import wideep_kernels.indexer as indexer
 from bench.kernel_timing import graph_ms
+from wideep_kernels.index_score_rows import prompt_row_groups
 from wideep_kernels.indexer import indexer_topk_triton
 
 BLOCK = 64
@@ -61,16 +62,15 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     out = []
     cases = [(c, k, d) for c in args.contexts for k in args.kinds for d in ([0, 64] if args.mixed else [0])]
-    default_rows = score.rows_per_group
     for context, kind, decoding in cases:
         q, w, keys, tables, lens, row_seqs, scale = make_chunk(context, args.rows, decoding, kind == "fp8")
         common = dict(key_scale=scale, w_scale=HEADS ** -0.5)
 
-        def scores(seqs):
-            return score._score_launch(q, w, keys, tables, lens, BLOCK, skip_dead=True, **common, row_seqs=seqs)
+        def scores(groups):
+            return score._score_launch(q, w, keys, tables, lens, BLOCK, skip_dead=True, **common, row_groups=groups)
 
-        def topk(seqs):
-            return indexer_topk_triton(q, w, keys, tables, lens, BLOCK, TOPK, **common, row_seqs=seqs)
+        def topk(groups):
+            return indexer_topk_triton(q, w, keys, tables, lens, BLOCK, TOPK, **common, row_groups=groups)
 
         base = dict(context=context, kind=kind, rows=args.rows, decoding=decoding)
         want = scores(None)
@@ -83,24 +83,24 @@ def main(argv=None) -> None:
             tile, warps = map(int, choice.split(":"))
             score.ROWS_TILE, score.ROWS_WARPS = tile, warps
             for per in args.rows_per_program:
-                score.rows_per_group = default_rows if per == 0 else (lambda heads, per=per: per)
-                got = scores(row_seqs)
+                groups = prompt_row_groups(row_seqs, HEADS, decoding + 1, rows=per or None)
+                got = scores(groups)
                 live = torch.arange(want.shape[1], device="cuda")[None, :] < lens[:, None]
                 err = float((got - want).abs()[live].max() / want[live].abs().max())
-                same = bool(torch.equal(topk(row_seqs).sort(dim=1).values, want_sets))
-                row = dict(base, choice=choice, rows_per_program=per or default_rows(HEADS),
-                           score_ms=graph_ms(lambda: scores(row_seqs), 3, args.iters),
-                           indexer_ms=graph_ms(lambda: topk(row_seqs), 3, args.iters),
+                same = bool(torch.equal(topk(groups).sort(dim=1).values, want_sets))
+                row = dict(base, choice=choice, rows_per_program=groups.rows,
+                           score_ms=graph_ms(lambda: scores(groups), 3, args.iters),
+                           indexer_ms=graph_ms(lambda: topk(groups), 3, args.iters),
                            rel_err=err, same_topk=same)
                 print(json.dumps(row), flush=True)
                 out.append(row)
-        score.rows_per_group = default_rows
         if args.no_fused and context <= indexer.FUSED_MAX_WIDTH:  # the wide rows' selection instead
             fused, indexer.FUSED_MAX_WIDTH = indexer.FUSED_MAX_WIDTH, 0
-            same = bool(torch.equal(topk(row_seqs).sort(dim=1).values, want_sets))
+            groups = prompt_row_groups(row_seqs, HEADS, decoding + 1)
+            same = bool(torch.equal(topk(groups).sort(dim=1).values, want_sets))
             row = dict(base, choice=f"{score.ROWS_TILE}:{score.ROWS_WARPS}, no one-launch select",
-                       rows_per_program=default_rows(HEADS), score_ms=None,
-                       indexer_ms=graph_ms(lambda: topk(row_seqs), 3, args.iters), same_topk=same)
+                       rows_per_program=groups.rows, score_ms=None,
+                       indexer_ms=graph_ms(lambda: topk(groups), 3, args.iters), same_topk=same)
             indexer.FUSED_MAX_WIDTH = fused
             print(json.dumps(row), flush=True)
             out.append(row)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from wideep_kernels.index_score_rows import RowGroups, prompt_row_groups
 from wideep_kernels.indexer import indexer_topk
 from wideep_kernels.mla_decode import mla_decode
 
@@ -35,7 +36,9 @@ class DecodeBatch:
     # this step's latents that sit in its window (the row itself first).
     ring_rows: torch.Tensor | None = None    # [T] which sequence's window ring a row reads
     fresh_index: torch.Tensor | None = None  # [T, W]
-    row_seqs: torch.Tensor | None = None     # [T] each row's sequence (the indexer scores a run of them at once)
+    row_seqs: torch.Tensor | None = None     # [T] each row's sequence
+    max_runs: int = 0                        # runs of one sequence's rows a step holds at most
+    row_groups: RowGroups | None = None      # the indexer's groups of rows (made by its first layer)
 
 
 def build_decode_batch(positions: torch.Tensor, block_tables: torch.Tensor, block_size: int,
@@ -69,7 +72,7 @@ def build_token_batch(positions: torch.Tensor, starts: torch.Tensor, seq_of: tor
     block_tables = tables[seq_of]
     if window is None:
         return DecodeBatch(block_tables=block_tables, g_lens=(positions + 1).to(torch.int32),
-                           block_size=block_size, sparse=sparse, row_seqs=seq_of)
+                           block_size=block_size, sparse=sparse, row_seqs=seq_of, max_runs=tables.shape[0])
     p, s = positions[:, None], starts[:, None]
     ring = ring_pos[seq_of]
     ring_ok = (ring >= 0) & (ring > p - window) & (ring < s)
@@ -79,7 +82,7 @@ def build_token_batch(positions: torch.Tensor, starts: torch.Tensor, seq_of: tor
     covered = ring_ok.sum(1) + fresh_ok.sum(1)
     return DecodeBatch(block_tables=block_tables, g_lens=(positions + 1 - covered).to(torch.int32),
                        block_size=block_size, sparse=sparse, win_valid=torch.cat([ring_ok, fresh_ok], dim=1),
-                       ring_rows=seq_of, fresh_index=fresh_index, row_seqs=seq_of)
+                       ring_rows=seq_of, fresh_index=fresh_index, row_seqs=seq_of, max_runs=tables.shape[0])
 
 
 def decode_topk(attn, idx_q: torch.Tensor | None, idx_w: torch.Tensor | None, ctx) -> torch.Tensor | None:
@@ -89,9 +92,11 @@ def decode_topk(attn, idx_q: torch.Tensor | None, idx_w: torch.Tensor | None, ct
     if attn.indexer is None or not dec.sparse:
         return None
     scale = ctx.index_scale[attn.source] if ctx.index_scale is not None else None
+    if dec.row_seqs is not None and dec.row_groups is None:  # once a step, for every layer
+        dec.row_groups = prompt_row_groups(dec.row_seqs, attn.indexer.n_heads, dec.max_runs)
     return indexer_topk(idx_q, idx_w, ctx.index_keys[attn.source], dec.block_tables, dec.g_lens,
                         dec.block_size, cfg.index_topk, key_scale=scale, w_scale=attn.indexer.n_heads ** -0.5,
-                        row_seqs=dec.row_seqs)
+                        row_groups=dec.row_groups)
 
 
 def decode_attention(attn, q: tuple[torch.Tensor, torch.Tensor], topk_pos: torch.Tensor | None,

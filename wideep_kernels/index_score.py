@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from .index_score_rows import ROWS_TILE, ROWS_WARPS, rows_per_group, score_rows_launch
+from .index_score_rows import ROWS_TILE, ROWS_WARPS, RowGroups, score_rows_launch
 from .tuning import tuned_config
 
 try:
@@ -184,15 +184,15 @@ def _score_launch(q, w, index_keys, block_tables, g_lens, block_size,
                   zero: torch.Tensor | None = None, skip_dead: bool = False,
                   f16: bool | None = None, maxima: torch.Tensor | None = None,
                   programs: int | None = None, num_stages: int | None = None,
-                  row_seqs: torch.Tensor | None = None) -> torch.Tensor:
+                  row_groups: RowGroups | None = None) -> torch.Tensor:
     """[B, width] fp32 scores, -inf past each row's g_len; `zero` (int32, B rows' worth: the
     selection's workspace) is zeroed too. `skip_dead`: tiles wholly past g_len are not written
     (for the one-launch select, which never reads there). `maxima` [B, T] fp32 (T a multiple of
     the tile): also write each row's strided group maxima for group stride T
     (wideep_kernels/wide_select.py), T / tile programs a row. `programs`: programs a row otherwise
     (each scores every programs-th tile). Launch choices left out come from _score_choice.
-    `row_seqs` [B]: each row's sequence, where rows are a prompt's tokens (several to a sequence,
-    consecutive): several rows a program then (wideep_kernels/index_score_rows.py)."""
+    `row_groups`: where rows are prompt tokens (several to a sequence), their groups of one
+    sequence, a group a program (wideep_kernels/index_score_rows.py prompt_row_groups)."""
     num_seqs, num_heads, head_dim = q.shape
     width = block_tables.shape[1] * block_size
     out = torch.empty(num_seqs, width, device=q.device, dtype=torch.float32)
@@ -205,7 +205,7 @@ def _score_launch(q, w, index_keys, block_tables, g_lens, block_size,
     heads = _next_pow2(num_heads, 16)
     dim = _next_pow2(head_dim, 16)
     probe = tile is not None or num_warps is not None  # a probe's choice: nothing built in mixed in
-    grouped = row_seqs is not None and rows_per_group(num_heads) > 0 and not probe
+    grouped = row_groups is not None and not probe
     if grouped:
         tile, num_warps = ROWS_TILE, ROWS_WARPS
     elif not probe:
@@ -234,10 +234,9 @@ def _score_launch(q, w, index_keys, block_tables, g_lens, block_size,
     # fp32 operands must not be rounded to tf32, or near-equal scores would swap places.
     fp32 = upcast or q.dtype == torch.float32
     if grouped:
-        return score_rows_launch(q, w, index_keys, block_tables, g_lens, row_seqs, block_size, out,
+        return score_rows_launch(q, w, index_keys, block_tables, g_lens, row_groups, block_size, out,
                                  tile=tile, num_warps=num_warps, key_scale=key_scale, w_scale=w_scale,
-                                 zero=zero, skip_dead=skip_dead, f16=f16, upcast=upcast, fp32=fp32, maxima=maxima,
-                                 rows=rows_per_group(num_heads))
+                                 zero=zero, skip_dead=skip_dead, f16=f16, upcast=upcast, fp32=fp32, maxima=maxima)
     tiles = triton.cdiv(row_tiles, programs)
     grid = (num_seqs, programs)
     scale = key_scale.float().contiguous() if scaled else out  # any pointer when unused

@@ -230,8 +230,8 @@ def select_topk_triton(scores: torch.Tensor, g_lens: torch.Tensor, topk: int,
 def indexer_topk_triton(q: torch.Tensor, w: torch.Tensor, index_keys: torch.Tensor,
                         block_tables: torch.Tensor, g_lens: torch.Tensor,
                         block_size: int, topk: int, key_scale: torch.Tensor | None = None,
-                        w_scale: float = 1.0, row_seqs: torch.Tensor | None = None) -> torch.Tensor:
-    """Same position set as indexer_topk_reference, in no particular order. row_seqs: as
+                        w_scale: float = 1.0, row_groups=None) -> torch.Tensor:
+    """Same position set as indexer_topk_reference, in no particular order. row_groups: as
     indexer_topk's."""
     num_seqs, width = q.shape[0], block_tables.shape[1] * block_size
     if q.is_cuda:
@@ -257,7 +257,7 @@ def indexer_topk_triton(q: torch.Tensor, w: torch.Tensor, index_keys: torch.Tens
         maxima = torch.empty(num_seqs, triton.cdiv(stride, tile) * tile, device=q.device, dtype=torch.float32)
     scores = _score_launch(q, w, index_keys, block_tables, g_lens, block_size, key_scale=key_scale, w_scale=w_scale,
                            zero=zeroed if slots is not None else ws, skip_dead=method == "fused", maxima=maxima,
-                           row_seqs=row_seqs)
+                           row_groups=row_groups)
     return select_topk_triton(scores, g_lens, topk, method=method, hist=ws, maxima=maxima, slots=slots)
 
 
@@ -284,7 +284,7 @@ def warm_up(topk: int, device, max_rows: int) -> None:
 def indexer_topk(q: torch.Tensor, w: torch.Tensor, index_keys: torch.Tensor,
                  block_tables: torch.Tensor, g_lens: torch.Tensor,
                  block_size: int, topk: int, key_scale: torch.Tensor | None = None,
-                 w_scale: float = 1.0, row_seqs: torch.Tensor | None = None) -> torch.Tensor:
+                 w_scale: float = 1.0, row_groups=None) -> torch.Tensor:
     """Top-k cached positions per decoding sequence by indexer score.
 
     q [B, Hi, Di], w [B, Hi], index_keys [S, Di] (slot = block * block_size + offset),
@@ -292,11 +292,11 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, index_keys: torch.Tensor,
     Returns [B, topk] int32 positions (not slots); -1 fills the row past min(g_len, topk).
     Row order is unspecified (best-first on the reference path). FP8 index keys
     (float8_e4m3fn) come with key_scale [S] fp32: key = index_keys[slot] * key_scale[slot].
-    The head weights are w.float() * w_scale. row_seqs [B]: where the rows are prompt tokens,
-    each one's sequence (its rows consecutive, sharing a block table), which lets the scoring
-    read a sequence's keys once for several rows.
+    The head weights are w.float() * w_scale. row_groups: where the rows are prompt tokens,
+    their groups of one sequence (wideep_kernels/index_score_rows.py prompt_row_groups), which
+    lets the scoring read a sequence's keys once for a group's rows.
     """
     if triton is not None and triton_ok(q):
         return indexer_topk_triton(q, w, index_keys, block_tables, g_lens, block_size, topk, key_scale, w_scale,
-                                   row_seqs)
+                                   row_groups)
     return indexer_topk_reference(q, w, index_keys, block_tables, g_lens, block_size, topk, key_scale, w_scale)

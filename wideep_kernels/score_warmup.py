@@ -60,6 +60,7 @@ def wide_shapes() -> list[tuple[int, int]]:
 def build_wide_variants(device) -> int:
     """Run the indexer on stand-ins of every remembered layout on `device` at wide_shapes();
     returns the number of layouts."""
+    from .index_score_rows import prompt_row_groups
     from .indexer import indexer_topk_triton
     device = torch.device(device)
     layouts = [k for k in _SEEN if k[0] == device]
@@ -71,8 +72,9 @@ def build_wide_variants(device) -> int:
             tables = torch.zeros(rows, width // block_size, dtype=torch.int32, device=device)
             g_lens = torch.full((rows,), width, dtype=torch.int32, device=device)
             # as decode rows, and as one prompt's rows (scored several to a program)
-            for row_seqs in (None, torch.zeros(rows, dtype=torch.int64, device=device)):
+            groups = prompt_row_groups(torch.zeros(rows, dtype=torch.int64, device=device), q_layout[1][0], 1)
+            for row_groups in [None] + ([groups] if groups is not None else []):
                 indexer_topk_triton(_stand_in(q_layout, rows, device), _stand_in(w_layout, rows, device), keys,
                                     tables, g_lens, block_size, topk, key_scale=scale, w_scale=w_scale,
-                                    row_seqs=row_seqs)
+                                    row_groups=row_groups)
     return len(layouts)
