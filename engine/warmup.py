@@ -64,12 +64,15 @@ def warm_up(engine) -> None:
     run([prompt(5, salt=-10 - s) for s in range(min(16, cfg.max_num_seqs))])
     if mc.index_topk:
         # Prefill rows past index_topk, in a full and a partial chunk, then a next turn on the
-        # same prefix: a prefix hit whose window is replayed. Two sequences, so that their decode
-        # steps score past index_topk at a batch past 1 (whose query rows lie in the projections'
-        # output, where a lone row's have a buffer of their own).
+        # same prefix: a prefix hit whose window is replayed. Two sequences, decoding for as many
+        # steps as the second one's prefill takes and a few more, so that some decode steps score
+        # past index_topk at a batch past 1 (whose query rows lie in the projections' output, where
+        # a lone row's have a buffer of their own).
         n = mc.index_topk + chunk + 17
-        if n + 8 <= limit:
-            run([prompt(n, salt=-100), prompt(n, salt=-102)])
+        decode = -(-n // chunk) + 3
+        if n + decode <= limit:
+            engine.generate([prompt(n, salt=-100), prompt(n, salt=-102)],
+                            SamplingParams(max_tokens=decode, temperature=0, ignore_eos=True))
             run([prompt(n, salt=-100) + prompt(8, salt=-101)])
     if cfg.decode_kernels:
         # The attention kernel's tuned configuration of every batch bucket: decode batches and
