@@ -37,7 +37,7 @@ from engine.moe import MoE
 from engine.sampling import SamplingParams
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence, Status
-from wideep_kernels import pdl
+from wideep_kernels import pdl, tuning
 
 
 EXPERT_ACTIVATIONS = {"fp8_w8a8": "fp8_e4m3", "fp8_w8a16": "model"}  # --expert-dtype -> expert_activations
@@ -493,6 +493,7 @@ def main(argv=None):
                    expert_dtype=expert_dtype, index_dtype=str(engine.runner.kv.index_keys.dtype).removeprefix("torch.")
                    if engine.runner.kv.index_keys is not None else None, index_topk_freq=freq, moe_gemm=gemm,
                    graphs=engine.runner.graphs is not None, pdl=pdl.pdl_mode(torch.empty(0, device=args.device)),
+                   tuned_table=tuning.table_name(torch.device(args.device)),
                    forward_ms=round(fwd, 3), step_ms=round(step, 3),
                    tok_s=round(args.batch / fwd * 1e3, 1), bytes_per_step_gb=round(nbytes / 1e9, 3),
                    copy_gbs=bw and round(bw / 1e9, 1), roofline_ms=roof and round(roof, 3),

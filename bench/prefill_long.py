@@ -25,6 +25,7 @@ from bench.engine_vs_hf import build_ours, sync
 from engine.config import EngineConfig, preset
 from engine.llm_engine import LLMEngine
 from engine.sampling import SamplingParams
+from wideep_kernels import tuning
 
 ONE = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
 # Kernel-name patterns of each part, first match wins (our Triton kernels' names, cuBLAS's).
@@ -114,7 +115,8 @@ def main(argv=None):
             times = [prefill_ms(engine, prompt(), args.device) for _ in range(args.repeats)]
             row = dict(preset=args.preset, device=args.device, context=context, chunk=chunk,
                        ttft_ms=round(min(times), 1), ttft_ms_all=[round(t, 1) for t in times],
-                       prompt_tok_s=round(context / min(times) * 1e3))
+                       prompt_tok_s=round(context / min(times) * 1e3),
+                       tuned_table=tuning.table_name(torch.device(args.device)))
             if args.profile and chunk == args.chunks[0] and context == args.contexts[0]:
                 profile_prefill(engine, prompt(), args.device, args.profile, f"context {context}, chunk {chunk}")
             print(json.dumps(row), flush=True)

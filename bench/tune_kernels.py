@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import sys
 
 import torch
@@ -91,7 +92,8 @@ def wanted(key: str, shapes) -> bool:
     return shapes is None or any(part in key for part in shapes)
 
 
-def tune_mla(batches, device, shapes=None) -> tuple[dict, list[dict]]:
+def tune_mla(batches, device, shapes=None, save=None) -> tuple[dict, list[dict]]:
+    """save(entries), when given, after each shape: a run cut short keeps what it measured."""
     entries, rows = {}, []
     for fp8, topk, b in itertools.product((False, True), (True, False), batches):
         if not wanted(tune_key(b, HEADS, KV_LORA + ROPE, fp8, topk), shapes):
@@ -121,6 +123,8 @@ def tune_mla(batches, device, shapes=None) -> tuple[dict, list[dict]]:
         key = tune_key(b, HEADS, KV_LORA + ROPE, fp8, topk)
         # the best of each kernel form, side by side
         record("mla_decode", key, best, us, base, entries, rows, **dict(zip(spaces, fastest)))
+        if save is not None:
+            save(entries)
     return entries, rows
 
 
@@ -172,23 +176,31 @@ def main(argv=None) -> int:
         return 2
     device = torch.device("cuda")
     path = tuning.TUNED_DIR / f"{tuning.gpu_key(device)}.json"
-    # Tune against the built-in choices: an existing table must not steer the baseline.
+    # Tune against the built-in choices: an existing table (or a same-capability one) must not steer
+    # the baseline.
     tuning.TUNED_DIR = tuning.TUNED_DIR / "_none"
+    os.environ.pop("WIDEEP_TUNED_TABLE", None)
     tuning.reload()
     batches = (1, 64) if args.quick else tuning.BATCH_BUCKETS
-    table = {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__}
+    table = {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__,
+             "capability": tuning.capability_key(device)}
     old = json.loads(path.read_text()) if args.shapes and path.exists() else {}
     rows = []
-    for name, tune in (("mla_decode", lambda: tune_mla(batches, device, args.shapes)),
-                       ("indexer_score", lambda: tune_score(device, args.shapes))):
-        entries, kernel_rows = tune()
+
+    def save(name: str, entries: dict) -> None:
         # with --shapes: the untuned shapes keep their entries, a tuned one loses its old entry
         kept = {k: v for k, v in old.get(name, {}).items() if not wanted(k, args.shapes)}
         table[name] = dict(kept, **entries)
-        rows += kernel_rows
-        if not args.dry_run:  # after each kernel, so a run cut short keeps what it measured
+        if not args.dry_run:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+
+    for name, tune in (("mla_decode", lambda: tune_mla(batches, device, args.shapes, lambda e: save(name, e))),
+                       ("indexer_score", lambda: tune_score(device, args.shapes))):
+        entries, kernel_rows = tune()
+        save(name, entries)
+        rows += kernel_rows
+        if not args.dry_run:
             print(f"wrote {path}", flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -293,6 +293,42 @@ def test_tuned_table_lookup(tmp_path, monkeypatch):
     assert [tuning.batch_bucket(b) for b in (1, 2, 16, 17, 300)] == [1, 4, 16, 64, 256]
 
 
+def test_tuned_table_of_the_same_capability(tmp_path, monkeypatch):
+    """A GPU without a table of its own takes one tuned on a GPU of its compute capability;
+    WIDEEP_TUNED_TABLE picks a table by name, or none."""
+    import json
+
+    from wideep_kernels import tuning
+    (tmp_path / "Ampere_GPU.json").write_text(json.dumps({"capability": "8.0", "mla_decode": {"k": {"block_n": 16}}}))
+    (tmp_path / "Hopper_GPU.json").write_text(json.dumps({"capability": "9.0", "mla_decode": {"k": {"block_n": 64}}}))
+    monkeypatch.setattr(tuning, "TUNED_DIR", tmp_path)
+    monkeypatch.setattr(tuning, "_stem", lambda index: "Untuned_Hopper")
+    monkeypatch.setattr(tuning, "_capability", lambda index: "9.0")
+    monkeypatch.delenv("WIDEEP_TUNED_TABLE", raising=False)
+    cuda = torch.device("cuda", 0)
+    tuning.reload()
+    try:
+        assert tuning.table_for(0)[0] == "Hopper_GPU"
+        assert tuning.tuned_config(cuda, "mla_decode", "k") == {"block_n": 64}
+        monkeypatch.setattr(tuning, "_capability", lambda index: "10.0")
+        tuning.reload()
+        assert tuning.tuned_config(cuda, "mla_decode", "k") is None  # no table of its kind: built-ins
+        monkeypatch.setenv("WIDEEP_TUNED_TABLE", "Ampere_GPU")
+        tuning.reload()
+        assert tuning.tuned_config(cuda, "mla_decode", "k") == {"block_n": 16}
+        monkeypatch.setenv("WIDEEP_TUNED_TABLE", "none")
+        monkeypatch.setattr(tuning, "_stem", lambda index: "Hopper_GPU")  # even its own table is dropped
+        tuning.reload()
+        assert tuning.tuned_config(cuda, "mla_decode", "k") is None
+        monkeypatch.setenv("WIDEEP_TUNED_TABLE", "No_Such_GPU")
+        tuning.reload()
+        with pytest.raises(ValueError, match="WIDEEP_TUNED_TABLE"):
+            tuning.tuned_config(cuda, "mla_decode", "k")
+    finally:
+        monkeypatch.delenv("WIDEEP_TUNED_TABLE", raising=False)
+        tuning.reload()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("heads", [4, 40])
 @pytest.mark.parametrize("config", [None, dict(block_n=16, num_warps=4, num_stages=2, waves=1, min_tiles=1,
