@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from .index_score_rows import ROWS_TILE, ROWS_WARPS, RowGroups, score_rows_launch
+from .index_score_rows import ROWS_TILE, ROWS_WARPS, RowGroups, _tile_keys, score_rows_launch
 from .tuning import tuned_config
 
 try:
@@ -29,23 +29,6 @@ if triton is not None:
     # do_not_specialize; block-table widths and tile counts change as contexts grow, so they
     # are listed (they only index scalars) and a longer context never stalls decode on a build.
     # Widths and row strides keep the specialisation: it lets the score loads and stores vectorise.
-    @triton.jit
-    def _tile_keys(keys_ptr, scale_ptr, row_table_ptr, stride_tm, stride_ks, stride_kd, block_size, g_len, pos, d,
-                   d_ok, SCALED: tl.constexpr):
-        """The keys [TILE, DIM] of positions `pos` of a row (zero past g_len) and their scales
-        (SCALED)."""
-        live = pos < g_len
-        # Past g_len the table may be garbage: the masked load never reads it.
-        block = tl.load(row_table_ptr + (pos // block_size) * stride_tm, mask=live, other=0)
-        slot = block.to(tl.int64) * block_size + pos % block_size
-        # One load of the tile's keys serves every head.
-        keys = tl.load(keys_ptr + slot[:, None] * stride_ks + d[None, :] * stride_kd,
-                       mask=live[:, None] & d_ok[None, :], other=0.0)
-        scale = 1.0
-        if SCALED:
-            scale = tl.load(scale_ptr + slot, mask=live, other=1.0)
-        return keys, scale
-
     @triton.jit
     def _score_store(keys, scale, q, q_exp, wt, row_out_ptr, pos, g_len, width, best, UPCAST: tl.constexpr,
                      F16: tl.constexpr, SCALED: tl.constexpr, MAXIMA: tl.constexpr, PRECISION: tl.constexpr):

@@ -85,6 +85,23 @@ def prompt_row_groups(row_seqs: torch.Tensor, num_heads: int, max_runs: int,
 if triton is not None:
     from .row_select import _key_to_score, _order_key
 
+    @triton.jit
+    def _tile_keys(keys_ptr, scale_ptr, row_table_ptr, stride_tm, stride_ks, stride_kd, block_size, g_len, pos, d,
+                   d_ok, SCALED: tl.constexpr):
+        """The keys [TILE, DIM] of positions `pos` of a row (zero past g_len) and their scales
+        (SCALED)."""
+        live = pos < g_len
+        # Past g_len the table may be garbage: the masked load never reads it.
+        block = tl.load(row_table_ptr + (pos // block_size) * stride_tm, mask=live, other=0)
+        slot = block.to(tl.int64) * block_size + pos % block_size
+        # One load of the tile's keys serves every head.
+        keys = tl.load(keys_ptr + slot[:, None] * stride_ks + d[None, :] * stride_kd,
+                       mask=live[:, None] & d_ok[None, :], other=0.0)
+        scale = 1.0
+        if SCALED:
+            scale = tl.load(scale_ptr + slot, mask=live, other=1.0)
+        return keys, scale
+
     @triton.jit(do_not_specialize=["stride_tb", "tiles"])
     def _score_rows_kernel(q_ptr, w_ptr, keys_ptr, scale_ptr, table_ptr, lens_ptr, first_ptr, count_ptr, out_ptr,
                            m_ptr, stride_qb, stride_qh, stride_qd, stride_wb, stride_wh,
@@ -156,11 +173,8 @@ if triton is not None:
             pos = start + lane
             if start < group_len:
                 live = pos < group_len
-                # Past group_len the table may be garbage: the masked load never reads it.
-                block = tl.load(row_table + (pos // block_size) * stride_tm, mask=live, other=0)
-                slot = block.to(tl.int64) * block_size + pos % block_size
-                keys = tl.load(keys_ptr + slot[:, None] * stride_ks + d[None, :] * stride_kd,
-                               mask=live[:, None] & d_ok[None, :], other=0.0)
+                keys, scale = _tile_keys(keys_ptr, scale_ptr, row_table, stride_tm, stride_ks, stride_kd, block_size,
+                                         group_len, pos, d, d_ok, SCALED)
                 if UPCAST:
                     keys = keys.to(tl.float32)
                 elif F16:
@@ -173,7 +187,7 @@ if triton is not None:
                         dots1 = dots1 * tl.exp2(q1_exp)
                     score1 = tl.sum(tl.maximum(dots1, 0.0) * wt1[None, :], axis=1)
                     if SCALED:  # relu(q . (s k)) = s relu(q . k) for the positive per-key scale s
-                        score1 = score1 * tl.load(scale_ptr + slot, mask=live, other=1.0)
+                        score1 = score1 * scale
                     score1 = tl.where(live, score1, float("-inf"))
                     tl.store(out_ptr + first.to(tl.int64) * stride_ob + pos, score1, mask=pos < width)
                     if MAXIMA:
@@ -185,7 +199,7 @@ if triton is not None:
                     score = tl.sum(tl.reshape(tl.maximum(dots, 0.0) * wt[None, :], [TILE, ROWS, HEADS]), axis=2)
                     score = tl.trans(score)  # [ROWS, TILE]
                     if SCALED:
-                        score = score * tl.load(scale_ptr + slot, mask=live, other=1.0)[None, :]
+                        score = score * scale[None, :]
                     score = tl.where(pos[None, :] < g_len[:, None], score, float("-inf"))
                     tl.store(out_rows + pos[None, :], score, mask=row_ok[:, None] & (pos[None, :] < width))
                     if MAXIMA:
