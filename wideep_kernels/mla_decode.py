@@ -449,9 +449,15 @@ def mla_decode_triton(q, kv, kv_scale, block_tables, g_lens, block_size: int, sm
         num_global = triton.cdiv(max(n_cap, 1), keys_per_split)
         total_splits = num_global + (1 if has_window else 0)
 
-    part_acc = torch.empty(b, total_splits, h, kv_lora, dtype=torch.float32, device=q.device)
-    part_m = torch.empty(b, total_splits, h, dtype=torch.float32, device=q.device)
-    part_l = torch.empty(b, total_splits, h, dtype=torch.float32, device=q.device)
+    # One split a row (prompt chunks, batches past the SM count): the Gluon kernel writes the
+    # output itself, without fp32 partials and the merge launch.
+    direct = split_kernel is _gluon_split_kernel and total_splits == 1
+    if direct:
+        part_acc = part_m = part_l = out
+    else:
+        part_acc = torch.empty(b, total_splits, h, kv_lora, dtype=torch.float32, device=q.device)
+        part_m = torch.empty(b, total_splits, h, dtype=torch.float32, device=q.device)
+        part_l = torch.empty(b, total_splits, h, dtype=torch.float32, device=q.device)
     # The interpreter (Triton 3.9) computes bf16 dots wrongly: it gets fp32 operands instead.
     upcast = q.device.type == "cpu" and q.dtype == torch.bfloat16
     prec = "ieee" if q.dtype == torch.float32 or upcast else "tf32"
@@ -473,7 +479,7 @@ def mla_decode_triton(q, kv, kv_scale, block_tables, g_lens, block_size: int, sm
     grid = (total_splits, head_groups, b)
     if split_kernel is _gluon_split_kernel:
         try:
-            _gluon_split_kernel[grid](*args, **consts)
+            _gluon_split_kernel[grid](*args, **consts, DIRECT=direct)
         except Exception as e:  # a Triton whose Gluon differs: warn once, then the Triton kernel
             _unusable.add("mla_decode_gluon")
             log.warning("Gluon MLA decode kernel failed here (%s: %s); using the Triton kernel from now on",
@@ -482,6 +488,8 @@ def mla_decode_triton(q, kv, kv_scale, block_tables, g_lens, block_size: int, sm
                                      topk_pos_in, win_kv_in, win_valid_in, num_splits_in, config, ring)
     else:
         split_kernel[grid](*args, **consts, num_stages=num_stages)
+    if direct:
+        return out
     # One program per (sequence, head) over the whole latent: 3.3 us at batch 64 on the H200
     # summing four splits a step, where 128-column programs and 16-split steps took 15 us
     # (bench.probe_mla). With few programs (batch 1-16 at 16 heads, 35 splits) each program's

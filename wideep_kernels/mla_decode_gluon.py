@@ -211,7 +211,7 @@ if gluon is not None:
             BLOCK_H: gl.constexpr, BLOCK_C: gl.constexpr, BLOCK_R: gl.constexpr, BLOCK_N: gl.constexpr,
             IS_FP8: gl.constexpr, HAS_TOPK: gl.constexpr, HAS_WINDOW: gl.constexpr, RING: gl.constexpr,
             PREC: gl.constexpr, SLOTS: gl.constexpr, Q_RELOAD: gl.constexpr, UPCAST: gl.constexpr,
-            num_warps: gl.constexpr, RING_WRITE: gl.constexpr = 1, PDL: gl.constexpr = 0):
+            num_warps: gl.constexpr, RING_WRITE: gl.constexpr = 1, PDL: gl.constexpr = 0, DIRECT: gl.constexpr = 0):
         if PDL >= 1:  # wideep_kernels/pdl.py
             gdc_wait()
         if PDL >= 2:
@@ -379,14 +379,22 @@ if gluon is not None:
                 gl.store(dst + wc, gl.load(fresh_row + wc, mask=wc < kv_lora), mask=wc < kv_lora)
                 gl.store(dst + kv_lora + wr, gl.load(fresh_row + kv_lora + wr, mask=wr < rope), mask=wr < rope)
 
-        heads = head_group * BLOCK_H + gl.arange(0, BLOCK_H, layout=head_s)
-        part = (b * num_splits + split) * num_heads + heads
-        gl.store(part_m_ptr + part, m, mask=heads < num_heads)
-        gl.store(part_l_ptr + part, l, mask=heads < num_heads)
         heads_o = head_group * BLOCK_H + gl.arange(0, BLOCK_H, layout=head_o)
         part_o = (b * num_splits + split) * num_heads + heads_o
         cols_o = gl.arange(0, BLOCK_C, layout=gl.SliceLayout(1, o_layout))
-        gl.store(part_acc_ptr + part_o[None, :].to(gl.int64) * kv_lora + cols_o[:, None], acc,
-                 mask=(heads_o < num_heads)[None, :] & (cols_o < kv_lora)[:, None])
+        o_mask = (heads_o < num_heads)[None, :] & (cols_o < kv_lora)[:, None]
+        if DIRECT:
+            # The row's only split: its sums are the row's, so it writes the output [B, H, kv_lora]
+            # (part_acc_ptr, the same offsets at one split) and no merge runs; no key -> zeros.
+            l_o = gl.convert_layout(l, head_o)
+            o = gl.where(l_o[None, :] > 0, acc / gl.where(l_o > 0, l_o, 1.0)[None, :], 0.0)
+            gl.store(part_acc_ptr + part_o[None, :].to(gl.int64) * kv_lora + cols_o[:, None],
+                     o.to(part_acc_ptr.dtype.element_ty), mask=o_mask)
+        else:
+            heads = head_group * BLOCK_H + gl.arange(0, BLOCK_H, layout=head_s)
+            part = (b * num_splits + split) * num_heads + heads
+            gl.store(part_m_ptr + part, m, mask=heads < num_heads)
+            gl.store(part_l_ptr + part, l, mask=heads < num_heads)
+            gl.store(part_acc_ptr + part_o[None, :].to(gl.int64) * kv_lora + cols_o[:, None], acc, mask=o_mask)
 else:
     _gluon_split_kernel = None
