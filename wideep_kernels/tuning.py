@@ -4,10 +4,10 @@
 runs on and writes wideep_kernels/tuned/<gpu name>.json: {kernel: {shape key: config}}. The kernels
 look their shape up there and keep their built-in choice when the entry is missing.
 
-A GPU without a table of its own takes the table of a tuned GPU of the same compute capability
-(an H800 or a GH200 takes the H100's, the first by name): what those tables mostly choose is which kernel form runs
-(on Hopper, the wgmma form of the MLA split kernel, 2x the built-in choice at a 256-row step),
-which depends on the architecture, not on the part. WIDEEP_TUNED_TABLE names the table to use
+A GPU without a table of its own takes the table of a tuned GPU of the same compute capability,
+the first by name (an H800 or a GH200 takes the H100's): what those tables mostly choose is which
+kernel form runs (on Hopper, the wgmma form of the MLA split kernel, 2x the built-in choice at a
+256-row step), which depends on the architecture, not on the part. WIDEEP_TUNED_TABLE names the table to use
 instead (a file stem such as NVIDIA_H200), or `none` for the built-in choices.
 """
 from __future__ import annotations
