@@ -7,8 +7,8 @@ source bench/device/setup.sh
 t() { local s=$1; shift; local t0=$SECONDS; timeout "$s" "$@"; echo "rc=$? $((SECONDS - t0))s $*" >> "$OUT/steps.txt"; }
 mkdir -p /tmp/old && tar xzf .devpack/tree_old.tgz -C /tmp/old
 old() { (cd /tmp/old && PYTHONPATH=/tmp/site:/tmp/old "$@"); }
-t 150 python3 -m pytest -q -p no:cacheprovider -k cuda tests/test_kernel_mla_decode.py tests/test_kernel_score_rows.py \
-  > "$OUT/tests.log" 2>&1
+t 150 python3 -m pytest -q -p no:cacheprovider -k "cuda and (gluon or rows or group)" tests/test_kernel_mla_decode.py \
+  tests/test_kernel_score_rows.py > "$OUT/tests.log" 2>&1
 tail -n 2 "$OUT/tests.log"; grep -a FAILED "$OUT/tests.log"
 PROBE="-m bench.probe_score_rows --contexts 32768 100000 --mixed --kinds bf16 fp8 --choices 64:4"
 old t 80 python3 $PROBE > "$OUT/probe_old.log" 2>&1
