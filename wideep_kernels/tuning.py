@@ -66,6 +66,7 @@ def table_for(index: int) -> tuple[str | None, dict]:
         return chosen, table
     own = _stem(index)
     if _table(own):
+        log.info("tuned launch table: %s", own)
         return own, _table(own)
     capability = _capability(index)
     for path in sorted(TUNED_DIR.glob("*.json")):
