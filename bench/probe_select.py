@@ -14,6 +14,11 @@ reference's positions. `--dist` picks the scores: normal, trend (rising towards 
 positions) or tied (all but 16 a row equal: every row overflows the candidates, the worst case).
 
     python -m bench.probe_select --wide --json wide.jsonl
+
+`--prompt`: the rows of one prompt chunk instead (`--batches` rows ending at each width, row i
+seeing width - rows + 1 + i positions), with the threshold select and torch.topk beside them.
+
+    python -m bench.probe_select --prompt --batches 1024 --widths 8192 16384 32768
 """
 from __future__ import annotations
 
@@ -24,13 +29,17 @@ import torch
 
 from bench.kernel_timing import graph_ms
 from wideep_kernels.indexer import kth_scores, select_topk_reference, select_topk_triton
-from wideep_kernels.row_select import MAX_PARTS, select_rows
+from wideep_kernels.row_select import MAX_PARTS, WORKSPACE_COLS, select_rows
 
 TOPK = 2048
 BATCHES = (1, 16, 64)
 WIDTHS = (8192, 10240, 16384, 32768)
 SPLIT = ((256, 256), (512, 256), (512, 512), (1024, 512), (2048, 512))
 WIDE_WIDTHS = (65536, 131072, 524288)
+_P = dict(block=512, num_warps=4, sparse_max=64)
+PROMPT_SPLIT = ([dict(_P, parts=p, sparse_from=f) for p in (1, 2, 4, 8, 16) for f in (1, 2)]
+                + [dict(_P, parts=p, sparse_from=2, **o) for p in (4, 8)
+                   for o in (dict(block=1024), dict(num_warps=8), dict(sparse_max=256))])
 WIDE_METHODS = ("topk", "radix", "threshold")
 
 
@@ -81,6 +90,7 @@ def main(argv=None) -> None:
     ap.add_argument("--widths", type=int, nargs="+", default=list(WIDTHS))
     ap.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
     ap.add_argument("--wide", action="store_true", help="instead: rows of 64K-512K positions (see above)")
+    ap.add_argument("--prompt", action="store_true", help="rows of one prompt chunk (see above)")
     ap.add_argument("--dist", choices=("normal", "trend", "tied"), default="normal", help="--wide scores")
     ap.add_argument("--candidate-programs", type=int, default=None,
                     help="--wide: programs of the candidates' launch (wideep_kernels/wide_select.py CANDIDATE_PROGRAMS)")
@@ -95,9 +105,11 @@ def main(argv=None) -> None:
         for batch in args.batches:
             g = torch.Generator(device="cuda").manual_seed(batch * width)
             scores = torch.randn(batch, width, device="cuda", generator=g)
-            # about 8K live positions a row, as a context of 8K in a wider graph bucket
-            g_lens = torch.full((batch,), min(width, 8193), dtype=torch.int32, device="cuda")
-            scores[:, 8193:] = float("-inf")
+            if args.prompt:  # a chunk's rows, each seeing one position more than the row before
+                g_lens = (torch.arange(batch, device="cuda") + width - batch + 1).clamp(min=1).int()
+            else:  # about 8K live positions a row, as a context of 8K in a wider graph bucket
+                g_lens = torch.full((batch,), min(width, 8193), dtype=torch.int32, device="cuda")
+            scores.masked_fill_(torch.arange(width, device="cuda") >= g_lens[:, None], float("-inf"))
             want = select_topk_reference(scores, g_lens, TOPK).sort(dim=1).values
             out = torch.empty(batch, TOPK, dtype=torch.int32, device="cuda")
             k = min(TOPK, width)
@@ -105,10 +117,31 @@ def main(argv=None) -> None:
                        "split": lambda: select_rows(scores, g_lens, out, k),
                        "split_dense": lambda: select_rows(scores, g_lens, out, k, sparse_from=4),
                        "split_sparse": lambda: select_rows(scores, g_lens, out, k, sparse_from=2)}
-            for span, block in SPLIT:
+            if args.prompt:
+                choices["threshold"] = lambda: select_topk_triton(scores, g_lens, TOPK, method="threshold")
+                choices["topk"] = lambda: select_topk_triton(scores, g_lens, TOPK, method="topk")
+            if args.prompt:  # a prompt chunk's rows are many: a row in 1-16 parts, and the atomics' options
+                for c in PROMPT_SPLIT:
+                    span = c["block"] * -(-width // (c["parts"] * c["block"]))
+                    name = "p{parts}_f{sparse_from}_b{block}_w{num_warps}_m{sparse_max}".format(**c)
+                    choices[name] = (lambda s=span, c=c: select_rows(
+                        scores, g_lens, out, k, span=s, block=c["block"], sparse_from=c["sparse_from"],
+                        num_warps=c["num_warps"], sparse_max=c["sparse_max"]))
+            for span, block in [] if args.prompt else SPLIT:
                 if span < width and -(-width // span) <= MAX_PARTS:
                     choices[f"split_s{span}_b{block}"] = (
                         lambda s=span, b=block: select_rows(scores, g_lens, out, k, span=s, block=b))
+            if args.prompt:  # the built-in split's phases, each its own launch over the real workspace
+                ws = torch.zeros(batch, WORKSPACE_COLS, dtype=torch.int32, device="cuda")
+                select_rows(scores, g_lens, out, k, phased=True, ws=ws)
+                done = ws.clone()
+                restore = lambda: ws.copy_(done)  # noqa: E731 (the passes add into the histograms)
+                base_us = graph_ms(restore, 3, args.iters, repeat=16) * 1e3
+                for p in range(6):
+                    fn = lambda p=p: (restore(), select_rows(scores, g_lens, out, k, phased=True, ws=ws, only_phase=p))
+                    us = graph_ms(fn, 3, args.iters, repeat=16) * 1e3 - base_us
+                    rows.append(dict(batch=batch, width=width, choice=f"phase_{p}", us=round(us, 2)))
+                    print(json.dumps(rows[-1]), flush=True)
             for name, fn in choices.items():
                 got = fn()
                 if not torch.equal(got.sort(dim=1).values, want):
@@ -119,11 +152,11 @@ def main(argv=None) -> None:
     if args.json:
         with open(args.json, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
-    print("\n| width | batch | " + " | ".join(dict.fromkeys(r["choice"] for r in rows)) + " |")
-    for width in args.widths:
-        for batch in args.batches:
-            cells = [f"{r['us']:.1f}" for r in rows if r["batch"] == batch and r["width"] == width]
-            print(f"| {width} | {batch} | " + " | ".join(cells) + " |")
+    shapes = [(w, b) for w in args.widths for b in args.batches]
+    print("\n| choice | " + " | ".join(f"{w} x {b}" for w, b in shapes) + " |")
+    for choice in dict.fromkeys(r["choice"] for r in rows):
+        us = {(r["width"], r["batch"]): r["us"] for r in rows if r["choice"] == choice}
+        print(f"| {choice} | " + " | ".join(f"{us[s]:.1f}" if s in us else "" for s in shapes) + " |")
 
 
 if __name__ == "__main__":

@@ -56,11 +56,11 @@ def test_phases_match_reference(device, width, topk, span, sparse_from):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("topk", [100, 1600])
+@pytest.mark.parametrize("topk", [100, 1400, 1600])
 def test_positions_past_the_length_are_never_read(device, topk):
     """A row's positions past g_len count as -inf without a load: garbage there (large scores,
-    NaN) changes nothing. topk 1600 is more than every row holds, so the -inf keys' count decides
-    the k-th byte by byte."""
+    NaN) changes nothing. topk 1400 takes the passes in the longer rows and every position of
+    the shorter; 1600 is more than every row holds, so each takes every live position unread."""
     scores, g_lens = tied_rows(1500, 3, device)
     want = select_topk_reference(scores, g_lens, topk)
     dead = torch.arange(1500, device=device)[None, :] >= g_lens[:, None].long()
@@ -85,6 +85,30 @@ def test_default_counting_either_side_of_the_row_limit(device, rows):
     out = torch.empty(rows, 300, dtype=torch.int32, device=device)
     select_rows(scores, g_lens, out, 300)
     same_sets(out, select_topk_reference(scores, g_lens, 300))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("phased", [True, False])
+def test_rows_no_longer_than_k_take_every_position(device, phased):
+    """Rows of at most k live positions among longer ones: each gets all of its positions, then
+    -1, without its scores being read (NaN there changes nothing); the longer rows get the
+    reference's choice."""
+    if not phased and device != "cuda":
+        pytest.skip("the one launch needs a GPU")
+    width, topk = 2500, 700
+    g = torch.Generator().manual_seed(7)
+    scores = torch.randn(6, width, generator=g)
+    g_lens = torch.tensor([0, 1, 699, 700, 701, width], dtype=torch.int32)
+    scores[torch.arange(width)[None, :] >= g_lens[:, None].long()] = float("-inf")
+    want = select_topk_reference(scores, g_lens, topk)
+    scores[:4] = float("nan")  # rows of at most k positions: never read
+    scores, g_lens = scores.to(device), g_lens.to(device)
+    out = torch.full((6, topk), 12345, dtype=torch.int32, device=device)
+    select_rows(scores, g_lens, out, topk, phased=phased, span=512)
+    same_sets(out, want.to(device))
+    for row, n in enumerate((0, 1, 699, 700)):
+        got = out[row].sort().values.cpu()
+        assert torch.equal(got[topk - n:], torch.arange(n, dtype=torch.int32)) and bool((got[:topk - n] == -1).all())
 
 
 def test_split_row_fills_the_gpu_and_keeps_parts_bounded():

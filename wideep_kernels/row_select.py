@@ -141,6 +141,19 @@ if triton is not None:
         if part >= live_parts:
             return
         live_span = tl.maximum(tl.minimum(span, live_end - start), 0)
+        row_out = out_ptr + seq * stride_ob
+        if live_end <= k:
+            # Every live position is chosen (a short sequence among long ones, a prompt's early
+            # rows): no pass needed. The first launch writes them; the phased form's later ones leave.
+            if FIRST == 0:
+                for off in range(0, live_span, BLOCK):
+                    pos = start + off + tl.arange(0, BLOCK)
+                    tl.store(row_out + pos, pos, mask=pos < live_end)
+                if part == 0:
+                    for fill_start in range(0, topk, FILL):
+                        i = fill_start + tl.arange(0, FILL)
+                        tl.store(row_out + i, tl.full([FILL], -1, tl.int32), mask=(i >= live_end) & (i < topk))
+            return
         dead = tl.where(part == live_parts - 1, width - live_end, 0)
 
         # The k-th largest key's bytes known when phase FIRST starts (a launch of its own
@@ -210,7 +223,6 @@ if triton is not None:
                 ranked = tl.sum(tl.where(c < part, above, 0), axis=0)  # above-k-th positions emitted before
                 later_ties = tl.sum(tl.where(c >= part, equal, 0), axis=0)  # ties from this span on
                 ties_wanted = k - total_above
-                row_out = out_ptr + seq * stride_ob
                 for off in range(0, live_span, BLOCK):
                     pos = start + off + tl.arange(0, BLOCK)
                     live = pos < live_end
@@ -253,7 +265,8 @@ def one_launch_ok(device: torch.device) -> bool:
 
 def select_rows(scores: torch.Tensor, g_lens: torch.Tensor, out: torch.Tensor, k: int,
                 phased: bool | None = None, span: int | None = None, block: int = BLOCK,
-                sparse_from: int | None = None, ws: torch.Tensor | None = None) -> torch.Tensor:
+                sparse_from: int | None = None, ws: torch.Tensor | None = None, sparse_max: int = SPARSE_MAX,
+                num_warps: int = 4, only_phase: int | None = None) -> torch.Tensor:
     """Write into out [B, topk] int32 the positions of each row's k highest scores (equal
     scores: latest position first; positions >= g_len never), -1 after them. scores [B, width]
     fp32, never read at or past g_len (any content there); g_lens int32 on the scores' device;
@@ -263,7 +276,10 @@ def select_rows(scores: torch.Tensor, g_lens: torch.Tensor, out: torch.Tensor, k
     (bench.probe_select times the choices). `sparse_from`: the first byte pass that counts
     blocks with few matching keys by atomics instead of a histogram (4: none; default
     SPARSE_FROM up to SPARSE_MAX_ROWS rows, none above). `ws`: int32 [B, WORKSPACE_COLS], zeroed
-    (the scoring launch can clear it, which spares a launch); None allocates one."""
+    (the scoring launch can clear it, which spares a launch); None allocates one. `sparse_max`
+    (the most matching keys a block counts by atomics) and `num_warps` are for bench.probe_select,
+    and so is `only_phase`: that phase's launch of the phased form alone, over a `ws` that holds
+    the earlier phases' results."""
     num_seqs, width = scores.shape
     topk = out.shape[1]
     parts, span = split_row(num_seqs, width, span, block)
@@ -277,10 +293,12 @@ def select_rows(scores: torch.Tensor, g_lens: torch.Tensor, out: torch.Tensor, k
     if sparse_from is None:
         sparse_from = SPARSE_FROM if num_seqs <= SPARSE_MAX_ROWS else 4
     phases = [(p, p) for p in range(_PHASES)] if phased else [(0, _PHASES - 1)]
+    if only_phase is not None:
+        phases = [(only_phase, only_phase)]
     for first, last in phases:
         _select_kernel[(num_seqs * parts,)](
             scores, g_lens, out, ws, scores.stride(0), out.stride(0), ws.stride(0),
             width, num_seqs, parts, span, k, topk,
             FIRST=first, LAST=last, BLOCK=block, PARTS=MAX_PARTS, FILL=fill,
-            SPARSE_FROM=sparse_from, SPARSE_MAX=SPARSE_MAX, num_warps=4, **pdl_launch(scores))
+            SPARSE_FROM=sparse_from, SPARSE_MAX=sparse_max, num_warps=num_warps, **pdl_launch(scores))
     return out
