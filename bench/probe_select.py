@@ -39,6 +39,7 @@ WIDE_WIDTHS = (65536, 131072, 524288)
 _P = dict(block=512, num_warps=4, sparse_max=64)
 PROMPT_SPLIT = ([dict(_P, parts=p, sparse_from=f) for p in (1, 2, 4, 8, 16) for f in (1, 2)]
                 + [dict(_P, parts=32, sparse_from=2)]
+                + [dict(_P, parts=p, sparse_from=1, sparse_max=256) for p in (4, 8)]
                 + [dict(_P, parts=p, sparse_from=2, **o) for p in (4, 8)
                    for o in (dict(block=1024), dict(num_warps=8), dict(sparse_max=256))])
 WIDE_METHODS = ("topk", "radix", "threshold")
