@@ -18,7 +18,7 @@ import torch
 from . import triton_ok
 from .index_score import _next_pow2, _score_choice, _score_launch, indexer_scores_triton  # noqa: F401 (the API)
 from .radix_select import _SELECT_BLOCK, radix_passes
-from .row_select import SPARSE_MAX_ROWS, WORKSPACE_COLS, select_rows
+from .row_select import SELECT_SPARSE_ROWS, SPARSE_MAX_ROWS, WORKSPACE_COLS, select_rows
 from .score_warmup import build_wide_variants, remember as remember_scoring
 
 try:
@@ -95,6 +95,8 @@ def indexer_topk_reference(q: torch.Tensor, w: torch.Tensor, index_keys: torch.T
 # WIDEEP_ONE_LAUNCH_SELECT=0 turns the one launch off (its programs wait on each other at
 # barriers, which needs a row's programs resident together; every GPU we know holds them).
 FUSED_MAX_WIDTH = 32768 if os.environ.get("WIDEEP_ONE_LAUNCH_SELECT", "1") != "0" else 0
+# Steps of at least this many rows (prompt chunks) take the one launch at every width.
+FUSED_WIDE_MIN_ROWS = int(os.environ.get("WIDEEP_FUSED_WIDE_MIN_ROWS", "0")) if FUSED_MAX_WIDTH else 0
 THRESHOLD_MIN_POSITIONS = 1 << 21
 # The threshold select's group maxima taken by the scoring launch (one read of the scores and a
 # launch fewer a layer; wideep_kernels/index_score.py); WIDEEP_SCORE_MAXIMA=0 leaves them to their own
@@ -138,7 +140,7 @@ def kth_scores(scores: torch.Tensor, k: int, method: str | None = None, span: in
 
 def default_select(width: int, rows: int = 1) -> str:
     """The selection method `rows` rows of `width` positions get when none is asked for."""
-    if width <= FUSED_MAX_WIDTH:
+    if width <= FUSED_MAX_WIDTH or (FUSED_WIDE_MIN_ROWS and rows >= FUSED_WIDE_MIN_ROWS):
         return "fused"
     return "threshold" if rows * width >= THRESHOLD_MIN_POSITIONS else "radix"
 
@@ -263,7 +265,8 @@ def indexer_topk_triton(q: torch.Tensor, w: torch.Tensor, index_keys: torch.Tens
 
 def warm_up(topk: int, device, max_rows: int) -> None:
     """Build, on dummy scores, every selection variant serving can meet: the one-launch select
-    with and without its atomics (up to and past SPARSE_MAX_ROWS rows) and the wide rows' radix,
+    with and without its atomics (up to and past SELECT_SPARSE_ROWS rows; the radix passes' up to
+    and past SPARSE_MAX_ROWS) and the wide rows' radix,
     threshold and torch.topk paths, whose widths the warm-up's requests never reach. Their builds
     depend on none of the widths (wideep_kernels/row_select.py, wideep_kernels/wide_select.py),
     so narrow rows build them. On a GPU, also the scoring launch's wide-row variants for the
@@ -272,7 +275,7 @@ def warm_up(topk: int, device, max_rows: int) -> None:
     if triton is None or not triton_ok(probe) or topk <= 0:
         return
     width = 64 * (topk // 64 + 1)  # past topk: a real selection
-    for rows in sorted({1, min(max_rows, SPARSE_MAX_ROWS + 1)}):
+    for rows in sorted({1, min(max_rows, SPARSE_MAX_ROWS + 1), min(max_rows, SELECT_SPARSE_ROWS + 1)}):
         scores = torch.zeros(rows, width, device=device)
         g_lens = torch.full((rows,), width, dtype=torch.int32, device=device)
         for method in ("fused", "radix", "threshold", "topk"):

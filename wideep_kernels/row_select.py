@@ -51,10 +51,18 @@ TARGET_PROGRAMS = 2048
 # for batches of up to SPARSE_MAX_ROWS rows. On the H200 at the decode step's row width for 8K
 # (10240, 8193 live; bench.probe_select) that took 16.1 against 18.2 us at batch 16 and 23.2
 # against 28.6 at 64, and the batch-64 step 4.36 against 4.44 ms (RESULTS, twelfth session). Rows
-# past 64 are unmeasured, so they keep the histograms.
+# past 64 are unmeasured, so they keep the histograms. (wideep_kernels/radix_select.py keeps that
+# limit for its passes; this kernel's own is SELECT_SPARSE_ROWS.)
 SPARSE_FROM = 2
 SPARSE_MAX = 64
 SPARSE_MAX_ROWS = 64
+SELECT_SPARSE_ROWS = int(os.environ.get("WIDEEP_SELECT_SPARSE_ROWS", "1000000"))
+# Each phase reads the rows again. Programs start in ticket order, so the rows being worked on
+# at once are about RESIDENT_PROGRAMS / parts; where their scores fit in L2_ROW_BYTES the later
+# phases read them from the L2 instead of HBM. Steps of many wide rows (prompt chunks) are split
+# finer for that. 0 turns it off.
+RESIDENT_PROGRAMS = 2048
+L2_ROW_BYTES = int(os.environ.get("WIDEEP_SELECT_L2_MB", "24")) << 20
 _HIST = 4 * 256
 # A row's zeroed workspace: histograms, counts, barrier; the ticket is the last entry of row 0's.
 WORKSPACE_COLS = _HIST + 2 * MAX_PARTS + 2
@@ -247,7 +255,10 @@ if triton is not None:
 def split_row(num_seqs: int, width: int, span: int | None = None, block: int = BLOCK) -> tuple[int, int]:
     """(parts, span): a row's programs and the positions each covers (a multiple of `block`)."""
     if span is None:
-        want_parts = max(1, min(MAX_PARTS, -(-TARGET_PROGRAMS // max(num_seqs, 1))))
+        want_parts = -(-TARGET_PROGRAMS // max(num_seqs, 1))
+        if L2_ROW_BYTES and num_seqs * width * 4 > L2_ROW_BYTES:
+            want_parts = max(want_parts, -(-RESIDENT_PROGRAMS * width * 4 // L2_ROW_BYTES))
+        want_parts = max(1, min(MAX_PARTS, want_parts))
         span = block * max(1, -(-width // (want_parts * block)))
     if span <= 0 or span % block:
         raise ValueError(f"span {span} must be a positive multiple of {block}")
@@ -291,7 +302,7 @@ def select_rows(scores: torch.Tensor, g_lens: torch.Tensor, out: torch.Tensor, k
         raise ValueError(f"ws must be a contiguous int32 [{num_seqs}, {WORKSPACE_COLS}]")
     fill = min(1024, max(16, triton.next_power_of_2(topk)))
     if sparse_from is None:
-        sparse_from = SPARSE_FROM if num_seqs <= SPARSE_MAX_ROWS else 4
+        sparse_from = SPARSE_FROM if num_seqs <= SELECT_SPARSE_ROWS else 4
     phases = [(p, p) for p in range(_PHASES)] if phased else [(0, _PHASES - 1)]
     if only_phase is not None:
         phases = [(only_phase, only_phase)]
