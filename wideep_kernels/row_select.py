@@ -62,7 +62,7 @@ SELECT_SPARSE_ROWS = int(os.environ.get("WIDEEP_SELECT_SPARSE_ROWS", "1000000"))
 # phases read them from the L2 instead of HBM. Steps of many wide rows (prompt chunks) are split
 # finer for that. 0 turns it off.
 RESIDENT_PROGRAMS = 2048
-L2_ROW_BYTES = int(os.environ.get("WIDEEP_SELECT_L2_MB", "24")) << 20
+L2_ROW_BYTES = int(os.environ.get("WIDEEP_SELECT_L2_MB", "32")) << 20
 _HIST = 4 * 256
 # A row's zeroed workspace: histograms, counts, barrier; the ticket is the last entry of row 0's.
 WORKSPACE_COLS = _HIST + 2 * MAX_PARTS + 2
