@@ -10,7 +10,8 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from wideep_kernels.indexer import select_topk_reference  # noqa: E402
-from wideep_kernels.row_select import BLOCK, MAX_PARTS, SPARSE_MAX_ROWS, select_rows, split_row  # noqa: E402
+from wideep_kernels.row_select import (BLOCK, L2_ROW_BYTES, MAX_PARTS, RESIDENT_PROGRAMS, SPARSE_MAX_ROWS,  # noqa: E402
+                                       select_rows, split_row)
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICES = [
@@ -74,9 +75,9 @@ def test_positions_past_the_length_are_never_read(device, topk):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("rows", [SPARSE_MAX_ROWS, SPARSE_MAX_ROWS + 1])
-def test_default_counting_either_side_of_the_row_limit(device, rows):
-    """Up to SPARSE_MAX_ROWS rows the last byte passes count by atomics where few keys match,
-    above it by histograms: the same positions either way."""
+def test_default_counting_at_many_rows(device, rows):
+    """At any number of rows the last byte passes count by atomics where few keys match (the
+    radix passes' limit, SPARSE_MAX_ROWS, is not this kernel's): the reference's positions."""
     g = torch.Generator().manual_seed(rows)
     scores = torch.randn(rows, 1100, generator=g)
     g_lens = torch.randint(600, 1101, (rows,), generator=g).to(torch.int32)
@@ -118,6 +119,10 @@ def test_split_row_fills_the_gpu_and_keeps_parts_bounded():
     assert parts64 < parts and parts64 * span64 >= 32768  # more rows, fewer parts each
     parts, span = split_row(16, 1 << 20)
     assert parts <= MAX_PARTS and parts * span >= 1 << 20
+    # Many wide rows (a prompt chunk): split so that the rows worked on at once fit the L2 budget.
+    parts, span = split_row(1024, 32768)
+    assert parts * span >= 32768 and (RESIDENT_PROGRAMS // parts) * 32768 * 4 <= L2_ROW_BYTES
+    assert split_row(1024, 131072)[0] > parts
     with pytest.raises(ValueError, match="multiple"):
         split_row(1, 4096, span=300)
     with pytest.raises(ValueError, match="at most"):

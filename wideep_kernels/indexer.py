@@ -275,7 +275,8 @@ def warm_up(topk: int, device, max_rows: int) -> None:
     if triton is None or not triton_ok(probe) or topk <= 0:
         return
     width = 64 * (topk // 64 + 1)  # past topk: a real selection
-    for rows in sorted({1, min(max_rows, SPARSE_MAX_ROWS + 1), min(max_rows, SELECT_SPARSE_ROWS + 1)}):
+    past_limit = {SELECT_SPARSE_ROWS + 1} if SELECT_SPARSE_ROWS < max_rows else set()
+    for rows in sorted({1, min(max_rows, SPARSE_MAX_ROWS + 1)} | past_limit):
         scores = torch.zeros(rows, width, device=device)
         g_lens = torch.full((rows,), width, dtype=torch.int32, device=device)
         for method in ("fused", "radix", "threshold", "topk"):
