@@ -118,12 +118,13 @@ def main(argv=None) -> None:
             choices = {"radix": lambda: select_topk_triton(scores, g_lens, TOPK, method="radix"),
                        "split": lambda: select_rows(scores, g_lens, out, k),
                        "split_dense": lambda: select_rows(scores, g_lens, out, k, sparse_from=4),
-                       "split_sparse": lambda: select_rows(scores, g_lens, out, k, sparse_from=2)}
+                       "split_sparse": lambda: select_rows(scores, g_lens, out, k, sparse_from=2),
+                       "split_no_record": lambda: select_rows(scores, g_lens, out, k, record=False)}
             if args.prompt:
                 old_parts = min(MAX_PARTS, -(-2048 // batch))  # before the L2 rule (row_select.split_row)
                 choices["old_default"] = lambda: select_rows(
                     scores, g_lens, out, k, span=512 * -(-width // (old_parts * 512)),
-                    sparse_from=2 if batch <= 64 else 4)
+                    sparse_from=2 if batch <= 64 else 4, record=False)
                 choices["threshold"] = lambda: select_topk_triton(scores, g_lens, TOPK, method="threshold")
                 choices["topk"] = lambda: select_topk_triton(scores, g_lens, TOPK, method="topk")
             if args.prompt:  # a prompt chunk's rows are many: a row in 1-16 parts, and the atomics' options

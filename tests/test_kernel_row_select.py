@@ -57,6 +57,25 @@ def test_phases_match_reference(device, width, topk, span, sparse_from):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_count_from_the_last_pass_positions(device):
+    """The count phase from the few positions the last byte pass kept (distinct scores), or from
+    its span again where they did not fit (ties) or the k-th is NaN: the same places as without
+    them, the reference's positions."""
+    scores, g_lens = tied_rows(1500, 11, device)
+    extra = torch.randn(2, 1500, device=device)
+    extra[1, :40] = float("nan")  # NaN scores order above +inf: the k-th (k = 30) is one
+    scores = torch.cat([scores, extra])
+    g_lens = torch.cat([g_lens, torch.tensor([1500, 1500], dtype=torch.int32, device=device)])
+    for topk in (30, 400):
+        kept = torch.empty(scores.shape[0], topk, dtype=torch.int32, device=device)
+        plain = torch.empty_like(kept)
+        for record, out in ((True, kept), (False, plain)):
+            select_rows(scores, g_lens, out, topk, phased=True, span=512, record=record)
+        assert torch.equal(kept, plain)
+        same_sets(kept[:-1], select_topk_reference(scores[:-1], g_lens[:-1], topk))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("topk", [100, 1400, 1600])
 def test_positions_past_the_length_are_never_read(device, topk):
     """A row's positions past g_len count as -inf without a load: garbage there (large scores,

@@ -8,10 +8,12 @@ programs (a span of positions each) that run six phases:
 
     0-3  histogram of one byte (from the top) of the order keys that still match the k-th
          largest key's bytes so far, added into the row's histogram of that byte;
-    4    count, in the program's span, the scores above the k-th and equal to it;
+    4    count, in the program's span, the scores above the k-th and equal to it (from what
+         phase 3 kept where it can: RECORDS below);
     5    emit the span's positions: above the k-th at their rank among the row's, then the
          latest positions equal to it into the places left (the reference's tie rule).
 
+A row with no more live positions than k takes them all, with no phase.
 Positions at or past a row's length (g_len) are never read: they count as -inf keys, added by
 the row's last live part, and parts holding only such positions leave at once.
 
@@ -64,8 +66,14 @@ SELECT_SPARSE_ROWS = int(os.environ.get("WIDEEP_SELECT_SPARSE_ROWS", "1000000"))
 RESIDENT_PROGRAMS = 2048
 L2_ROW_BYTES = int(os.environ.get("WIDEEP_SELECT_L2_MB", "32")) << 20
 _HIST = 4 * 256
-# A row's zeroed workspace: histograms, counts, barrier; the ticket is the last entry of row 0's.
-WORKSPACE_COLS = _HIST + 2 * MAX_PARTS + 2
+# The last byte pass also counts, for each part, the keys above the k-th's top three bytes and the
+# keys sharing them, and keeps the positions of the first RECORDS of those. Where they fit, the count
+# phase reads those few scores instead of the part's span again. WIDEEP_SELECT_RECORD=0 turns it off.
+RECORDS = 8
+RECORD = os.environ.get("WIDEEP_SELECT_RECORD", "1") != "0"
+# A row's zeroed workspace: histograms, counts, barrier, the last pass's counts and positions;
+# the ticket is the last entry of row 0's.
+WORKSPACE_COLS = _HIST + 4 * MAX_PARTS + MAX_PARTS * RECORDS + 2
 _PHASES = 6
 
 if triton is not None:
@@ -117,10 +125,11 @@ if triton is not None:
                        width, num_seqs, parts, span, k, topk,
                        FIRST: tl.constexpr, LAST: tl.constexpr, BLOCK: tl.constexpr,
                        PARTS: tl.constexpr, FILL: tl.constexpr, SPARSE_FROM: tl.constexpr,
-                       SPARSE_MAX: tl.constexpr, PDL: tl.constexpr = 0):
+                       SPARSE_MAX: tl.constexpr, RECORD: tl.constexpr, REC: tl.constexpr, PDL: tl.constexpr = 0):
         """Phases FIRST..LAST of the selection (see the module docstring). ws [B, row] int32,
         zeroed: per row the four byte histograms, the per-part above and equal counts, the
-        barrier counter; ws[0, -1] the ticket counter."""
+        barrier counter, the last pass's per-part counts and positions (RECORD); ws[0, -1] the
+        ticket counter."""
         pdl_enter(PDL)
         if FIRST == LAST:  # a launch per phase: nobody waits on a partner
             ticket = tl.program_id(0)
@@ -133,6 +142,9 @@ if triton is not None:
         above_ptr = row_ws + 4 * 256
         equal_ptr = above_ptr + PARTS
         sync_ptr = equal_ptr + PARTS
+        gt_ptr = sync_ptr + 1  # per part: keys above the k-th's top three bytes, keys sharing them
+        shared_ptr = gt_ptr + PARTS
+        rec_ptr = shared_ptr + PARTS + part * REC  # the part's first REC of those sharing them
         row_scores = scores_ptr + seq * stride_sb
         start = part * span
         g_len = tl.load(lens_ptr + seq)
@@ -187,10 +199,23 @@ if triton is not None:
                     dead_match = (dead > 0) & ((dead_key >> (32 - 8 * phase)) == prefix)
                 dead_byte = (dead_key >> (24 - 8 * phase)) & 0xFF
                 counts = tl.where(dead_match & (bins == dead_byte), dead, 0).to(tl.int32)
+                n_gt = tl.zeros([], dtype=tl.int32)
+                n_shared = tl.zeros([], dtype=tl.int32)
                 for off in range(0, live_span, BLOCK):
                     pos = start + off + tl.arange(0, BLOCK)
                     in_row = pos < live_end
-                    key = _order_key(tl.load(row_scores + pos, mask=in_row, other=float("-inf")))
+                    s = tl.load(row_scores + pos, mask=in_row, other=float("-inf"))
+                    key = _order_key(s)
+                    if RECORD and phase == 3:
+                        # Above the top three bytes: above the k-th, whatever its last byte (NaN
+                        # never counts, as in the count phase's float comparisons).
+                        n_gt += tl.sum((in_row & (s == s) & ((key >> 8) > prefix)).to(tl.int32), axis=0)
+                        is_shared = in_row & ((key >> 8) == prefix)
+                        n_blk = tl.sum(is_shared.to(tl.int32), axis=0)
+                        if n_blk > 0:
+                            slot = n_shared + tl.cumsum(is_shared.to(tl.int32), axis=0) - 1
+                            tl.store(rec_ptr + slot, pos, mask=is_shared & (slot < REC))
+                        n_shared += n_blk
                     match = in_row
                     if phase > 0:
                         match = match & ((key >> (32 - 8 * phase)) == prefix)
@@ -208,16 +233,33 @@ if triton is not None:
                     else:
                         counts += tl.histogram(tl.where(match, byte, 0).to(tl.int32), 256)
                 tl.atomic_add(hist_ptr + phase * 256 + bins, counts, mask=counts > 0, sem="relaxed")
+                if RECORD and phase == 3:
+                    tl.store(gt_ptr + part, n_gt)
+                    tl.store(shared_ptr + part, n_shared)
             elif phase == 4:
                 kth = _key_to_score(prefix)
-                n_above = tl.zeros([], dtype=tl.int32)
-                n_equal = tl.zeros([], dtype=tl.int32)
-                for off in range(0, live_span, BLOCK):
-                    pos = start + off + tl.arange(0, BLOCK)
-                    live = pos < live_end
-                    s = tl.load(row_scores + pos, mask=live, other=float("-inf"))
-                    n_above += tl.sum((live & (s > kth)).to(tl.int32), axis=0)
-                    n_equal += tl.sum((live & (s == kth)).to(tl.int32), axis=0)
+                use_rec = False
+                if RECORD:
+                    n_shared = tl.load(shared_ptr + part, cache_modifier=".cg")
+                    use_rec = (n_shared <= REC) & (kth == kth)
+                if use_rec:
+                    # The part's keys above the k-th: those above its top three bytes, and those
+                    # of the few sharing them whose score is above it; the equal ones among them.
+                    r = tl.arange(0, REC)
+                    kept = r < n_shared
+                    at = tl.load(rec_ptr + r, mask=kept, other=0, cache_modifier=".cg")
+                    s = tl.load(row_scores + at, mask=kept, other=0.0)
+                    n_above = tl.load(gt_ptr + part, cache_modifier=".cg") + tl.sum((kept & (s > kth)).to(tl.int32), axis=0)
+                    n_equal = tl.sum((kept & (s == kth)).to(tl.int32), axis=0)
+                else:
+                    n_above = tl.zeros([], dtype=tl.int32)
+                    n_equal = tl.zeros([], dtype=tl.int32)
+                    for off in range(0, live_span, BLOCK):
+                        pos = start + off + tl.arange(0, BLOCK)
+                        live = pos < live_end
+                        s = tl.load(row_scores + pos, mask=live, other=float("-inf"))
+                        n_above += tl.sum((live & (s > kth)).to(tl.int32), axis=0)
+                        n_equal += tl.sum((live & (s == kth)).to(tl.int32), axis=0)
                 tl.store(above_ptr + part, n_above)
                 tl.store(equal_ptr + part, n_equal)
             else:
@@ -277,7 +319,7 @@ def one_launch_ok(device: torch.device) -> bool:
 def select_rows(scores: torch.Tensor, g_lens: torch.Tensor, out: torch.Tensor, k: int,
                 phased: bool | None = None, span: int | None = None, block: int = BLOCK,
                 sparse_from: int | None = None, ws: torch.Tensor | None = None, sparse_max: int = SPARSE_MAX,
-                num_warps: int = 4, only_phase: int | None = None) -> torch.Tensor:
+                num_warps: int = 4, only_phase: int | None = None, record: bool | None = None) -> torch.Tensor:
     """Write into out [B, topk] int32 the positions of each row's k highest scores (equal
     scores: latest position first; positions >= g_len never), -1 after them. scores [B, width]
     fp32, never read at or past g_len (any content there); g_lens int32 on the scores' device;
@@ -290,7 +332,7 @@ def select_rows(scores: torch.Tensor, g_lens: torch.Tensor, out: torch.Tensor, k
     (the scoring launch can clear it, which spares a launch); None allocates one. `sparse_max`
     (the most matching keys a block counts by atomics) and `num_warps` are for bench.probe_select,
     and so is `only_phase`: that phase's launch of the phased form alone, over a `ws` that holds
-    the earlier phases' results."""
+    the earlier phases' results, and `record` (default RECORD)."""
     num_seqs, width = scores.shape
     topk = out.shape[1]
     parts, span = split_row(num_seqs, width, span, block)
@@ -311,5 +353,6 @@ def select_rows(scores: torch.Tensor, g_lens: torch.Tensor, out: torch.Tensor, k
             scores, g_lens, out, ws, scores.stride(0), out.stride(0), ws.stride(0),
             width, num_seqs, parts, span, k, topk,
             FIRST=first, LAST=last, BLOCK=block, PARTS=MAX_PARTS, FILL=fill,
-            SPARSE_FROM=sparse_from, SPARSE_MAX=sparse_max, num_warps=num_warps, **pdl_launch(scores))
+            SPARSE_FROM=sparse_from, SPARSE_MAX=sparse_max, RECORD=RECORD if record is None else record,
+            REC=RECORDS, num_warps=num_warps, **pdl_launch(scores))
     return out
