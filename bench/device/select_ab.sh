@@ -20,7 +20,7 @@ fi
 if on probe; then
   t 150 python3 -m bench.probe_select --prompt --batches 1024 --widths 16384 32768 131072 --iters 10 \
     --json "$OUT/probe_prompt.jsonl" > "$OUT/probe_prompt.log" 2>&1
-  t 60 python3 -m bench.probe_select --batches 64 128 256 --widths 10240 --iters 10 \
+  t 60 python3 -m bench.probe_select --batches ${DECODE_ROWS:-64 128 256} --widths 10240 --iters 10 \
     --json "$OUT/probe_decode.jsonl" > "$OUT/probe_decode.log" 2>&1
   grep -a "^|" "$OUT/probe_prompt.log" "$OUT/probe_decode.log" || tail -n 5 "$OUT"/probe_*.log
 fi
@@ -38,7 +38,7 @@ if on prefill; then
   done
 fi
 if on forward; then
-  for b in 64 256; do
+  for b in ${FWD_BATCHES:-64 256}; do
     F="-m bench.forward --batch $b --contexts 8192 --iters 10"
     old t 60 python3 $F > "$OUT/fwd_old_b$b.log" 2>&1
     t 60 python3 $F > "$OUT/fwd_new_b$b.log" 2>&1
