@@ -13,12 +13,12 @@ on() { [[ " $STEPS " == *" $1 "* ]]; }
 # name=switches;... : the new tree's variants of the prefill
 VARIANTS=${VARIANTS:-"new="}
 if on tests; then
-  t 120 python3 -m pytest -q -p no:cacheprovider -k "cuda or gpu" tests/test_kernel_row_select.py \
-    tests/test_kernel_indexer.py > "$OUT/tests.log" 2>&1
+  t 120 python3 -m pytest -q -p no:cacheprovider -k "cuda or gpu" ${TESTS:-tests/test_kernel_row_select.py \
+    tests/test_kernel_indexer.py} > "$OUT/tests.log" 2>&1
   tail -n 2 "$OUT/tests.log"; grep -a FAILED "$OUT/tests.log"
 fi
 if on probe; then
-  t 150 python3 -m bench.probe_select --prompt --batches 1024 --widths 16384 32768 131072 --iters 10 \
+  t 150 python3 -m bench.probe_select --prompt --batches 1024 --widths ${PROBE_WIDTHS:-16384 32768 131072} --iters 10 \
     --json "$OUT/probe_prompt.jsonl" > "$OUT/probe_prompt.log" 2>&1
   t 60 python3 -m bench.probe_select --batches ${DECODE_ROWS:-64 128 256} --widths 10240 --iters 10 \
     --json "$OUT/probe_decode.jsonl" > "$OUT/probe_decode.log" 2>&1
