@@ -10,8 +10,8 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from wideep_kernels.indexer import select_topk_reference  # noqa: E402
-from wideep_kernels.row_select import (BLOCK, L2_ROW_BYTES, MAX_PARTS, RESIDENT_PROGRAMS, SPARSE_MAX_ROWS,  # noqa: E402
-                                       select_rows, split_row)
+from wideep_kernels.row_select import (BLOCK, L2_ROW_BYTES, MANY_ROWS, MAX_PARTS, RESIDENT_PROGRAMS,  # noqa: E402
+                                       SPARSE_MAX_ROWS, select_rows, split_row)
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICES = [
@@ -93,14 +93,16 @@ def test_positions_past_the_length_are_never_read(device, topk):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("rows", [SPARSE_MAX_ROWS, SPARSE_MAX_ROWS + 1])
+@pytest.mark.parametrize("rows", [SPARSE_MAX_ROWS + 1, MANY_ROWS])
 def test_default_counting_at_many_rows(device, rows):
     """At any number of rows the last byte passes count by atomics where few keys match (the
-    radix passes' limit, SPARSE_MAX_ROWS, is not this kernel's): the reference's positions."""
+    radix passes' limit, SPARSE_MAX_ROWS, is not this kernel's), and from MANY_ROWS rows the
+    second too, up to MANY_SPARSE_MAX keys a block: the reference's positions."""
+    width = 1100 if rows < MANY_ROWS else 700
     g = torch.Generator().manual_seed(rows)
-    scores = torch.randn(rows, 1100, generator=g)
-    g_lens = torch.randint(600, 1101, (rows,), generator=g).to(torch.int32)
-    scores[torch.arange(1100)[None, :] >= g_lens[:, None].long()] = float("-inf")
+    scores = torch.randn(rows, width, generator=g)
+    g_lens = torch.randint(width // 2, width + 1, (rows,), generator=g).to(torch.int32)
+    scores[torch.arange(width)[None, :] >= g_lens[:, None].long()] = float("-inf")
     scores, g_lens = scores.to(device), g_lens.to(device)
     out = torch.empty(rows, 300, dtype=torch.int32, device=device)
     select_rows(scores, g_lens, out, 300)

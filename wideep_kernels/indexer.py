@@ -18,7 +18,7 @@ import torch
 from . import triton_ok
 from .index_score import _next_pow2, _score_choice, _score_launch, indexer_scores_triton  # noqa: F401 (the API)
 from .radix_select import _SELECT_BLOCK, radix_passes
-from .row_select import SELECT_SPARSE_ROWS, SPARSE_MAX_ROWS, WORKSPACE_COLS, select_rows
+from .row_select import MANY_ROWS, SPARSE_MAX_ROWS, WORKSPACE_COLS, select_rows
 from .score_warmup import build_wide_variants, remember as remember_scoring
 
 try:
@@ -265,8 +265,8 @@ def indexer_topk_triton(q: torch.Tensor, w: torch.Tensor, index_keys: torch.Tens
 
 def warm_up(topk: int, device, max_rows: int) -> None:
     """Build, on dummy scores, every selection variant serving can meet: the one-launch select
-    with and without its atomics (up to and past SELECT_SPARSE_ROWS rows; the radix passes' up to
-    and past SPARSE_MAX_ROWS) and the wide rows' radix,
+    with its atomics from the third byte pass and, from MANY_ROWS rows, the second; the radix
+    passes with and without theirs (up to and past SPARSE_MAX_ROWS rows); and the wide rows' radix,
     threshold and torch.topk paths, whose widths the warm-up's requests never reach. Their builds
     depend on none of the widths (wideep_kernels/row_select.py, wideep_kernels/wide_select.py),
     so narrow rows build them. On a GPU, also the scoring launch's wide-row variants for the
@@ -275,8 +275,8 @@ def warm_up(topk: int, device, max_rows: int) -> None:
     if triton is None or not triton_ok(probe) or topk <= 0:
         return
     width = 64 * (topk // 64 + 1)  # past topk: a real selection
-    past_limit = {SELECT_SPARSE_ROWS + 1} if SELECT_SPARSE_ROWS < max_rows else set()
-    for rows in sorted({1, min(max_rows, SPARSE_MAX_ROWS + 1)} | past_limit):
+    many = {MANY_ROWS} if max_rows >= MANY_ROWS else set()  # the one launch's prompt-chunk variant
+    for rows in sorted({1, min(max_rows, SPARSE_MAX_ROWS + 1)} | many):
         scores = torch.zeros(rows, width, device=device)
         g_lens = torch.full((rows,), width, dtype=torch.int32, device=device)
         for method in ("fused", "radix", "threshold", "topk"):

@@ -53,18 +53,24 @@ TARGET_PROGRAMS = 2048
 # for batches of up to SPARSE_MAX_ROWS rows. On the H200 at the decode step's row width for 8K
 # (10240, 8193 live; bench.probe_select) that took 16.1 against 18.2 us at batch 16 and 23.2
 # against 28.6 at 64, and the batch-64 step 4.36 against 4.44 ms (RESULTS, twelfth session). Rows
-# past 64 are unmeasured, so they keep the histograms. (wideep_kernels/radix_select.py keeps that
-# limit for its passes; this kernel's own is SELECT_SPARSE_ROWS.)
+# past 64 are unmeasured, so they keep the histograms in wideep_kernels/radix_select.py's passes.
+# Here they take the atomics at any number of rows: at 256 rows (decode, 10240 wide) 66.0 against
+# 85.8 us on the H200; and steps of MANY_ROWS rows or more (prompt chunks) from the second byte
+# pass, up to 256 keys a block: 1,024 rows of 32K, 501 us against 577 from the third byte pass and
+# 824 with histograms only (RESULTS, forty-third session).
 SPARSE_FROM = 2
 SPARSE_MAX = 64
 SPARSE_MAX_ROWS = 64
-SELECT_SPARSE_ROWS = int(os.environ.get("WIDEEP_SELECT_SPARSE_ROWS", "1000000"))
+MANY_ROWS = 512
+MANY_SPARSE_FROM = 1
+MANY_SPARSE_MAX = 256
 # Each phase reads the rows again. Programs start in ticket order, so the rows being worked on
-# at once are about RESIDENT_PROGRAMS / parts; where their scores fit in L2_ROW_BYTES the later
-# phases read them from the L2 instead of HBM. Steps of many wide rows (prompt chunks) are split
-# finer for that. 0 turns it off.
+# at once are about RESIDENT_PROGRAMS / parts, and steps of many wide rows (prompt chunks) are
+# split so that those rows' scores stay within L2_ROW_BYTES, for the later phases to find them in
+# the L2: 1,024 rows of 32K took 501 us in 4 parts against 532 in 8 (RESULTS, forty-third
+# session). WIDEEP_SELECT_L2_MB=0 turns it off.
 RESIDENT_PROGRAMS = 2048
-L2_ROW_BYTES = int(os.environ.get("WIDEEP_SELECT_L2_MB", "32")) << 20
+L2_ROW_BYTES = int(os.environ.get("WIDEEP_SELECT_L2_MB", "64")) << 20
 _HIST = 4 * 256
 # The last byte pass also counts, for each part, the keys above the k-th's top three bytes and the
 # keys sharing them, and keeps the positions of the first RECORDS of those. Where they fit, the count
@@ -238,11 +244,10 @@ if triton is not None:
                     tl.store(shared_ptr + part, n_shared)
             elif phase == 4:
                 kth = _key_to_score(prefix)
-                use_rec = False
+                n_shared = tl.full([], REC + 1, tl.int32)  # without RECORD: never kept, the span again
                 if RECORD:
                     n_shared = tl.load(shared_ptr + part, cache_modifier=".cg")
-                    use_rec = (n_shared <= REC) & (kth == kth)
-                if use_rec:
+                if (n_shared <= REC) & (kth == kth):
                     # The part's keys above the k-th: those above its top three bytes, and those
                     # of the few sharing them whose score is above it; the equal ones among them.
                     r = tl.arange(0, REC)
@@ -318,7 +323,7 @@ def one_launch_ok(device: torch.device) -> bool:
 
 def select_rows(scores: torch.Tensor, g_lens: torch.Tensor, out: torch.Tensor, k: int,
                 phased: bool | None = None, span: int | None = None, block: int = BLOCK,
-                sparse_from: int | None = None, ws: torch.Tensor | None = None, sparse_max: int = SPARSE_MAX,
+                sparse_from: int | None = None, ws: torch.Tensor | None = None, sparse_max: int | None = None,
                 num_warps: int = 4, only_phase: int | None = None, record: bool | None = None) -> torch.Tensor:
     """Write into out [B, topk] int32 the positions of each row's k highest scores (equal
     scores: latest position first; positions >= g_len never), -1 after them. scores [B, width]
@@ -328,9 +333,10 @@ def select_rows(scores: torch.Tensor, g_lens: torch.Tensor, out: torch.Tensor, k
     `block`, the positions a program loads a step) overrides the positions a program covers
     (bench.probe_select times the choices). `sparse_from`: the first byte pass that counts
     blocks with few matching keys by atomics instead of a histogram (4: none; default
-    SPARSE_FROM up to SPARSE_MAX_ROWS rows, none above). `ws`: int32 [B, WORKSPACE_COLS], zeroed
-    (the scoring launch can clear it, which spares a launch); None allocates one. `sparse_max`
-    (the most matching keys a block counts by atomics) and `num_warps` are for bench.probe_select,
+    SPARSE_FROM, MANY_SPARSE_FROM from MANY_ROWS rows), `sparse_max` the most keys a block counts
+    so (SPARSE_MAX, MANY_SPARSE_MAX). `ws`: int32 [B, WORKSPACE_COLS], zeroed
+    (the scoring launch can clear it, which spares a launch); None allocates one. `num_warps` is
+    for bench.probe_select,
     and so is `only_phase`: that phase's launch of the phased form alone, over a `ws` that holds
     the earlier phases' results, and `record` (default RECORD)."""
     num_seqs, width = scores.shape
@@ -343,8 +349,11 @@ def select_rows(scores: torch.Tensor, g_lens: torch.Tensor, out: torch.Tensor, k
     elif ws.shape != (num_seqs, WORKSPACE_COLS) or ws.dtype != torch.int32 or not ws.is_contiguous():
         raise ValueError(f"ws must be a contiguous int32 [{num_seqs}, {WORKSPACE_COLS}]")
     fill = min(1024, max(16, triton.next_power_of_2(topk)))
+    many = num_seqs >= MANY_ROWS
     if sparse_from is None:
-        sparse_from = SPARSE_FROM if num_seqs <= SELECT_SPARSE_ROWS else 4
+        sparse_from = MANY_SPARSE_FROM if many else SPARSE_FROM
+    if sparse_max is None:
+        sparse_max = MANY_SPARSE_MAX if many else SPARSE_MAX
     phases = [(p, p) for p in range(_PHASES)] if phased else [(0, _PHASES - 1)]
     if only_phase is not None:
         phases = [(only_phase, only_phase)]

@@ -25,7 +25,7 @@ if on probe; then
     --json "$OUT/probe_decode.jsonl" > "$OUT/probe_decode.log" 2>&1
   grep -a "^|" "$OUT/probe_prompt.log" "$OUT/probe_decode.log" || tail -n 5 "$OUT"/probe_*.log
 fi
-P="-m bench.prefill_long --contexts 32768 100000 --chunks 1024 --repeats 2"
+P="-m bench.prefill_long --contexts ${PREFILL_CONTEXTS:-32768 100000} --chunks 1024 --repeats 2"
 if on prefill; then
   for i in ${ROUNDS:-1 2}; do
     old t 90 python3 $P > "$OUT/prefill_old$i.log" 2>&1
