@@ -91,12 +91,12 @@ def indexer_topk_reference(q: torch.Tensor, w: torch.Tensor, index_keys: torch.T
 # threshold / torch.topk at batch 1 and 512K 28 / 35 / 94, batch 16 and 64K 39 / 45 / 79, batch 16
 # and 128K 65 / 55 / 96, batch 16 and 512K 221 / 120 / 198, batch 64 and 64K 116 / 97 / 130. The
 # batch-16 decode step at 512K went from 11.54 (torch.topk) to 9.64 ms. One program a row walking
-# the whole row was slower than all of them (28-64 us at 8K).
+# the whole row was slower than all of them (28-64 us at 8K). Prompt chunks' rows past 32K keep
+# the threshold select too: 1,024 rows of 128K took 1,318 us against 1,719 for the one launch at
+# its best split, and a 100K prompt's prefill 3,300 ms against 3,406 (RESULTS, forty-third session).
 # WIDEEP_ONE_LAUNCH_SELECT=0 turns the one launch off (its programs wait on each other at
 # barriers, which needs a row's programs resident together; every GPU we know holds them).
 FUSED_MAX_WIDTH = 32768 if os.environ.get("WIDEEP_ONE_LAUNCH_SELECT", "1") != "0" else 0
-# Steps of at least this many rows (prompt chunks) take the one launch at every width.
-FUSED_WIDE_MIN_ROWS = int(os.environ.get("WIDEEP_FUSED_WIDE_MIN_ROWS", "0")) if FUSED_MAX_WIDTH else 0
 THRESHOLD_MIN_POSITIONS = 1 << 21
 # The threshold select's group maxima taken by the scoring launch (one read of the scores and a
 # launch fewer a layer; wideep_kernels/index_score.py); WIDEEP_SCORE_MAXIMA=0 leaves them to their own
@@ -140,7 +140,7 @@ def kth_scores(scores: torch.Tensor, k: int, method: str | None = None, span: in
 
 def default_select(width: int, rows: int = 1) -> str:
     """The selection method `rows` rows of `width` positions get when none is asked for."""
-    if width <= FUSED_MAX_WIDTH or (FUSED_WIDE_MIN_ROWS and rows >= FUSED_WIDE_MIN_ROWS):
+    if width <= FUSED_MAX_WIDTH:
         return "fused"
     return "threshold" if rows * width >= THRESHOLD_MIN_POSITIONS else "radix"
 
