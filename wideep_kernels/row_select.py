@@ -335,10 +335,10 @@ def select_rows(scores: torch.Tensor, g_lens: torch.Tensor, out: torch.Tensor, k
     blocks with few matching keys by atomics instead of a histogram (4: none; default
     SPARSE_FROM, MANY_SPARSE_FROM from MANY_ROWS rows), `sparse_max` the most keys a block counts
     so (SPARSE_MAX, MANY_SPARSE_MAX). `ws`: int32 [B, WORKSPACE_COLS], zeroed
-    (the scoring launch can clear it, which spares a launch); None allocates one. `num_warps` is
-    for bench.probe_select,
-    and so is `only_phase`: that phase's launch of the phased form alone, over a `ws` that holds
-    the earlier phases' results, and `record` (default RECORD)."""
+    (the scoring launch can clear it, which spares a launch); None allocates one. `record`:
+    the count phase from the last pass's kept positions (default RECORD). For
+    bench.probe_select: `num_warps`, and `only_phase`, that phase's launch of the phased form
+    alone over a `ws` that holds the earlier phases' results."""
     num_seqs, width = scores.shape
     topk = out.shape[1]
     parts, span = split_row(num_seqs, width, span, block)
