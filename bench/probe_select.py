@@ -127,7 +127,7 @@ def main(argv=None) -> None:
                     sparse_from=2 if batch <= 64 else 4, record=False)
                 choices["threshold"] = lambda: select_topk_triton(scores, g_lens, TOPK, method="threshold")
                 choices["topk"] = lambda: select_topk_triton(scores, g_lens, TOPK, method="topk")
-            if args.prompt:  # a prompt chunk's rows are many: a row in 1-16 parts, and the atomics' options
+                # a prompt chunk's rows are many: a row in 1-32 parts, and the atomics' options
                 for c in PROMPT_SPLIT:
                     span = c["block"] * -(-width // (c["parts"] * c["block"]))
                     name = "p{parts}_f{sparse_from}_b{block}_w{num_warps}_m{sparse_max}".format(**c)
