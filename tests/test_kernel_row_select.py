@@ -10,8 +10,9 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from wideep_kernels.indexer import select_topk_reference  # noqa: E402
-from wideep_kernels.row_select import (BLOCK, L2_ROW_BYTES, MANY_ROWS, MAX_PARTS, RESIDENT_PROGRAMS,  # noqa: E402
-                                       SPARSE_MAX_ROWS, select_rows, split_row)
+from wideep_kernels import row_select  # noqa: E402
+from wideep_kernels.row_select import (BLOCK, L2_ROW_BYTES, MAX_PARTS, RESIDENT_PROGRAMS, SPARSE_MAX_ROWS,  # noqa: E402
+                                       select_rows, split_row)
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICES = [
@@ -93,12 +94,24 @@ def test_positions_past_the_length_are_never_read(device, topk):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("rows", [SPARSE_MAX_ROWS + 1, MANY_ROWS])
-def test_default_counting_at_many_rows(device, rows):
+@pytest.mark.parametrize("rows,many", [(SPARSE_MAX_ROWS + 1, False), (12, True)])
+def test_default_counting_at_many_rows(device, rows, many, monkeypatch):
     """At any number of rows the last byte passes count by atomics where few keys match (the
     radix passes' limit, SPARSE_MAX_ROWS, is not this kernel's), and from MANY_ROWS rows the
-    second too, up to MANY_SPARSE_MAX keys a block: the reference's positions."""
-    width = 1100 if rows < MANY_ROWS else 700
+    second too, up to MANY_SPARSE_MAX keys a block (here from 12 rows, to keep the interpreter's
+    run short): the reference's positions."""
+    if many:
+        monkeypatch.setattr(row_select, "MANY_ROWS", rows)
+    seen, kernel = set(), row_select._select_kernel
+
+    class Spy:  # the counting options each launch was given
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen.add((kwargs["SPARSE_FROM"], kwargs["SPARSE_MAX"]))
+                return kernel[grid](*args, **kwargs)
+            return launch
+    monkeypatch.setattr(row_select, "_select_kernel", Spy())
+    width = 1100
     g = torch.Generator().manual_seed(rows)
     scores = torch.randn(rows, width, generator=g)
     g_lens = torch.randint(width // 2, width + 1, (rows,), generator=g).to(torch.int32)
@@ -107,6 +120,9 @@ def test_default_counting_at_many_rows(device, rows):
     out = torch.empty(rows, 300, dtype=torch.int32, device=device)
     select_rows(scores, g_lens, out, 300)
     same_sets(out, select_topk_reference(scores, g_lens, 300))
+    want = (row_select.MANY_SPARSE_FROM, row_select.MANY_SPARSE_MAX) if many else (row_select.SPARSE_FROM,
+                                                                                 row_select.SPARSE_MAX)
+    assert seen == {want}
 
 
 @pytest.mark.parametrize("device,phased", [
