@@ -80,13 +80,17 @@ def build(fn, block_n: int, warps: int, stages: int, fp8: bool = False) -> dict:
                 triton=triton.__version__)
 
 
-def build_select(first: int, last: int) -> dict:
-    """The indexer's one-launch top-k select (wideep_kernels/row_select.py): phases first..last."""
-    from wideep_kernels.row_select import BLOCK, MAX_PARTS, _select_kernel
-    fn = _select_kernel
-    consts = dict(FIRST=first, LAST=last, BLOCK=BLOCK, PARTS=MAX_PARTS, FILL=1024)
+def build_select(first: int, last: int, record: bool = True, many: bool = False) -> dict:
+    """The indexer's one-launch top-k select (wideep_kernels/row_select.py): phases first..last,
+    with or without the last pass's kept positions, with a decode step's counting options or a
+    prompt chunk's (`many`)."""
+    from wideep_kernels import row_select as rs
+    fn = rs._select_kernel
+    consts = dict(FIRST=first, LAST=last, BLOCK=rs.BLOCK, PARTS=rs.MAX_PARTS, FILL=1024,
+                  SPARSE_FROM=rs.MANY_SPARSE_FROM if many else rs.SPARSE_FROM,
+                  SPARSE_MAX=rs.MANY_SPARSE_MAX if many else rs.SPARSE_MAX, RECORD=record, REC=rs.RECORDS)
     ptx = _launch_build(fn, consts, {"scores_ptr"}, 4)
-    return dict(kernel=fn.__name__, phases=f"{first}-{last}", **_ptxas_info(ptx),
+    return dict(kernel=fn.__name__, phases=f"{first}-{last}", record=record, many=many, **_ptxas_info(ptx),
                 vector_loads=ptx.count("ld.global.v4"), triton=triton.__version__)
 
 
@@ -172,7 +176,9 @@ def main(argv=None) -> None:
                     help="instead: the wide rows' k-th score by candidates above group maxima")
     args = ap.parse_args(argv)
     if args.select or args.wide:
-        rows = build_wide() if args.wide else [build_select(0, 5)] + [build_select(p, p) for p in range(6)]
+        rows = build_wide() if args.wide else (
+            [build_select(0, 5)] + [build_select(p, p) for p in range(6)]
+            + [build_select(0, 5, record=False), build_select(4, 4, record=False), build_select(0, 5, many=True)])
         for r in rows:
             print(json.dumps(r))
         if args.json:

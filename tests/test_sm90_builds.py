@@ -51,14 +51,17 @@ def test_gluon_fp8_build_fits(tmp_path):
 
 def test_one_launch_select_builds_without_spills(tmp_path):
     """The indexer's one-launch select (barriers between phases) and each phase alone compile
-    for sm_90: the interpreter, which runs it on CPU, does not type-check the kernel."""
+    for sm_90, and so do the one launch and the count phase without the last pass's kept
+    positions, and the one launch with a prompt chunk's counting options: the interpreter, which
+    runs it on CPU, does not type-check the kernel."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = tmp_path / "select.jsonl"
     r = subprocess.run([sys.executable, "-m", "bench.sm90_builds", "--select", "--json", str(out)], env=env,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [row["phases"] for row in rows] == ["0-5"] + [f"{p}-{p}" for p in range(6)]
+    assert [row["phases"] for row in rows] == ["0-5"] + [f"{p}-{p}" for p in range(6)] + ["0-5", "4-4", "0-5"]
+    assert [(row["record"], row["many"]) for row in rows][-3:] == [(False, False), (False, False), (True, True)]
     assert all(0 < row["registers"] <= 255 and row["spill_store_bytes"] == 0 for row in rows)
 
 
