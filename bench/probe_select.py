@@ -43,6 +43,33 @@ PROMPT_SPLIT = ([dict(_P, parts=p, sparse_from=f) for p in (1, 2, 4, 8, 16) for 
                 + [dict(_P, parts=p, sparse_from=2, **o) for p in (4, 8)
                    for o in (dict(block=1024), dict(num_warps=8), dict(sparse_max=256))])
 WIDE_METHODS = ("topk", "radix", "threshold")
+# --prompt: the threshold select with some of its module constants changed (module, {name: value})
+THRESHOLD_VARIANTS = {
+    "threshold_dense": ("wideep_kernels.wide_select", dict(PASS_SPARSE_FROM=4)),
+    "threshold_m256": ("wideep_kernels.wide_select", dict(PASS_SPARSE_FROM=1, PASS_SPARSE_MAX=256)),
+    "threshold_c16k": ("wideep_kernels.wide_select", dict(CANDIDATE_PROGRAMS=16384)),
+    "threshold_c64k": ("wideep_kernels.wide_select", dict(CANDIDATE_PROGRAMS=65536)),
+    "threshold_b4096": ("wideep_kernels.wide_select", dict(BLOCK=4096)),
+    "threshold_maxima3": ("wideep_kernels.wide_select", dict(MAXIMA_PASSES=3)),
+    "threshold_maxima4": ("wideep_kernels.wide_select", dict(MAXIMA_PASSES=4)),
+}
+
+
+def patched(fn, module: str, attrs: dict):
+    """fn, called with the module's constants set to attrs (and set back after)."""
+    import importlib
+    mod = importlib.import_module(module)
+
+    def call():
+        old = {a: getattr(mod, a) for a in attrs}
+        for a, v in attrs.items():
+            setattr(mod, a, v)
+        try:
+            return fn()
+        finally:
+            for a, v in old.items():
+                setattr(mod, a, v)
+    return call
 
 
 def wide_scores(batch: int, width: int, dist: str, g: torch.Generator) -> torch.Tensor:
@@ -96,6 +123,8 @@ def main(argv=None) -> None:
     ap.add_argument("--dist", choices=("normal", "trend", "tied"), default="normal", help="--wide scores")
     ap.add_argument("--candidate-programs", type=int, default=None,
                     help="--wide: programs of the candidates' launch (wideep_kernels/wide_select.py CANDIDATE_PROGRAMS)")
+    ap.add_argument("--only", nargs="+", default=None, metavar="PREFIX",
+                    help="time only the choices whose names start so ('phase': the phases of --prompt)")
     args = ap.parse_args(argv)
     if args.candidate_programs:
         import wideep_kernels.wide_select
@@ -125,7 +154,10 @@ def main(argv=None) -> None:
                 choices["old_default"] = lambda: select_rows(
                     scores, g_lens, out, k, span=512 * -(-width // (old_parts * 512)),
                     sparse_from=2 if batch <= 64 else 4, record=False)
-                choices["threshold"] = lambda: select_topk_triton(scores, g_lens, TOPK, method="threshold")
+                threshold = lambda: select_topk_triton(scores, g_lens, TOPK, method="threshold")  # noqa: E731
+                choices["threshold"] = threshold
+                for name, (module, attrs) in THRESHOLD_VARIANTS.items():
+                    choices[name] = patched(threshold, module, attrs)
                 choices["topk"] = lambda: select_topk_triton(scores, g_lens, TOPK, method="topk")
                 # a prompt chunk's rows are many: a row in 1-32 parts, and the atomics' options
                 for c in PROMPT_SPLIT:
@@ -138,7 +170,7 @@ def main(argv=None) -> None:
                 if span < width and -(-width // span) <= MAX_PARTS:
                     choices[f"split_s{span}_b{block}"] = (
                         lambda s=span, b=block: select_rows(scores, g_lens, out, k, span=s, block=b))
-            if args.prompt:  # the built-in split's phases, each its own launch over the real workspace
+            if args.prompt and (not args.only or "phase" in args.only):  # the built-in split's phases, each its own launch over the real workspace
                 ws = torch.zeros(batch, WORKSPACE_COLS, dtype=torch.int32, device="cuda")
                 select_rows(scores, g_lens, out, k, phased=True, ws=ws)
                 done = ws.clone()
@@ -149,6 +181,8 @@ def main(argv=None) -> None:
                     us = graph_ms(fn, 3, args.iters, repeat=16) * 1e3 - base_us
                     rows.append(dict(batch=batch, width=width, choice=f"phase_{p}", us=round(us, 2)))
                     print(json.dumps(rows[-1]), flush=True)
+            if args.only:
+                choices = {n: f for n, f in choices.items() if n.startswith(tuple(args.only))}
             for name, fn in choices.items():
                 got = fn()
                 if not torch.equal(got.sort(dim=1).values, want):

@@ -119,7 +119,7 @@ def _launch_build(fn, consts: dict, fp32: set, warps: int) -> str:
 
 def build_wide() -> list[dict]:
     """The wide rows' k-th score (wideep_kernels/wide_select.py): group maxima, candidates and each byte
-    pass, with and without g_lens (with them the candidates keep their positions), the
+    pass (with its atomics for sparse blocks), with and without g_lens (with them the candidates keep their positions), the
     positions emitted from the candidates, the radix passes' sparse atomics, and the count and emit
     passes over whole rows and the one launch that replaces them, as launched on an H200
     (dependent launches on, integers specialised as the launcher does: pointers and the widths
@@ -130,8 +130,10 @@ def build_wide() -> list[dict]:
     builds = []
     for lens in (False, True):
         builds.append((ws._group_max_kernel, dict(HAS_LENS=lens, TILE=ws.GROUP_TILE, ROWS=ws.GROUP_ROWS), 4))
-        builds.append((ws._candidate_kernel, dict(HAS_LENS=lens, BLOCK=ws.BLOCK, POSITIONS=lens), 4))
-        builds += [(ws._pass_kernel, dict(PASS=p, HAS_LENS=lens, BLOCK=ws.BLOCK), 8) for p in range(4)]
+        builds.append((ws._candidate_kernel, dict(HAS_LENS=lens, BLOCK=ws.BLOCK, POSITIONS=lens,
+                                                  BOUND_PASS=ws.MAXIMA_PASSES - 1), 4))
+        builds += [(ws._pass_kernel, dict(PASS=p, HAS_LENS=lens, BLOCK=ws.BLOCK, SPARSE_FROM=ws.PASS_SPARSE_FROM,
+                                          SPARSE_MAX=ws.PASS_SPARSE_MAX), 8) for p in range(4)]
     builds.append((ws._emit_candidates_kernel, dict(BLOCK=ws.BLOCK, FILL=1024), 4))
     # the radix passes over whole rows, with their last two bytes' atomics for sparse blocks
     chunk = radix_select._SELECT_BLOCK

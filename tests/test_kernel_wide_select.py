@@ -228,3 +228,28 @@ def test_warm_up_builds_the_threshold_select(device, monkeypatch):
     monkeypatch.setattr(ws, "threshold_passes", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
     warm_up(16, device, max_rows=2)
     assert calls and all(shape[1] >= 16 for shape in calls)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_atomic_counting_leaves_the_histograms_exact(device, monkeypatch):
+    """The candidates' passes counting blocks with few matching keys by atomics, from the second
+    or the third byte: the same histograms, bin for bin, as histograms alone (the emit reads the
+    k-th key's bin as its count of ties). Several programs a row, each bounded by the row's last
+    candidate; one row overflows its places and takes the passes over all of it."""
+    monkeypatch.setattr(ws, "CANDIDATE_PROGRAMS", 24)
+    monkeypatch.setattr(ws, "PASS_PROGRAMS", 24)
+    monkeypatch.setattr(ws, "BLOCK", 256)
+    monkeypatch.setattr(ws, "CAPACITY", 1024)
+    width, k = 4000, 64
+    scores = random_rows(width, seed=21)
+    scores[3] = (torch.rand(width, generator=torch.Generator().manual_seed(22)) < 0.5).float()  # overflows
+    scores = scores.to(device)
+    runs = []
+    for sparse_from, sparse_max in [(4, 64), (2, 64), (1, 256), (1, 4096)]:
+        monkeypatch.setattr(ws, "PASS_SPARSE_FROM", sparse_from)
+        monkeypatch.setattr(ws, "PASS_SPARSE_MAX", sparse_max)
+        runs.append(ws.threshold_passes(scores, k))
+    assert runs[0][2][3] > 1024 and (runs[0][2][:3] <= 1024).all()
+    for hist, state, count in runs[1:]:
+        assert torch.equal(hist, runs[0][0]) and torch.equal(state, runs[0][1]) and torch.equal(count, runs[0][2])
+    assert torch.equal(kth_scores(scores, k, method="threshold"), kth_reference(scores, k))

@@ -291,14 +291,15 @@ if triton is not None:
 
 def radix_passes(scores: torch.Tensor, k: int, span: int | None = None, block: int | None = None,
                  num_warps: int = 8, hist: torch.Tensor | None = None,
-                 sparse: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 sparse: bool | None = None, passes: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """The four histogram passes of the radix select: (hist [4, B, 256], state [3, 2, B]), from
     which _radix_state derives the k-th score (kth_scores; the count pass of select_topk_triton).
     `hist`: histograms already zeroed (the scoring launch can do it). (The scoring launch taking
     the first histogram too, with the workspace zeroed before it, was slower on the H200: batch
     1 at 512K 1.749 against 1.631 ms a step; RESULTS, seventeenth session.) `sparse`: the last two
     passes count blocks with few matching keys by atomics (default RADIX_SPARSE, up to
-    SPARSE_MAX_ROWS rows)."""
+    SPARSE_MAX_ROWS rows). `passes` < 4: only the first bytes (the threshold select's bound needs
+    two)."""
     num_seqs, width = scores.shape
     if sparse is None:
         sparse = RADIX_SPARSE and num_seqs <= SPARSE_MAX_ROWS
@@ -313,7 +314,7 @@ def radix_passes(scores: torch.Tensor, k: int, span: int | None = None, block: i
             span //= 2
     if span % block:
         raise ValueError(f"span {span} must be a multiple of block {block}")
-    for p in range(4):
+    for p in range(passes):
         _radix_pass_kernel[(num_seqs, triton.cdiv(width, span))](
             scores, hist, state, scores.stride(0), width, num_seqs, span, k, PASS=p, BLOCK=block,
             SPARSE=sparse, SPARSE_MAX=SPARSE_MAX, num_warps=num_warps, **pdl_launch(scores))

@@ -31,6 +31,8 @@ k-th largest of the row with its -inf padding, as torch.topk gives it.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .radix_select import _keep_radix_state, _matching_histogram, _radix_state, radix_passes
@@ -61,6 +63,16 @@ BLOCK = 1024
 # only leave, so it gets fewer.
 CANDIDATE_PROGRAMS = 4096
 PASS_PROGRAMS = 1024
+# The candidates' passes from the third byte on count blocks with few matching keys by atomics,
+# as the one-launch select does (wideep_kernels/row_select.py): few of a row's candidates share
+# the k-th's top two bytes. WIDEEP_THRESHOLD_SPARSE=0: histograms in every pass.
+PASS_SPARSE_FROM = 2 if os.environ.get("WIDEEP_THRESHOLD_SPARSE", "1") != "0" else 4
+PASS_SPARSE_MAX = 64
+# Byte passes over the group maxima. The bound need not be their k-th largest exactly: the lowest
+# score sharing its top two bytes is below it by at most 1/128 of it, which adds a few percent
+# to the candidates (i.i.d. normal scores at 512K: about 180 over 2.3K), and spares two passes
+# over [B, T] maxima, 0.1 ms at a prompt chunk's 1,024 rows.
+MAXIMA_PASSES = 2
 
 if triton is not None:
 
@@ -111,19 +123,21 @@ if triton is not None:
     def _candidate_kernel(scores_ptr, lens_ptr, hist_ptr, state_ptr, count_ptr, cand_ptr, cand_pos_ptr, stride_sb,
                           width, num_seqs, blocks, k, capacity,
                           HAS_LENS: tl.constexpr, BLOCK: tl.constexpr, POSITIONS: tl.constexpr = False,
-                          PDL: tl.constexpr = 0):
-        """Append the finite scores >= tau (the k-th largest group maximum, from the maxima's
-        last histogram) of `blocks` blocks of the row to cand[seq] (and, POSITIONS, their
-        positions to cand_pos[seq]); count[seq] counts them all, also those past the capacity,
-        which are dropped."""
+                          BOUND_PASS: tl.constexpr = 3, PDL: tl.constexpr = 0):
+        """Append the finite scores >= tau of `blocks` blocks of the row to cand[seq] (and,
+        POSITIONS, their positions to cand_pos[seq]); count[seq] counts them all, also those past
+        the capacity, which are dropped. tau: the lowest score sharing the top BOUND_PASS + 1
+        bytes of the k-th largest group maximum (from the maxima's histogram of that byte), at or
+        below that maximum and so below the row's k-th score."""
         pdl_enter(PDL)
         seq = tl.program_id(0)
         end, load_end = _live_end(lens_ptr, seq, width, HAS_LENS)
         start = tl.program_id(1) * blocks * BLOCK
         if start >= end:
             return
-        prefix, _ = _radix_state(hist_ptr, state_ptr, seq, num_seqs, k, 3)
-        tau = _key_to_score(prefix.to(tl.uint32, bitcast=True))
+        prefix, _ = _radix_state(hist_ptr, state_ptr, seq, num_seqs, k, BOUND_PASS)
+        # (keys below -inf's are NaNs: a maximum of -inf, fewer than k finite groups, stays -inf)
+        tau = _key_to_score(tl.maximum(prefix.to(tl.uint32, bitcast=True) << (24 - 8 * BOUND_PASS), 0x007FFFFF))
         row = scores_ptr + seq * stride_sb
         for b in range(0, blocks):
             pos = start + b * BLOCK + tl.arange(0, BLOCK)
@@ -142,10 +156,13 @@ if triton is not None:
     @triton.jit(do_not_specialize=["num_seqs", "row_blocks", "cand_blocks", "k"])
     def _pass_kernel(scores_ptr, lens_ptr, cand_ptr, count_ptr, hist_ptr, state_ptr, stride_sb, width,
                      num_seqs, row_blocks, cand_blocks, k, capacity,
-                     PASS: tl.constexpr, HAS_LENS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
+                     PASS: tl.constexpr, HAS_LENS: tl.constexpr, BLOCK: tl.constexpr,
+                     SPARSE_FROM: tl.constexpr = 4, SPARSE_MAX: tl.constexpr = 64, PDL: tl.constexpr = 0):
         """The PASS-th byte histogram of wideep_kernels/radix_select.py's _radix_pass_kernel, over the row's
         candidates, or over the whole row where they did not fit: the program reads the row's
-        count and takes its share (`cand_blocks` or `row_blocks` blocks) of the one or the other."""
+        count and takes its share (`cand_blocks` or `row_blocks` blocks) of the one or the other,
+        up to the row's last candidate. From pass SPARSE_FROM on, a block where at most SPARSE_MAX
+        keys still match adds them by atomics instead of a histogram of the block."""
         pdl_enter(PDL)
         seq = tl.program_id(0)
         if PASS > 0:  # before any program leaves: program 0 keeps the state for the next pass
@@ -169,14 +186,24 @@ if triton is not None:
         start = tl.program_id(1) * blocks * BLOCK
         if start >= counted:
             return
+        # A prompt chunk's row has one program and a few thousand candidates in its 16K places:
+        # the blocks past them hold none.
         counts = tl.zeros([256], dtype=tl.int32)
-        for b in range(0, blocks):
+        for b in range(0, tl.minimum(blocks, tl.cdiv(counted - start, BLOCK))):
             pos = start + b * BLOCK + tl.arange(0, BLOCK)
             key = _order_key(_load_live(src, pos, end, load_end))
+            digit = (key >> (24 - 8 * PASS)) & 0xFF
             match = pos < counted
             if PASS > 0:
                 match = match & ((key >> (32 - 8 * PASS)) == prefix)
-            counts += _matching_histogram((key >> (24 - 8 * PASS)) & 0xFF, match, BLOCK)
+            if PASS >= SPARSE_FROM:
+                if tl.sum(match.to(tl.int32), axis=0) <= SPARSE_MAX:
+                    tl.atomic_add(hist_ptr + (PASS * num_seqs + seq) * 256 + digit, tl.full([BLOCK], 1, tl.int32),
+                                  mask=match, sem="relaxed")
+                else:
+                    counts += _matching_histogram(digit, match, BLOCK)
+            else:
+                counts += _matching_histogram(digit, match, BLOCK)
         bins = tl.arange(0, 256)
         tl.atomic_add(hist_ptr + (PASS * num_seqs + seq) * 256 + bins, counts, mask=counts > 0, sem="relaxed")
 
@@ -341,7 +368,7 @@ def threshold_passes(scores: torch.Tensor, k: int, g_lens: torch.Tensor | None =
         _group_max_kernel[(num_seqs, stride // GROUP_TILE)](
             scores, lens, m, ws, scores.stride(0), width, stride, _cdiv(width, stride), ws.numel(),
             HAS_LENS=has_lens, TILE=GROUP_TILE, ROWS=GROUP_ROWS, num_warps=4, **pdl_launch(scores))
-    _, state_m = radix_passes(m, k, hist=hist_m)
+    _, state_m = radix_passes(m, k, hist=hist_m, passes=MAXIMA_PASSES)
 
     if candidates is None:
         cand, cand_pos = torch.empty(num_seqs, capacity, device=device, dtype=torch.float32), count  # not written
@@ -353,7 +380,8 @@ def threshold_passes(scores: torch.Tensor, k: int, g_lens: torch.Tensor | None =
     blocks = _cdiv(width, parts * BLOCK)
     _candidate_kernel[(num_seqs, _cdiv(width, blocks * BLOCK))](
         scores, lens, hist_m, state_m, count, cand, cand_pos, scores.stride(0), width, num_seqs, blocks, k, capacity,
-        HAS_LENS=has_lens, BLOCK=BLOCK, POSITIONS=candidates is not None, num_warps=4, **pdl_launch(scores))
+        HAS_LENS=has_lens, BLOCK=BLOCK, POSITIONS=candidates is not None, BOUND_PASS=MAXIMA_PASSES - 1, num_warps=4,
+        **pdl_launch(scores))
 
     # The programs of a row cover both all of it and the most candidates a pass can read (never
     # more than the row's positions; at least k, the -inf places).
@@ -363,5 +391,6 @@ def threshold_passes(scores: torch.Tensor, k: int, g_lens: torch.Tensor | None =
     for p in range(4):
         _pass_kernel[(num_seqs, parts)](
             scores, lens, cand, count, hist, state, scores.stride(0), width, num_seqs, row_blocks, cand_blocks, k,
-            capacity, PASS=p, HAS_LENS=has_lens, BLOCK=BLOCK, num_warps=8, **pdl_launch(scores))
+            capacity, PASS=p, HAS_LENS=has_lens, BLOCK=BLOCK, SPARSE_FROM=PASS_SPARSE_FROM,
+            SPARSE_MAX=PASS_SPARSE_MAX, num_warps=8, **pdl_launch(scores))
     return hist, state, count

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The threshold select's changes (wideep_kernels/wide_select.py) on a GPU against the tree before
+# them (.devpack/tree_old.tgz, `git archive <old> -- . ':!bench/results' ':!tests'`): its GPU tests;
+# the prompt probe at wide chunks, old tree then new with its variants; 100K prompts' prefill and
+# batch-16 decode steps at 128K and 512K, old and new, in turn. Carry .devpack/pydantic-site.tgz too.
+source bench/device/setup.sh
+t() { local s=$1; shift; local t0=$SECONDS; timeout "$s" "$@"; echo "rc=$? $((SECONDS - t0))s $*" >> "$OUT/steps.txt"; }
+mkdir -p /tmp/old && tar xzf .devpack/tree_old.tgz -C /tmp/old
+old() { (cd /tmp/old && PYTHONPATH=/tmp/site:/tmp/old "$@"); }
+STEPS=${STEPS:-"tests probe prefill forward"}
+on() { [[ " $STEPS " == *" $1 "* ]]; }
+if on tests; then
+  t 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernel_wide_select.py tests/test_kernel_score_maxima.py \
+    > "$OUT/tests.log" 2>&1
+  t 120 python3 -m pytest -q -p no:cacheprovider -k "cuda or gpu" tests/test_kernel_indexer.py >> "$OUT/tests.log" 2>&1
+  grep -a -E "passed|failed" "$OUT/tests.log"; grep -a FAILED "$OUT/tests.log"
+fi
+W=${PROBE_WIDTHS:-65536 131072}
+if on probe; then
+  old t 120 python3 -m bench.probe_select --prompt --batches 1024 --widths $W --iters 10 \
+    --json "$OUT/probe_old.jsonl" > "$OUT/probe_old.log" 2>&1
+  t 120 python3 -m bench.probe_select --prompt --batches 1024 --widths $W --iters 10 --only threshold topk split \
+    --json "$OUT/probe_new.jsonl" > "$OUT/probe_new.log" 2>&1
+  grep -a -E "^\| (choice|threshold|topk|split) " "$OUT/probe_old.log"; grep -a "^|" "$OUT/probe_new.log"
+fi
+if on prefill; then
+  P="-m bench.prefill_long --contexts ${PREFILL_CONTEXTS:-100000} --chunks 1024 --repeats 2"
+  for i in ${ROUNDS:-1}; do
+    old t 150 python3 $P > "$OUT/prefill_old$i.log" 2>&1
+    t 150 python3 $P > "$OUT/prefill_new$i.log" 2>&1
+    for f in old new; do echo "== $f $i"; grep -a "^| [0-9]" "$OUT/prefill_$f$i.log"; done
+  done
+fi
+if on forward; then
+  F="-m bench.forward --batch ${FWD_BATCH:-16} --contexts ${FWD_CONTEXTS:-131072 524288} --iters 10"
+  old t 120 python3 $F > "$OUT/fwd_old.log" 2>&1
+  t 120 python3 $F > "$OUT/fwd_new.log" 2>&1
+  for f in old new; do echo "== $f"; grep -a "^| [0-9a]" "$OUT/fwd_$f.log"; done
+fi
+cat "$OUT/steps.txt"
+cd "$OUT" && tar czf /tmp/all.tgz . && rm -rf "$OUT"/* && mv /tmp/all.tgz "$OUT/"
