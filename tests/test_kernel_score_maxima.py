@@ -118,19 +118,21 @@ def test_bad_maxima_are_refused():
         ws.threshold_passes(scores, 8, maxima=torch.zeros(1, 4), ws=ws.threshold_workspace(1, "cpu"))
 
 
-def compiled_variants() -> int:
-    """Builds held by every Triton kernel of the indexer's modules (all devices)."""
+def compiled_variants() -> dict[str, int]:
+    """Builds held by each Triton kernel of the indexer's modules (all devices), by name, so that
+    a failure names the kernel that built again."""
+    import wideep_kernels.radix_select as radix_select
     import wideep_kernels.row_select as row_select
     from triton.runtime.jit import JITFunction
-    total = 0
-    for module in (score, indexer, ws, row_select):
-        for fn in vars(module).values():
+    builds = {}
+    for module in (score, indexer, ws, row_select, radix_select):
+        for name, fn in vars(module).items():
             if isinstance(fn, JITFunction):
                 caches = getattr(fn, "device_caches", None)
                 if caches is None:
                     pytest.skip("this Triton keeps no per-device kernel cache to count")
-                total += sum(len(entry[0]) for entry in caches.values())
-    return total
+                builds[f"{module.__name__}.{name}"] = sum(len(entry[0]) for entry in caches.values())
+    return builds
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")

@@ -350,6 +350,8 @@ def threshold_passes(scores: torch.Tensor, k: int, g_lens: torch.Tensor | None =
         raise ValueError("maxima and ws come together")
     if maxima is not None and (maxima.shape[0] != num_seqs or maxima.shape[1] < k):
         raise ValueError(f"maxima must be [{num_seqs}, T] with T >= k = {k}, got {tuple(maxima.shape)}")
+    if candidates is not None and any(c.shape != (num_seqs, capacity) for c in candidates):
+        raise ValueError(f"candidates must be two [{num_seqs}, {capacity}] buffers")
     # One allocation zeroed by the first launch: the maxima's histograms, the candidates'
     # histograms, the candidate counts.
     ws = (ws if ws is not None else threshold_workspace(num_seqs, device)).view(-1)
@@ -374,8 +376,6 @@ def threshold_passes(scores: torch.Tensor, k: int, g_lens: torch.Tensor | None =
         cand, cand_pos = torch.empty(num_seqs, capacity, device=device, dtype=torch.float32), count  # not written
     else:
         cand, cand_pos = candidates
-        if cand.shape != (num_seqs, capacity) or cand_pos.shape != (num_seqs, capacity):
-            raise ValueError(f"candidates must be two [{num_seqs}, {capacity}] buffers")
     parts = max(1, min(_cdiv(width, BLOCK), CANDIDATE_PROGRAMS // num_seqs))
     blocks = _cdiv(width, parts * BLOCK)
     _candidate_kernel[(num_seqs, _cdiv(width, blocks * BLOCK))](
