@@ -48,10 +48,12 @@ THRESHOLD_VARIANTS = {
     "threshold_dense": ("wideep_kernels.wide_select", dict(PASS_SPARSE_FROM=4)),
     "threshold_m256": ("wideep_kernels.wide_select", dict(PASS_SPARSE_FROM=1, PASS_SPARSE_MAX=256)),
     "threshold_c16k": ("wideep_kernels.wide_select", dict(CANDIDATE_PROGRAMS=16384)),
-    "threshold_c64k": ("wideep_kernels.wide_select", dict(CANDIDATE_PROGRAMS=65536)),
-    "threshold_b4096": ("wideep_kernels.wide_select", dict(BLOCK=4096)),
+    "threshold_cb2048": ("wideep_kernels.wide_select", dict(CANDIDATE_BLOCK=2048)),
+    "threshold_cb2048_w8": ("wideep_kernels.wide_select", dict(CANDIDATE_BLOCK=2048, CANDIDATE_WARPS=8)),
+    "threshold_cw8": ("wideep_kernels.wide_select", dict(CANDIDATE_WARPS=8)),
+    "threshold_cs1": ("wideep_kernels.wide_select", dict(CANDIDATE_STAGES=1)),
+    "threshold_cs4": ("wideep_kernels.wide_select", dict(CANDIDATE_STAGES=4)),
     "threshold_maxima3": ("wideep_kernels.wide_select", dict(MAXIMA_PASSES=3)),
-    "threshold_maxima4": ("wideep_kernels.wide_select", dict(MAXIMA_PASSES=4)),
 }
 
 

@@ -130,7 +130,7 @@ def build_wide() -> list[dict]:
     builds = []
     for lens in (False, True):
         builds.append((ws._group_max_kernel, dict(HAS_LENS=lens, TILE=ws.GROUP_TILE, ROWS=ws.GROUP_ROWS), 4))
-        builds.append((ws._candidate_kernel, dict(HAS_LENS=lens, BLOCK=ws.BLOCK, POSITIONS=lens,
+        builds.append((ws._candidate_kernel, dict(HAS_LENS=lens, BLOCK=ws.CANDIDATE_BLOCK, POSITIONS=lens,
                                                   BOUND_PASS=ws.MAXIMA_PASSES - 1), 4))
         builds += [(ws._pass_kernel, dict(PASS=p, HAS_LENS=lens, BLOCK=ws.BLOCK, SPARSE_FROM=ws.PASS_SPARSE_FROM,
                                           SPARSE_MAX=ws.PASS_SPARSE_MAX), 8) for p in range(4)]

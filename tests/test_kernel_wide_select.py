@@ -134,6 +134,7 @@ def test_several_blocks_and_programs_a_row(device, programs, block, monkeypatch)
     monkeypatch.setattr(ws, "CANDIDATE_PROGRAMS", programs)
     monkeypatch.setattr(ws, "PASS_PROGRAMS", programs)
     monkeypatch.setattr(ws, "BLOCK", block)
+    monkeypatch.setattr(ws, "CANDIDATE_BLOCK", block)
     monkeypatch.setattr(ws, "CAPACITY", 600)
     poison_empty(monkeypatch)
     width, k = 4000, 64
@@ -239,6 +240,7 @@ def test_atomic_counting_leaves_the_histograms_exact(device, monkeypatch):
     monkeypatch.setattr(ws, "CANDIDATE_PROGRAMS", 24)
     monkeypatch.setattr(ws, "PASS_PROGRAMS", 24)
     monkeypatch.setattr(ws, "BLOCK", 256)
+    monkeypatch.setattr(ws, "CANDIDATE_BLOCK", 256)
     monkeypatch.setattr(ws, "CAPACITY", 1024)
     width, k = 4000, 64
     scores = random_rows(width, seed=21)

@@ -63,6 +63,10 @@ BLOCK = 1024
 # only leave, so it gets fewer.
 CANDIDATE_PROGRAMS = 4096
 PASS_PROGRAMS = 1024
+# The candidates' launch: positions a program loads a step, its warps and software-pipeline stages.
+CANDIDATE_BLOCK = BLOCK
+CANDIDATE_WARPS = 4
+CANDIDATE_STAGES = 3
 # The candidates' passes from the third byte on count blocks with few matching keys by atomics,
 # as the one-launch select does (wideep_kernels/row_select.py): few of a row's candidates share
 # the k-th's top two bytes. WIDEEP_THRESHOLD_SPARSE=0: histograms in every pass.
@@ -376,12 +380,13 @@ def threshold_passes(scores: torch.Tensor, k: int, g_lens: torch.Tensor | None =
         cand, cand_pos = torch.empty(num_seqs, capacity, device=device, dtype=torch.float32), count  # not written
     else:
         cand, cand_pos = candidates
-    parts = max(1, min(_cdiv(width, BLOCK), CANDIDATE_PROGRAMS // num_seqs))
-    blocks = _cdiv(width, parts * BLOCK)
-    _candidate_kernel[(num_seqs, _cdiv(width, blocks * BLOCK))](
+    block = CANDIDATE_BLOCK
+    parts = max(1, min(_cdiv(width, block), CANDIDATE_PROGRAMS // num_seqs))
+    blocks = _cdiv(width, parts * block)
+    _candidate_kernel[(num_seqs, _cdiv(width, blocks * block))](
         scores, lens, hist_m, state_m, count, cand, cand_pos, scores.stride(0), width, num_seqs, blocks, k, capacity,
-        HAS_LENS=has_lens, BLOCK=BLOCK, POSITIONS=candidates is not None, BOUND_PASS=MAXIMA_PASSES - 1, num_warps=4,
-        **pdl_launch(scores))
+        HAS_LENS=has_lens, BLOCK=block, POSITIONS=candidates is not None, BOUND_PASS=MAXIMA_PASSES - 1,
+        num_warps=CANDIDATE_WARPS, num_stages=CANDIDATE_STAGES, **pdl_launch(scores))
 
     # The programs of a row cover both all of it and the most candidates a pass can read (never
     # more than the row's positions; at least k, the -inf places).
