@@ -46,14 +46,12 @@ WIDE_METHODS = ("topk", "radix", "threshold")
 # --prompt: the threshold select with some of its module constants changed (module, {name: value})
 THRESHOLD_VARIANTS = {
     "threshold_dense": ("wideep_kernels.wide_select", dict(PASS_SPARSE_FROM=4)),
-    "threshold_m256": ("wideep_kernels.wide_select", dict(PASS_SPARSE_FROM=1, PASS_SPARSE_MAX=256)),
     "threshold_c16k": ("wideep_kernels.wide_select", dict(CANDIDATE_PROGRAMS=16384)),
     "threshold_cb2048": ("wideep_kernels.wide_select", dict(CANDIDATE_BLOCK=2048)),
-    "threshold_cb2048_w8": ("wideep_kernels.wide_select", dict(CANDIDATE_BLOCK=2048, CANDIDATE_WARPS=8)),
     "threshold_cw8": ("wideep_kernels.wide_select", dict(CANDIDATE_WARPS=8)),
-    "threshold_cs1": ("wideep_kernels.wide_select", dict(CANDIDATE_STAGES=1)),
-    "threshold_cs4": ("wideep_kernels.wide_select", dict(CANDIDATE_STAGES=4)),
-    "threshold_maxima3": ("wideep_kernels.wide_select", dict(MAXIMA_PASSES=3)),
+    "threshold_prefetch": ("wideep_kernels.wide_select", dict(CANDIDATE_PREFETCH=True)),
+    "threshold_prefetch_cb2048": ("wideep_kernels.wide_select", dict(CANDIDATE_PREFETCH=True, CANDIDATE_BLOCK=2048)),
+    "threshold_prefetch_c16k": ("wideep_kernels.wide_select", dict(CANDIDATE_PREFETCH=True, CANDIDATE_PROGRAMS=16384)),
 }
 
 

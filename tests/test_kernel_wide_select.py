@@ -125,11 +125,12 @@ def test_overflowing_rows_take_the_whole_row(device, monkeypatch):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("programs,block", [(8, 256), (4096, 256)])
-def test_several_blocks_and_programs_a_row(device, programs, block, monkeypatch):
-    """Candidates appended by several programs (one atomic a block), passes whose programs each
-    loop over several blocks or hold one block each, in the row and the candidates, group
-    maxima over several steps of members."""
+@pytest.mark.parametrize("programs,block,prefetch", [(8, 256, False), (8, 256, True), (4096, 256, True)])
+def test_several_blocks_and_programs_a_row(device, programs, block, prefetch, monkeypatch):
+    """Candidates appended by several programs (one atomic a block, with and without the next
+    block's load issued before it), passes whose programs each loop over several blocks or hold
+    one block each, in the row and the candidates, group maxima over several steps of members."""
+    monkeypatch.setattr(ws, "CANDIDATE_PREFETCH", prefetch)
     monkeypatch.setattr(ws, "GROUP_ROWS", 4)
     monkeypatch.setattr(ws, "CANDIDATE_PROGRAMS", programs)
     monkeypatch.setattr(ws, "PASS_PROGRAMS", programs)

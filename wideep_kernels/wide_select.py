@@ -67,6 +67,7 @@ PASS_PROGRAMS = 1024
 CANDIDATE_BLOCK = BLOCK
 CANDIDATE_WARPS = 4
 CANDIDATE_STAGES = 3
+CANDIDATE_PREFETCH = os.environ.get("WIDEEP_CANDIDATE_PREFETCH", "0") != "0"
 # The candidates' passes from the third byte on count blocks with few matching keys by atomics,
 # as the one-launch select does (wideep_kernels/row_select.py): few of a row's candidates share
 # the k-th's top two bytes. WIDEEP_THRESHOLD_SPARSE=0: histograms in every pass.
@@ -127,7 +128,7 @@ if triton is not None:
     def _candidate_kernel(scores_ptr, lens_ptr, hist_ptr, state_ptr, count_ptr, cand_ptr, cand_pos_ptr, stride_sb,
                           width, num_seqs, blocks, k, capacity,
                           HAS_LENS: tl.constexpr, BLOCK: tl.constexpr, POSITIONS: tl.constexpr = False,
-                          BOUND_PASS: tl.constexpr = 3, PDL: tl.constexpr = 0):
+                          BOUND_PASS: tl.constexpr = 3, PREFETCH: tl.constexpr = False, PDL: tl.constexpr = 0):
         """Append the finite scores >= tau of `blocks` blocks of the row to cand[seq] (and,
         POSITIONS, their positions to cand_pos[seq]); count[seq] counts them all, also those past
         the capacity, which are dropped. tau: the lowest score sharing the top BOUND_PASS + 1
@@ -143,9 +144,19 @@ if triton is not None:
         # (keys below -inf's are NaNs: a maximum of -inf, fewer than k finite groups, stays -inf)
         tau = _key_to_score(tl.maximum(prefix.to(tl.uint32, bitcast=True) << (24 - 8 * BOUND_PASS), 0x007FFFFF))
         row = scores_ptr + seq * stride_sb
+        # PREFETCH: the next block's load is issued before this block's atomic, so that the two
+        # round trips overlap (a loop with an atomic is not software-pipelined by the compiler).
+        # The program's last prefetch is masked off at its end.
+        stop = tl.minimum(load_end, start + blocks * BLOCK)
+        if PREFETCH:
+            pos = start + tl.arange(0, BLOCK)
+            s = _load_live(row, pos, end, stop)
         for b in range(0, blocks):
-            pos = start + b * BLOCK + tl.arange(0, BLOCK)
-            s = _load_live(row, pos, end, load_end)
+            if PREFETCH:
+                s_next = _load_live(row, pos + BLOCK, end, stop)
+            else:
+                pos = start + b * BLOCK + tl.arange(0, BLOCK)
+                s = _load_live(row, pos, end, load_end)
             keep = (s >= tau) & (s > float("-inf"))
             kept = tl.sum(keep.to(tl.int32), axis=0)
             # One atomic a block: most blocks of a wide row keep a few scores or none. (One atomic
@@ -156,6 +167,9 @@ if triton is not None:
                 tl.store(cand_ptr + seq * capacity + place, s, mask=keep & (place < capacity))
                 if POSITIONS:
                     tl.store(cand_pos_ptr + seq * capacity + place, pos, mask=keep & (place < capacity))
+            if PREFETCH:
+                pos += BLOCK
+                s = s_next
 
     @triton.jit(do_not_specialize=["num_seqs", "row_blocks", "cand_blocks", "k"])
     def _pass_kernel(scores_ptr, lens_ptr, cand_ptr, count_ptr, hist_ptr, state_ptr, stride_sb, width,
@@ -386,7 +400,7 @@ def threshold_passes(scores: torch.Tensor, k: int, g_lens: torch.Tensor | None =
     _candidate_kernel[(num_seqs, _cdiv(width, blocks * block))](
         scores, lens, hist_m, state_m, count, cand, cand_pos, scores.stride(0), width, num_seqs, blocks, k, capacity,
         HAS_LENS=has_lens, BLOCK=block, POSITIONS=candidates is not None, BOUND_PASS=MAXIMA_PASSES - 1,
-        num_warps=CANDIDATE_WARPS, num_stages=CANDIDATE_STAGES, **pdl_launch(scores))
+        PREFETCH=CANDIDATE_PREFETCH, num_warps=CANDIDATE_WARPS, num_stages=CANDIDATE_STAGES, **pdl_launch(scores))
 
     # The programs of a row cover both all of it and the most candidates a pass can read (never
     # more than the row's positions; at least k, the -inf places).
