@@ -21,6 +21,15 @@ import torch
 _SEEN: dict[tuple, tuple] = {}
 
 
+def _device(device) -> torch.device:
+    """The device with its index: tensors on "cuda" report "cuda:0" (the current one), and the
+    engine may name it either way."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def _layout(t: torch.Tensor) -> tuple:
     """What of a tensor a Triton build depends on, with the row count left out."""
     return t.dtype, tuple(t.shape[1:]), t.stride(), t.data_ptr() % 16 == 0
@@ -29,7 +38,7 @@ def _layout(t: torch.Tensor) -> tuple:
 def remember(q: torch.Tensor, w: torch.Tensor, index_keys: torch.Tensor, key_scale: torch.Tensor | None,
              block_size: int, w_scale: float, topk: int) -> None:
     """Note a scoring call's input layouts (cheap after the first call of each)."""
-    key = (q.device, _layout(q), _layout(w), _layout(index_keys), key_scale is not None, block_size,
+    key = (_device(q.device), _layout(q), _layout(w), _layout(index_keys), key_scale is not None, block_size,
            float(w_scale), topk)
     if key not in _SEEN:
         _SEEN[key] = key
@@ -57,13 +66,19 @@ def wide_shapes() -> list[tuple[int, int]]:
     return shapes
 
 
+def layouts_on(device) -> list[tuple]:
+    """The remembered scoring layouts on `device` ("cuda" and "cuda:0" are the same one)."""
+    device = _device(device)
+    return [k for k in _SEEN if k[0] == device]
+
+
 def build_wide_variants(device) -> int:
     """Run the indexer on stand-ins of every remembered layout on `device` at wide_shapes();
     returns the number of layouts."""
     from .index_score_rows import prompt_row_groups
     from .indexer import indexer_topk_triton
     device = torch.device(device)
-    layouts = [k for k in _SEEN if k[0] == device]
+    layouts = layouts_on(device)
     for _, q_layout, w_layout, keys_layout, scaled, block_size, w_scale, topk in layouts:
         keys = _stand_in(keys_layout, block_size, device)
         scale = torch.ones(block_size, device=device) if scaled else None
