@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The threshold select's changes (wideep_kernels/wide_select.py) on a GPU against the tree before
 # them (.devpack/tree_old.tgz, `git archive <old> -- . ':!bench/results' ':!tests'`): its GPU tests;
-# the prompt probe at wide chunks, old tree then new with its variants; 100K prompts' prefill and
-# batch-16 decode steps at 128K and 512K, old and new, in turn. Carry .devpack/pydantic-site.tgz too.
+# the prompt probe at wide chunks, old tree then new with its variants (PROBE_ONLY: the choices'
+# prefixes); 100K prompts' prefill, old tree then the new under VARIANTS (each a set of WIDEEP_*
+# switches); batch-16 decode steps at 128K and 512K, old and new. Carry .devpack/pydantic-site.tgz too.
 source bench/device/setup.sh
 t() { local s=$1; shift; local t0=$SECONDS; timeout "$s" "$@"; echo "rc=$? $((SECONDS - t0))s $*" >> "$OUT/steps.txt"; }
 mkdir -p /tmp/old && tar xzf .devpack/tree_old.tgz -C /tmp/old
@@ -19,16 +20,23 @@ W=${PROBE_WIDTHS:-65536 131072}
 if on probe; then
   old t 120 python3 -m bench.probe_select --prompt --batches 1024 --widths $W --iters 10 \
     --json "$OUT/probe_old.jsonl" > "$OUT/probe_old.log" 2>&1
-  t 120 python3 -m bench.probe_select --prompt --batches 1024 --widths $W --iters 10 --only threshold topk split \
+  t 120 python3 -m bench.probe_select --prompt --batches 1024 --widths $W --iters 10 --only ${PROBE_ONLY:-threshold topk split} \
     --json "$OUT/probe_new.jsonl" > "$OUT/probe_new.log" 2>&1
   grep -a -E "^\| (choice|threshold|topk|split) " "$OUT/probe_old.log"; grep -a "^|" "$OUT/probe_new.log"
 fi
+# name=switches;... : the new tree's variants of the prefill (e.g. "new=;prefetch=WIDEEP_CANDIDATE_PREFETCH=1")
+VARIANTS=${VARIANTS:-"new="}
 if on prefill; then
   P="-m bench.prefill_long --contexts ${PREFILL_CONTEXTS:-100000} --chunks 1024 --repeats 2"
   for i in ${ROUNDS:-1}; do
     old t 150 python3 $P > "$OUT/prefill_old$i.log" 2>&1
-    t 150 python3 $P > "$OUT/prefill_new$i.log" 2>&1
-    for f in old new; do echo "== $f $i"; grep -a "^| [0-9]" "$OUT/prefill_$f$i.log"; done
+    IFS=';' read -ra vs <<< "$VARIANTS"
+    for v in "${vs[@]}"; do
+      name=${v%%=*}; sw=${v#*=}
+      env $sw timeout 150 python3 $P > "$OUT/prefill_${name}$i.log" 2>&1
+      echo "rc=$? $name: $sw" >> "$OUT/steps.txt"
+    done
+    for f in "$OUT"/prefill_*$i.log; do echo "== $(basename $f)"; grep -a "^| [0-9]" "$f"; done
   done
 fi
 if on forward; then
