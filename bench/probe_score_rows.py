@@ -3,7 +3,7 @@
 selection after it (`indexer_topk_triton`, the whole of the indexer's work for a chunk).
 
     python -m bench.probe_score_rows --contexts 8192 32768 100000 --rows 1024
-    python -m bench.probe_score_rows --choices 64:4 64:8 128:8 --rows-per-program 8 16
+    python -m bench.probe_score_rows --choices 64:4 64:8 128:8 64:4:3 --rows-per-program 8 16
 
 A case is one sequence of `context` positions whose last `--rows` rows are the chunk (row r sees
 context - rows + r + 1 positions), and a mixed step: 64 decoding sequences of the same context
@@ -19,6 +19,7 @@ import json
 import torch
 
 import wideep_kernels.index_score as score
+import wideep_kernels.index_score_rows as score_rows
 import wideep_kernels.indexer as indexer
 from bench.kernel_timing import graph_ms
 from wideep_kernels.index_score_rows import prompt_row_groups
@@ -53,7 +54,8 @@ def main(argv=None) -> None:
     ap.add_argument("--rows", type=int, default=1024)
     ap.add_argument("--mixed", action="store_true", help="also a step of 64 decoding rows beside the chunk")
     ap.add_argument("--kinds", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
-    ap.add_argument("--choices", nargs="+", default=[f"{score.ROWS_TILE}:{score.ROWS_WARPS}"], help="tile:warps")
+    ap.add_argument("--choices", nargs="+", default=[f"{score.ROWS_TILE}:{score.ROWS_WARPS}"],
+                    help="tile:warps or tile:warps:stages (the live tiles' software-pipeline stages)")
     ap.add_argument("--rows-per-program", type=int, nargs="+", default=[0], help="0: rows_per_group's choice")
     ap.add_argument("--no-fused", action="store_true",
                     help="also time the indexer with the wide rows' selection where the one-launch select serves")
@@ -61,6 +63,7 @@ def main(argv=None) -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     out = []
+    default_stages = score_rows.ROWS_STAGES
     cases = [(c, k, d) for c in args.contexts for k in args.kinds for d in ([0, 64] if args.mixed else [0])]
     for context, kind, decoding in cases:
         q, w, keys, tables, lens, row_seqs, scale = make_chunk(context, args.rows, decoding, kind == "fp8")
@@ -80,8 +83,9 @@ def main(argv=None) -> None:
         print(json.dumps(row), flush=True)
         out.append(row)
         for choice in args.choices:
-            tile, warps = map(int, choice.split(":"))
+            tile, warps, *stages = map(int, choice.split(":"))
             score.ROWS_TILE, score.ROWS_WARPS = tile, warps
+            score_rows.ROWS_STAGES = stages[0] if stages else default_stages
             for per in args.rows_per_program:
                 groups = prompt_row_groups(row_seqs, HEADS, decoding + 1, rows=per or None)
                 got = scores(groups)

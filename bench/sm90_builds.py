@@ -7,6 +7,7 @@ integer arguments divisible by 16, except those the kernel leaves unspecialised)
     python -m bench.sm90_builds --json builds.jsonl
     python -m bench.sm90_builds --select             # the indexer's one-launch top-k select
     python -m bench.sm90_builds --wide               # the wide rows' k-th score (wideep_kernels/wide_select.py)
+    python -m bench.sm90_builds --score-rows         # the prompt rows' scoring (wideep_kernels/index_score_rows.py)
 
 The figures depend on the Triton release: compare builds under the one the GPU runs.
 """
@@ -94,9 +95,13 @@ def build_select(first: int, last: int, record: bool = True, many: bool = False)
                 vector_loads=ptx.count("ld.global.v4"), triton=triton.__version__)
 
 
-def _launch_build(fn, consts: dict, fp32: set, warps: int) -> str:
+def _launch_build(fn, consts: dict, fp32: set, warps: int, types: dict | None = None, stages: int | None = None,
+                  asm: str = "ptx") -> str:
     """PTX of fn for sm_90 as the launcher builds it on an H200: pointers and the integers it
-    specialises (all but do_not_specialize) taken as multiples of 16."""
+    specialises (all but do_not_specialize) taken as multiples of 16. `types`: pointer types
+    other than fp32 (named in `fp32`) and i32, and float arguments; integers equal to 1 (unit
+    strides), which the launcher makes constants, go in `consts`. `asm`: "ttgir" for Triton's IR."""
+    types = types or {}
     plain = set(fn.do_not_specialize) | {fn.arg_names[i] for i in fn.do_not_specialize if isinstance(i, int)}
     # constexprs left out take their defaults, as a launch that leaves them out does
     consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.name not in consts
@@ -106,15 +111,41 @@ def _launch_build(fn, consts: dict, fp32: set, warps: int) -> str:
         if name in consts:
             signature[name] = "constexpr"
         elif name.endswith("_ptr"):
-            signature[name] = "*fp32" if name in fp32 else "*i32"
+            signature[name] = types.get(name, "*fp32" if name in fp32 else "*i32")
             attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in types:
+            signature[name] = types[name]
         else:
             signature[name] = "i32"
             if name not in plain:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn=fn, signature=signature, attrs=attrs,
                     constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps)).asm["ptx"]
+    options = dict(num_warps=warps, **({"num_stages": stages} if stages else {}))
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm[asm]
+
+
+def build_score_rows() -> list[dict]:
+    """The prompt rows' scoring launch (wideep_kernels/index_score_rows.py) for the bench model's
+    indexer (8 heads of 64, 16 rows a program) with the threshold select's group maxima, bf16 and
+    FP8 keys, its live tiles' loop built with one stage and with three: copies of the next tiles'
+    keys (cp.async) appear only with more than one."""
+    from wideep_kernels import index_score_rows as rows
+    types = dict(q_ptr="*bf16", w_ptr="*bf16", keys_ptr="*bf16", scale_ptr="*fp32", first_ptr="*i64",
+                 out_ptr="*fp32", m_ptr="*fp32", w_scale="fp32")
+    unit = dict(stride_qd=1, stride_kd=1, stride_tm=1, stride_wh=1)
+    out = []
+    for fp8 in (False, True):
+        for stages in (1, 3):
+            consts = dict(unit, ROWS=16, HEADS=8, DIM=64, TILE=rows.ROWS_TILE, PRECISION="tf32", UPCAST=False,
+                          SCALED=fp8, ZERO=True, SKIP_DEAD=False, F16=fp8, MAXIMA=True, NARROW_HEADS=16, PDL=2)
+            kinds = dict(types, keys_ptr="*fp8e4nv" if fp8 else "*bf16")
+            ptx = _launch_build(rows._score_rows_kernel, consts, set(), rows.ROWS_WARPS, kinds, stages)
+            ttgir = _launch_build(rows._score_rows_kernel, consts, set(), rows.ROWS_WARPS, kinds, stages, "ttgir")
+            out.append(dict(kernel="_score_rows_kernel", keys="fp8" if fp8 else "bf16", num_stages=stages,
+                            **_ptxas_info(ptx), async_copies=ttgir.count("async_copy_global_to_local"),
+                            wgmma=ptx.count("wgmma.mma_async"), triton=triton.__version__))
+    return out
 
 
 def build_wide() -> list[dict]:
@@ -176,9 +207,11 @@ def main(argv=None) -> None:
                     help="instead: the indexer's one-launch top-k select, in one launch and phase by phase")
     ap.add_argument("--wide", action="store_true",
                     help="instead: the wide rows' k-th score by candidates above group maxima")
+    ap.add_argument("--score-rows", action="store_true",
+                    help="instead: the prompt rows' scoring launch with one and three pipeline stages")
     args = ap.parse_args(argv)
-    if args.select or args.wide:
-        rows = build_wide() if args.wide else (
+    if args.select or args.wide or args.score_rows:
+        rows = build_wide() if args.wide else build_score_rows() if args.score_rows else (
             [build_select(0, 5)] + [build_select(p, p) for p in range(6)]
             + [build_select(0, 5, record=False), build_select(4, 4, record=False), build_select(0, 5, many=True)])
         for r in rows:

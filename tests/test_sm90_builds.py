@@ -82,3 +82,18 @@ def test_wide_select_builds_without_spills(tmp_path):
                                               + 2 * ["_emit_rows_kernel"])
     assert all(0 < row["registers"] <= 255 and row["spill_store_bytes"] == 0 for row in rows)
     assert all(row["vector_loads"] > 0 for row in rows)
+
+
+def test_prompt_scoring_live_tiles_loop_pipelines(tmp_path):
+    """The prompt rows' scoring launch (wideep_kernels/index_score_rows.py): its live tiles' loop has
+    no branch inside, so with more than one stage Triton copies the next tiles' keys ahead
+    (cp.async), for bf16 and FP8 keys; one stage builds without them. No spills either way."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = tmp_path / "score_rows.jsonl"
+    r = subprocess.run([sys.executable, "-m", "bench.sm90_builds", "--score-rows", "--json", str(out)], env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(row["keys"], row["num_stages"]) for row in rows] == [("bf16", 1), ("bf16", 3), ("fp8", 1), ("fp8", 3)]
+    assert all(0 < row["registers"] <= 255 and row["spill_store_bytes"] == 0 and row["wgmma"] > 0 for row in rows)
+    assert all((row["async_copies"] > 0) == (row["num_stages"] > 1) for row in rows)

@@ -102,6 +102,17 @@ if triton is not None:
             scale = tl.load(scale_ptr + slot, mask=live, other=1.0)
         return keys, scale
 
+    @triton.jit
+    def _operand(keys, q, UPCAST: tl.constexpr, F16: tl.constexpr, SCALED: tl.constexpr):
+        """A tile's keys in the type they meet the query in."""
+        if UPCAST:
+            keys = keys.to(tl.float32)
+        elif F16:
+            keys = keys.to(tl.float16)
+        elif SCALED:  # E4M3 values are exact in q's 16-bit type
+            keys = keys.to(q.dtype)
+        return keys
+
     @triton.jit(do_not_specialize=["stride_tb", "tiles"])
     def _score_rows_kernel(q_ptr, w_ptr, keys_ptr, scale_ptr, table_ptr, lens_ptr, first_ptr, count_ptr, out_ptr,
                            m_ptr, stride_qb, stride_qh, stride_qd, stride_wb, stride_wh,
@@ -168,48 +179,51 @@ if triton is not None:
         best = tl.zeros([ROWS, TILE], dtype=tl.uint32)
         out_rows = out_ptr + rows[:, None].to(tl.int64) * stride_ob
         row_table = table_ptr + first.to(tl.int64) * stride_tb  # the group's sequence's block table
-        for i in range(tiles):
-            start = (tl.program_id(1) + i * tl.num_programs(1)) * TILE
-            pos = start + lane
-            if start < group_len:
-                live = pos < group_len
+        # The program's tiles are p, p + P, ...: the first `live` of them reach a row of the group,
+        # the rest lie wholly past it. Loops without a branch inside can be software-pipelined
+        # (the next tiles' keys loaded while this one is multiplied, num_stages).
+        live = tl.minimum(tl.maximum(tl.cdiv(tl.cdiv(group_len, TILE) - tl.program_id(1), tl.num_programs(1)), 0),
+                          tiles)
+        if n == 1:
+            for i in range(live):
+                pos = (tl.program_id(1) + i * tl.num_programs(1)) * TILE + lane
                 keys, scale = _tile_keys(keys_ptr, scale_ptr, row_table, stride_tm, stride_ks, stride_kd, block_size,
                                          group_len, pos, d, d_ok, SCALED)
-                if UPCAST:
-                    keys = keys.to(tl.float32)
-                elif F16:
-                    keys = keys.to(tl.float16)
-                elif SCALED:  # E4M3 values are exact in q's 16-bit type
-                    keys = keys.to(q.dtype)
-                if n == 1:
-                    dots1 = tl.dot(keys, q1, input_precision=PRECISION)  # [TILE, NARROW_HEADS] fp32
-                    if F16:
-                        dots1 = dots1 * tl.exp2(q1_exp)
-                    score1 = tl.sum(tl.maximum(dots1, 0.0) * wt1[None, :], axis=1)
-                    if SCALED:  # relu(q . (s k)) = s relu(q . k) for the positive per-key scale s
-                        score1 = score1 * scale
-                    score1 = tl.where(live, score1, float("-inf"))
-                    tl.store(out_ptr + first.to(tl.int64) * stride_ob + pos, score1, mask=pos < width)
-                    if MAXIMA:
-                        best = tl.where((lane_r == 0)[:, None], tl.maximum(best, _order_key(score1)[None, :]), best)
-                else:
-                    dots = tl.dot(keys, q, input_precision=PRECISION)  # [TILE, ROWS * HEADS] fp32
-                    if F16:
-                        dots = dots * tl.exp2(q_exp)[None, :]
-                    score = tl.sum(tl.reshape(tl.maximum(dots, 0.0) * wt[None, :], [TILE, ROWS, HEADS]), axis=2)
-                    score = tl.trans(score)  # [ROWS, TILE]
-                    if SCALED:
-                        score = score * scale[None, :]
-                    score = tl.where(pos[None, :] < g_len[:, None], score, float("-inf"))
-                    tl.store(out_rows + pos[None, :], score, mask=row_ok[:, None] & (pos[None, :] < width))
-                    if MAXIMA:
-                        best = tl.maximum(best, _order_key(score))
-            else:
-                if not SKIP_DEAD:  # no row of the group reaches this tile: -inf, nothing to score
-                    dead = tl.full([ROWS, TILE], float("-inf"), tl.float32)
-                    tl.store(out_rows + pos[None, :], dead, mask=row_ok[:, None] & (pos[None, :] < width))
-                    if MAXIMA:
-                        best = tl.maximum(best, _order_key(dead))
+                keys = _operand(keys, q1, UPCAST, F16, SCALED)
+                dots1 = tl.dot(keys, q1, input_precision=PRECISION)  # [TILE, NARROW_HEADS] fp32
+                if F16:
+                    dots1 = dots1 * tl.exp2(q1_exp)
+                score1 = tl.sum(tl.maximum(dots1, 0.0) * wt1[None, :], axis=1)
+                if SCALED:  # relu(q . (s k)) = s relu(q . k) for the positive per-key scale s
+                    score1 = score1 * scale
+                score1 = tl.where(pos < group_len, score1, float("-inf"))
+                tl.store(out_ptr + first.to(tl.int64) * stride_ob + pos, score1, mask=pos < width)
+                if MAXIMA:
+                    best = tl.where((lane_r == 0)[:, None], tl.maximum(best, _order_key(score1)[None, :]), best)
+        else:
+            for i in range(live):
+                pos = (tl.program_id(1) + i * tl.num_programs(1)) * TILE + lane
+                keys, scale = _tile_keys(keys_ptr, scale_ptr, row_table, stride_tm, stride_ks, stride_kd, block_size,
+                                         group_len, pos, d, d_ok, SCALED)
+                keys = _operand(keys, q, UPCAST, F16, SCALED)
+                dots = tl.dot(keys, q, input_precision=PRECISION)  # [TILE, ROWS * HEADS] fp32
+                if F16:
+                    dots = dots * tl.exp2(q_exp)[None, :]
+                score = tl.sum(tl.reshape(tl.maximum(dots, 0.0) * wt[None, :], [TILE, ROWS, HEADS]), axis=2)
+                score = tl.trans(score)  # [ROWS, TILE]
+                if SCALED:
+                    score = score * scale[None, :]
+                score = tl.where(pos[None, :] < g_len[:, None], score, float("-inf"))
+                tl.store(out_rows + pos[None, :], score, mask=row_ok[:, None] & (pos[None, :] < width))
+                if MAXIMA:
+                    best = tl.maximum(best, _order_key(score))
+        if not SKIP_DEAD:  # tiles no row of the group reaches: -inf, nothing to score
+            dead = tl.full([ROWS, TILE], float("-inf"), tl.float32)
+            for i in range(live, tiles):
+                pos = (tl.program_id(1) + i * tl.num_programs(1)) * TILE + lane
+                tl.store(out_rows + pos[None, :], dead, mask=row_ok[:, None] & (pos[None, :] < width))
+            if MAXIMA and live < tiles:
+                best = tl.maximum(best, _order_key(dead))
         if MAXIMA:
             tl.store(m_ptr + rows[:, None].to(tl.int64) * stride_mb + tl.program_id(1) * TILE + lane[None, :],
                      _key_to_score(best), mask=row_ok[:, None])
@@ -220,6 +234,10 @@ if triton is not None:
 ROWS_PROGRAMS = 2048
 ROWS_TILE = 64
 ROWS_WARPS = 4
+# Software-pipeline stages of the live tiles' loop (the next tiles' keys copied while one is
+# multiplied). 1 builds it as before the loop could be pipelined; more are not yet timed on a GPU
+# (bench.probe_score_rows --choices 64:4:3).
+ROWS_STAGES = 1
 
 
 def score_rows_launch(q, w, index_keys, block_tables, g_lens, groups: RowGroups, block_size, out, *, tile,
@@ -248,5 +266,6 @@ def score_rows_launch(q, w, index_keys, block_tables, g_lens, groups: RowGroups,
         zero.numel() // num_rows if zero is not None else 0, tiles,
         ROWS=groups.rows, HEADS=heads, DIM=dim, TILE=tile, PRECISION="ieee" if fp32 else "tf32", UPCAST=upcast,
         SCALED=key_scale is not None, ZERO=zero is not None, SKIP_DEAD=skip_dead, F16=f16,
-        MAXIMA=maxima is not None, NARROW_HEADS=max(16, heads), num_warps=num_warps, **pdl_launch(q))
+        MAXIMA=maxima is not None, NARROW_HEADS=max(16, heads), num_warps=num_warps, num_stages=ROWS_STAGES,
+        **pdl_launch(q))
     return out
