@@ -23,6 +23,7 @@ group maxima are those of _score_tile_kernel.
 """
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -236,8 +237,8 @@ ROWS_TILE = 64
 ROWS_WARPS = 4
 # Software-pipeline stages of the live tiles' loop (the next tiles' keys copied while one is
 # multiplied). 1 builds it as before the loop could be pipelined; more are not yet timed on a GPU
-# (bench.probe_score_rows --choices 64:4:3).
-ROWS_STAGES = 1
+# (bench.probe_score_rows --choices 64:4:3; WIDEEP_SCORE_ROWS_STAGES for the engine).
+ROWS_STAGES = int(os.environ.get("WIDEEP_SCORE_ROWS_STAGES", "1"))
 
 
 def score_rows_launch(q, w, index_keys, block_tables, g_lens, groups: RowGroups, block_size, out, *, tile,

@@ -2,7 +2,7 @@
 # The threshold select's changes (wideep_kernels/wide_select.py) on a GPU against the tree before
 # them (.devpack/tree_old.tgz, `git archive <old> -- . ':!bench/results' ':!tests'`): its GPU tests;
 # the prompt probe at wide chunks, old tree then new with its variants (PROBE_ONLY: the choices'
-# prefixes); 100K prompts' prefill, old tree then the new under VARIANTS (each a set of WIDEEP_*
+# prefixes); the prompt rows' scoring choices (STEPS "rows", ROWS_CHOICES); 100K prompts' prefill, old tree then the new under VARIANTS (each a set of WIDEEP_*
 # switches); batch-16 decode steps at 128K and 512K, old and new. Carry .devpack/pydantic-site.tgz too.
 source bench/device/setup.sh
 t() { local s=$1; shift; local t0=$SECONDS; timeout "$s" "$@"; echo "rc=$? $((SECONDS - t0))s $*" >> "$OUT/steps.txt"; }
@@ -13,7 +13,8 @@ on() { [[ " $STEPS " == *" $1 "* ]]; }
 if on tests; then
   t 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernel_wide_select.py tests/test_kernel_score_maxima.py \
     > "$OUT/tests.log" 2>&1
-  t 120 python3 -m pytest -q -p no:cacheprovider -k "cuda or gpu" tests/test_kernel_indexer.py >> "$OUT/tests.log" 2>&1
+  t 120 python3 -m pytest -q -p no:cacheprovider -k "cuda or gpu" tests/test_kernel_indexer.py \
+    tests/test_kernel_score_rows.py >> "$OUT/tests.log" 2>&1
   grep -a -E "passed|failed" "$OUT/tests.log"; grep -a FAILED "$OUT/tests.log"
 fi
 W=${PROBE_WIDTHS:-65536 131072}
@@ -26,6 +27,11 @@ if on probe; then
 fi
 # name=switches;... : the new tree's variants of the prefill (e.g. "new=;prefetch=WIDEEP_CANDIDATE_PREFETCH=1")
 VARIANTS=${VARIANTS:-"new="}
+if on rows; then  # the prompt rows' scoring, its launch choices (tile:warps:stages)
+  t 200 python3 -m bench.probe_score_rows --contexts ${ROWS_CONTEXTS:-32768 100000} --kinds bf16 fp8 \
+    --choices ${ROWS_CHOICES:-64:4:1 64:4:2 64:4:3 64:8:3} --json "$OUT/probe_rows.jsonl" > "$OUT/probe_rows.log" 2>&1
+  grep -a "^|" "$OUT/probe_rows.log"
+fi
 if on prefill; then
   P="-m bench.prefill_long --contexts ${PREFILL_CONTEXTS:-100000} --chunks 1024 --repeats 2"
   for i in ${ROUNDS:-1}; do
