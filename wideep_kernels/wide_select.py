@@ -13,11 +13,13 @@ scores are sorted into histograms:
    trend the candidates below were 2.2K for strided groups at 512K against 45K for runs
    (k = 2048, T = 8K; ~2.3K for both on i.i.d. normal scores). A row shorter than T (a short sequence in a wide batch)
    also has one live group per live position, so its bound is its exact k-th score.
-2. tau[b] = the k-th largest of m[b] (radix_passes of wideep_kernels/radix_select.py on [B, T]). At least
-   k groups have their maximum >= tau, so the row's k-th largest score is >= tau.
+2. tau[b] = the lowest score sharing the top two bytes of the k-th largest of m[b] (the first two
+   radix_passes of wideep_kernels/radix_select.py on [B, T]). At least k groups have their maximum
+   >= tau, so the row's k-th largest score is >= tau.
 3. Candidates: every finite score >= tau is appended to cand[b] (`capacity` places) with a
    per-row atomic counter. The row's k highest scores are all there; order does not matter.
-4. Four byte-histogram passes over the candidates find the k-th largest of them. A row whose
+4. Four byte-histogram passes over the candidates find the k-th largest of them (from the third
+   byte on, blocks with few matching keys count by atomics). A row whose
    candidates did not fit (many scores equal to tau: relu makes exact-zero ties) runs the same
    passes over its whole row instead. Each program reads the row's count and picks: no host
    sync, fixed shapes, so the whole of it is captured in a CUDA graph.
@@ -63,7 +65,8 @@ BLOCK = 1024
 # only leave, so it gets fewer.
 CANDIDATE_PROGRAMS = 4096
 PASS_PROGRAMS = 1024
-# The candidates' launch: positions a program loads a step, its warps and software-pipeline stages.
+# The candidates' launch: positions a program loads a step, its warps and software-pipeline stages
+# (which do not apply to its loop with an atomic: one and four stages timed the same on an H100).
 CANDIDATE_BLOCK = BLOCK
 CANDIDATE_WARPS = 4
 CANDIDATE_STAGES = 3
