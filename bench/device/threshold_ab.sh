@@ -2,7 +2,8 @@
 # The threshold select's changes (wideep_kernels/wide_select.py) on a GPU against the tree before
 # them (.devpack/tree_old.tgz, `git archive <old> -- . ':!bench/results' ':!tests'`): its GPU tests;
 # the prompt probe at wide chunks, old tree then new with its variants (PROBE_ONLY: the choices'
-# prefixes); the prompt rows' scoring choices (STEPS "rows", ROWS_CHOICES); 100K prompts' prefill, old tree then the new under VARIANTS (each a set of WIDEEP_*
+# prefixes); decode rows of 128K-512K, radix against threshold (STEPS "wide"); the prompt rows'
+# scoring choices (STEPS "rows", ROWS_CHOICES); 100K prompts' prefill, old tree then the new under VARIANTS (each a set of WIDEEP_*
 # switches); batch-16 decode steps at 128K and 512K, old and new. Carry .devpack/pydantic-site.tgz too.
 source bench/device/setup.sh
 t() { local s=$1; shift; local t0=$SECONDS; timeout "$s" "$@"; echo "rc=$? $((SECONDS - t0))s $*" >> "$OUT/steps.txt"; }
@@ -27,6 +28,12 @@ if on probe; then
 fi
 # name=switches;... : the new tree's variants of the prefill (e.g. "new=;prefetch=WIDEEP_CANDIDATE_PREFETCH=1")
 VARIANTS=${VARIANTS:-"new="}
+if on wide; then  # decode rows of 128K-512K: radix passes against the threshold select, old tree then new
+  WA="-m bench.probe_select --wide --batches ${WIDE_BATCHES:-1 4 16} --widths 131072 524288 --iters 10"
+  old t 120 python3 $WA --json "$OUT/wide_old.jsonl" > "$OUT/wide_old.log" 2>&1
+  t 120 python3 $WA --json "$OUT/wide_new.jsonl" > "$OUT/wide_new.log" 2>&1
+  for f in old new; do echo "== wide $f"; grep -a -E '"choice": "(kth|select)_' "$OUT/wide_$f.log" | tail -n 40; done
+fi
 if on rows; then  # the prompt rows' scoring, its launch choices (tile:warps:stages)
   t 200 python3 -m bench.probe_score_rows --contexts ${ROWS_CONTEXTS:-32768 100000} --kinds bf16 fp8 \
     --choices ${ROWS_CHOICES:-64:4:1 64:4:2 64:4:3 64:8:3} --json "$OUT/probe_rows.jsonl" > "$OUT/probe_rows.log" 2>&1
