@@ -18,7 +18,7 @@ if on tests; then
     tests/test_kernel_score_rows.py >> "$OUT/tests.log" 2>&1
   grep -a -E "passed|failed" "$OUT/tests.log"; grep -a FAILED "$OUT/tests.log"
 fi
-W=${PROBE_WIDTHS:-65536 131072}
+W=${PROBE_WIDTHS:-32768 65536 131072}
 if on probe; then
   old t 120 python3 -m bench.probe_select --prompt --batches 1024 --widths $W --iters 10 \
     --json "$OUT/probe_old.jsonl" > "$OUT/probe_old.log" 2>&1
