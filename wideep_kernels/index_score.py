@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from .index_score_rows import ROWS_TILE, ROWS_WARPS, RowGroups, _tile_keys, score_rows_launch
+from .index_score_rows import ROWS_TILE, ROWS_WARPS, RowGroups, _operand, _tile_keys, score_rows_launch
 from .tuning import tuned_config
 
 try:
@@ -34,12 +34,7 @@ if triton is not None:
                      F16: tl.constexpr, SCALED: tl.constexpr, MAXIMA: tl.constexpr, PRECISION: tl.constexpr):
         """Score one tile (-inf past g_len) and store it; returns `best` with the tile's order keys
         maxed in (MAXIMA)."""
-        if UPCAST:
-            keys = keys.to(tl.float32)
-        elif F16:
-            keys = keys.to(tl.float16)
-        elif SCALED:  # E4M3 values are exact in q's 16-bit type
-            keys = keys.to(q.dtype)
+        keys = _operand(keys, q, UPCAST, F16, SCALED)
         dots = tl.dot(keys, q, input_precision=PRECISION)  # [TILE, HEADS] fp32
         if F16:
             dots = dots * tl.exp2(q_exp)

@@ -77,6 +77,20 @@ if triton is not None:
         h = tl.histogram(tl.where(match, digit, 0).to(tl.int32), 256)
         return h - tl.where(tl.arange(0, 256) == 0, BLOCK - tl.sum(match.to(tl.int32), axis=0), 0)
 
+    @triton.jit
+    def _count_digits(hist_row_ptr, counts, digit, match, SPARSE: tl.constexpr, SPARSE_MAX: tl.constexpr,
+                      BLOCK: tl.constexpr):
+        """Count a block's matching digits: SPARSE, where at most SPARSE_MAX keys match, by atomics
+        straight into the row's histogram; else into the program's `counts`, which it returns."""
+        if SPARSE:
+            if tl.sum(match.to(tl.int32), axis=0) <= SPARSE_MAX:
+                tl.atomic_add(hist_row_ptr + digit, tl.full([BLOCK], 1, tl.int32), mask=match, sem="relaxed")
+            else:
+                counts += _matching_histogram(digit, match, BLOCK)
+        else:
+            counts += _matching_histogram(digit, match, BLOCK)
+        return counts
+
     @triton.jit(do_not_specialize=["num_seqs", "span", "k"])
     def _radix_pass_kernel(scores_ptr, hist_ptr, state_ptr, stride_sb, width, num_seqs, span, k,
                            PASS: tl.constexpr, BLOCK: tl.constexpr, SPARSE: tl.constexpr = False,
@@ -105,12 +119,9 @@ if triton is not None:
             match = pos < width
             if PASS > 0:
                 match = match & ((key >> (32 - 8 * PASS)) == prefix)
-            if SPARSE and PASS >= 2:
-                if tl.sum(match.to(tl.int32), axis=0) <= SPARSE_MAX:
-                    tl.atomic_add(hist_ptr + (PASS * num_seqs + seq) * 256 + digit, tl.full([BLOCK], 1, tl.int32),
-                                  mask=match, sem="relaxed")
-                else:
-                    counts += _matching_histogram(digit, match, BLOCK)
+            if PASS >= 2:
+                counts = _count_digits(hist_ptr + (PASS * num_seqs + seq) * 256, counts, digit, match, SPARSE,
+                                       SPARSE_MAX, BLOCK)
             else:
                 counts += _matching_histogram(digit, match, BLOCK)
         bins = tl.arange(0, 256)

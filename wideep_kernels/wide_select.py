@@ -37,7 +37,7 @@ import os
 
 import torch
 
-from .radix_select import _keep_radix_state, _matching_histogram, _radix_state, radix_passes
+from .radix_select import _count_digits, _keep_radix_state, _radix_state, radix_passes
 
 try:
     import triton
@@ -217,14 +217,8 @@ if triton is not None:
             match = pos < counted
             if PASS > 0:
                 match = match & ((key >> (32 - 8 * PASS)) == prefix)
-            if PASS >= SPARSE_FROM:
-                if tl.sum(match.to(tl.int32), axis=0) <= SPARSE_MAX:
-                    tl.atomic_add(hist_ptr + (PASS * num_seqs + seq) * 256 + digit, tl.full([BLOCK], 1, tl.int32),
-                                  mask=match, sem="relaxed")
-                else:
-                    counts += _matching_histogram(digit, match, BLOCK)
-            else:
-                counts += _matching_histogram(digit, match, BLOCK)
+            counts = _count_digits(hist_ptr + (PASS * num_seqs + seq) * 256, counts, digit, match,
+                                   PASS >= SPARSE_FROM, SPARSE_MAX, BLOCK)
         bins = tl.arange(0, 256)
         tl.atomic_add(hist_ptr + (PASS * num_seqs + seq) * 256 + bins, counts, mask=counts > 0, sem="relaxed")
 
