@@ -5,13 +5,7 @@
 # prefill, old tree and the new under VARIANTS (each a set of WIDEEP_* switches), in two rounds;
 # decode steps at batch 64 and 256. Carry .devpack/pydantic-site.tgz too.
 source bench/device/setup.sh
-t() { local s=$1; shift; local t0=$SECONDS; timeout "$s" "$@"; echo "rc=$? $((SECONDS - t0))s $*" >> "$OUT/steps.txt"; }
-mkdir -p /tmp/old && tar xzf .devpack/tree_old.tgz -C /tmp/old
-old() { (cd /tmp/old && PYTHONPATH=/tmp/site:/tmp/old "$@"); }
-STEPS=${STEPS:-"tests probe prefill forward"}
-on() { [[ " $STEPS " == *" $1 "* ]]; }
-# name=switches;... : the new tree's variants of the prefill
-VARIANTS=${VARIANTS:-"new="}
+source bench/device/ab.sh
 if on tests; then
   t 120 python3 -m pytest -q -p no:cacheprovider tests/test_kernel_row_select.py > "$OUT/tests.log" 2>&1
   [ -n "$INDEXER_TESTS" ] && t 120 python3 -m pytest -q -p no:cacheprovider -k "cuda or gpu" \
@@ -25,18 +19,8 @@ if on probe; then
     --json "$OUT/probe_decode.jsonl" > "$OUT/probe_decode.log" 2>&1
   grep -a "^|" "$OUT/probe_prompt.log" "$OUT/probe_decode.log" || tail -n 5 "$OUT"/probe_*.log
 fi
-P="-m bench.prefill_long --contexts ${PREFILL_CONTEXTS:-32768 100000} --chunks 1024 --repeats 2"
 if on prefill; then
-  for i in ${ROUNDS:-1 2}; do
-    old t 90 python3 $P > "$OUT/prefill_old$i.log" 2>&1
-    IFS=';' read -ra vs <<< "$VARIANTS"
-    for v in "${vs[@]}"; do
-      name=${v%%=*}; sw=${v#*=}
-      env $sw timeout 90 python3 $P > "$OUT/prefill_${name}$i.log" 2>&1
-      echo "rc=$? $name: $sw" >> "$OUT/steps.txt"
-    done
-    for f in "$OUT"/prefill_*$i.log; do echo "== $(basename $f)"; grep -a "^| [0-9]" "$f"; done
-  done
+  ROUNDS=${ROUNDS:-1 2} prefill_rounds 90 --contexts ${PREFILL_CONTEXTS:-32768 100000} --chunks 1024 --repeats 2
 fi
 if on forward; then
   for b in ${FWD_BATCHES:-64 256}; do

@@ -6,11 +6,7 @@
 # scoring choices (STEPS "rows", ROWS_CHOICES); 100K prompts' prefill, old tree then the new under VARIANTS (each a set of WIDEEP_*
 # switches); batch-16 decode steps at 128K and 512K, old and new. Carry .devpack/pydantic-site.tgz too.
 source bench/device/setup.sh
-t() { local s=$1; shift; local t0=$SECONDS; timeout "$s" "$@"; echo "rc=$? $((SECONDS - t0))s $*" >> "$OUT/steps.txt"; }
-mkdir -p /tmp/old && tar xzf .devpack/tree_old.tgz -C /tmp/old
-old() { (cd /tmp/old && PYTHONPATH=/tmp/site:/tmp/old "$@"); }
-STEPS=${STEPS:-"tests probe prefill forward"}
-on() { [[ " $STEPS " == *" $1 "* ]]; }
+source bench/device/ab.sh
 if on tests; then
   t 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernel_wide_select.py tests/test_kernel_score_maxima.py \
     > "$OUT/tests.log" 2>&1
@@ -26,8 +22,6 @@ if on probe; then
     --json "$OUT/probe_new.jsonl" > "$OUT/probe_new.log" 2>&1
   grep -a -E "^\| (choice|threshold|topk|split) " "$OUT/probe_old.log"; grep -a "^|" "$OUT/probe_new.log"
 fi
-# name=switches;... : the new tree's variants of the prefill (e.g. "new=;prefetch=WIDEEP_CANDIDATE_PREFETCH=1")
-VARIANTS=${VARIANTS:-"new="}
 if on wide; then  # decode rows of 128K-512K: radix passes against the threshold select, old tree then new
   WA="-m bench.probe_select --wide --batches ${WIDE_BATCHES:-1 4 16} --widths 131072 524288 --iters 10"
   old t 120 python3 $WA --json "$OUT/wide_old.jsonl" > "$OUT/wide_old.log" 2>&1
@@ -40,17 +34,7 @@ if on rows; then  # the prompt rows' scoring, its launch choices (tile:warps:sta
   grep -a "^|" "$OUT/probe_rows.log"
 fi
 if on prefill; then
-  P="-m bench.prefill_long --contexts ${PREFILL_CONTEXTS:-100000} --chunks 1024 --repeats 2"
-  for i in ${ROUNDS:-1}; do
-    old t 150 python3 $P > "$OUT/prefill_old$i.log" 2>&1
-    IFS=';' read -ra vs <<< "$VARIANTS"
-    for v in "${vs[@]}"; do
-      name=${v%%=*}; sw=${v#*=}
-      env $sw timeout 150 python3 $P > "$OUT/prefill_${name}$i.log" 2>&1
-      echo "rc=$? $name: $sw" >> "$OUT/steps.txt"
-    done
-    for f in "$OUT"/prefill_*$i.log; do echo "== $(basename $f)"; grep -a "^| [0-9]" "$f"; done
-  done
+  ROUNDS=${ROUNDS:-1} prefill_rounds 150 --contexts ${PREFILL_CONTEXTS:-100000} --chunks 1024 --repeats 2
 fi
 if on forward; then
   F="-m bench.forward --batch ${FWD_BATCH:-16} --contexts ${FWD_CONTEXTS:-131072 524288} --iters 10"
