@@ -48,9 +48,7 @@ THRESHOLD_VARIANTS = {
     "threshold_dense": ("wideep_kernels.wide_select", dict(PASS_SPARSE_FROM=4)),
     "threshold_cb2048": ("wideep_kernels.wide_select", dict(CANDIDATE_BLOCK=2048)),
     "threshold_g2": ("wideep_kernels.wide_select", dict(GROUPS_PER_K=2)),
-    "threshold_prefetch": ("wideep_kernels.wide_select", dict(CANDIDATE_PREFETCH=True)),
-    "threshold_prefetch_cb2048": ("wideep_kernels.wide_select", dict(CANDIDATE_PREFETCH=True, CANDIDATE_BLOCK=2048)),
-    "threshold_prefetch_c16k": ("wideep_kernels.wide_select", dict(CANDIDATE_PREFETCH=True, CANDIDATE_PROGRAMS=16384)),
+    "threshold_g3": ("wideep_kernels.wide_select", dict(GROUPS_PER_K=3)),
 }
 
 

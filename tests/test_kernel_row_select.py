@@ -206,3 +206,17 @@ def test_one_launch_can_be_turned_off_by_environment():
                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         assert r.returncode == 0, r.stderr[-2000:]
         assert r.stdout.split() == want.split()
+
+
+def test_a_prompt_chunks_many_rows_take_the_threshold_select(monkeypatch):
+    """Rows narrow enough for the one launch go to the threshold select once they hold
+    FUSED_MAX_POSITIONS positions in all (a prompt chunk's 1,024 rows from 24K); decode batches
+    keep the one launch."""
+    import wideep_kernels.indexer as m
+    assert m.default_select(24576, 1024) == "threshold"
+    assert m.default_select(32768, 1024) == "threshold"
+    assert m.default_select(16384, 1024) == "fused"
+    assert m.default_select(32768, 256) == "fused"
+    assert m.default_select(65536, 1024) == "threshold"
+    monkeypatch.setattr(m, "FUSED_MAX_POSITIONS", 1 << 62)
+    assert m.default_select(32768, 1024) == "fused"

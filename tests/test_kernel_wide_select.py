@@ -125,12 +125,10 @@ def test_overflowing_rows_take_the_whole_row(device, monkeypatch):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("programs,block,prefetch", [(8, 256, False), (8, 256, True), (4096, 256, True)])
-def test_several_blocks_and_programs_a_row(device, programs, block, prefetch, monkeypatch):
-    """Candidates appended by several programs (one atomic a block, with and without the next
-    block's load issued before it), passes whose programs each loop over several blocks or hold
+@pytest.mark.parametrize("programs,block", [(8, 256), (4096, 256)])
+def test_several_blocks_and_programs_a_row(device, programs, block, monkeypatch):
+    """Candidates appended by several programs (one atomic a block), passes whose programs each loop over several blocks or hold
     one block each, in the row and the candidates, group maxima over several steps of members."""
-    monkeypatch.setattr(ws, "CANDIDATE_PREFETCH", prefetch)
     monkeypatch.setattr(ws, "GROUP_ROWS", 4)
     monkeypatch.setattr(ws, "CANDIDATE_PROGRAMS", programs)
     monkeypatch.setattr(ws, "PASS_PROGRAMS", programs)
@@ -201,8 +199,8 @@ def test_empty_batch(device):
     assert out.shape == (0, 16)
 
 
-def test_group_stride():
-    """At least 4 k groups (or the whole row), a multiple of the tile, never fewer than k: the
+def test_group_stride(monkeypatch):
+    """At least GROUPS_PER_K k groups (or the whole row), a multiple of the tile, never fewer than k: the
     k-th group maximum exists."""
     for width in (1, 63, 64, 700, 4096, 65536, 524288, 1 << 20):
         for k in (1, 16, 2048):
@@ -212,7 +210,9 @@ def test_group_stride():
             assert t % ws.GROUP_TILE == 0 and t >= k
             assert t >= min(ws.GROUPS_PER_K * k, width)
             assert t < max(ws.GROUPS_PER_K * k, width) + ws.GROUP_TILE
-    assert ws.group_stride(524288, 2048) == 8192
+    for groups in (2, 4):
+        monkeypatch.setattr(ws, "GROUPS_PER_K", groups)
+        assert ws.group_stride(524288, 2048) == groups * 2048
 
 
 def test_bad_arguments_are_refused():

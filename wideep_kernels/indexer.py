@@ -98,6 +98,11 @@ def indexer_topk_reference(q: torch.Tensor, w: torch.Tensor, index_keys: torch.T
 # barriers, which needs a row's programs resident together; every GPU we know holds them).
 FUSED_MAX_WIDTH = 32768 if os.environ.get("WIDEEP_ONE_LAUNCH_SELECT", "1") != "0" else 0
 THRESHOLD_MIN_POSITIONS = 1 << 21
+# Rows up to FUSED_MAX_WIDTH still go to the threshold select where they hold FUSED_MAX_POSITIONS
+# positions or more in all: a prompt chunk's 1,024 rows from 24K on (1,024 rows on an H100, us:
+# one launch / threshold at 16K 271 / 322, 24K 386 / 366, 32K 501 / 388; RESULTS, forty-fifth
+# session). No decode batch is that large. WIDEEP_FUSED_MAX_POSITIONS sets it.
+FUSED_MAX_POSITIONS = int(os.environ.get("WIDEEP_FUSED_MAX_POSITIONS", str(1024 * 24576)))
 # The threshold select's group maxima taken by the scoring launch (one read of the scores and a
 # launch fewer a layer; wideep_kernels/index_score.py); WIDEEP_SCORE_MAXIMA=0 leaves them to their own
 # kernel. The launch has T / tile programs a row for T groups: at least MAXIMA_MIN_PROGRAMS in all.
@@ -140,7 +145,7 @@ def kth_scores(scores: torch.Tensor, k: int, method: str | None = None, span: in
 
 def default_select(width: int, rows: int = 1) -> str:
     """The selection method `rows` rows of `width` positions get when none is asked for."""
-    if width <= FUSED_MAX_WIDTH:
+    if width <= FUSED_MAX_WIDTH and rows * width < FUSED_MAX_POSITIONS:
         return "fused"
     return "threshold" if rows * width >= THRESHOLD_MIN_POSITIONS else "radix"
 

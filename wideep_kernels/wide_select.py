@@ -7,8 +7,8 @@ read of the row's scores costs about 8. Here the row is read twice and only a fe
 scores are sorted into histograms:
 
 1. Group maxima: m[b, j] = max over i of scores[b, j + i * T], for T = `group_stride` (at least
-   4 k groups). Groups are strided rather than runs of neighbouring positions: indexer scores
-   follow position (recent positions score higher, neighbours alike), and then a run group's
+   GROUPS_PER_K k groups, 2 k by default). Groups are strided rather than runs of neighbouring
+   positions: indexer scores follow position (recent positions score higher, neighbours alike), and then a run group's
    maximum says little about its other members. In a simulation of normal noise on a rising
    trend the candidates below were 2.2K for strided groups at 512K against 45K for runs
    (k = 2048, T = 8K; ~2.3K for both on i.i.d. normal scores). A row shorter than T (a short sequence in a wide batch)
@@ -48,13 +48,17 @@ except Exception:  # a CPU-only install without triton: the indexer never asks f
     triton = None
     tl = None
 
-# Candidate places a row. i.i.d. normal scores give 1.1-1.4 k (2.3K at k = 2048, simulated), so
+# Candidate places a row. i.i.d. normal scores give 1.1-1.5 k (2.3-2.8K at k = 2048, simulated), so
 # a row overflows only when many scores tie at the bound; 64 KB a row.
 CAPACITY = 16384
 # Groups per k (T >= GROUPS_PER_K * k): more groups give a tighter bound and fewer candidates
-# (i.i.d. normal, simulated: ~2.8K at 2 k, 2.3K at 4 k, 2.2K at 8 k), and a longer radix select
-# over the maxima.
-GROUPS_PER_K = 4
+# (i.i.d. normal, simulated: ~2.8K at 2 k, 2.3K at 4 k, 2.2K at 8 k), and longer passes over the
+# maxima. Two beat four on an H100 (RESULTS, forty-fifth session): 1,024 rows of 64K 674 -> 529 us,
+# of 128K 961 -> 851; batch 64 at 128K 90 -> 81 us; a 100K prompt's prefill 2,972 -> 2,837 ms.
+# Three came between. WIDEEP_THRESHOLD_GROUPS sets it.
+GROUPS_PER_K = int(os.environ.get("WIDEEP_THRESHOLD_GROUPS", "2"))
+if GROUPS_PER_K < 1:
+    raise ValueError(f"WIDEEP_THRESHOLD_GROUPS must be a positive integer, got {GROUPS_PER_K}")
 # Group maxima: a program reads GROUP_ROWS members of GROUP_TILE neighbouring groups a step.
 GROUP_TILE = 64
 GROUP_ROWS = 32
@@ -70,7 +74,6 @@ PASS_PROGRAMS = 1024
 CANDIDATE_BLOCK = BLOCK
 CANDIDATE_WARPS = 4
 CANDIDATE_STAGES = 3
-CANDIDATE_PREFETCH = os.environ.get("WIDEEP_CANDIDATE_PREFETCH", "0") != "0"
 # The candidates' passes from the third byte on count blocks with few matching keys by atomics,
 # as the one-launch select does (wideep_kernels/row_select.py): few of a row's candidates share
 # the k-th's top two bytes. WIDEEP_THRESHOLD_SPARSE=0: histograms in every pass.
@@ -131,7 +134,7 @@ if triton is not None:
     def _candidate_kernel(scores_ptr, lens_ptr, hist_ptr, state_ptr, count_ptr, cand_ptr, cand_pos_ptr, stride_sb,
                           width, num_seqs, blocks, k, capacity,
                           HAS_LENS: tl.constexpr, BLOCK: tl.constexpr, POSITIONS: tl.constexpr = False,
-                          BOUND_PASS: tl.constexpr = 3, PREFETCH: tl.constexpr = False, PDL: tl.constexpr = 0):
+                          BOUND_PASS: tl.constexpr = 3, PDL: tl.constexpr = 0):
         """Append the finite scores >= tau of `blocks` blocks of the row to cand[seq] (and,
         POSITIONS, their positions to cand_pos[seq]); count[seq] counts them all, also those past
         the capacity, which are dropped. tau: the lowest score sharing the top BOUND_PASS + 1
@@ -147,19 +150,9 @@ if triton is not None:
         # (keys below -inf's are NaNs: a maximum of -inf, fewer than k finite groups, stays -inf)
         tau = _key_to_score(tl.maximum(prefix.to(tl.uint32, bitcast=True) << (24 - 8 * BOUND_PASS), 0x007FFFFF))
         row = scores_ptr + seq * stride_sb
-        # PREFETCH: the next block's load is issued before this block's atomic, so that the two
-        # round trips overlap (a loop with an atomic is not software-pipelined by the compiler).
-        # The program's last prefetch is masked off at its end.
-        stop = tl.minimum(load_end, start + blocks * BLOCK)
-        if PREFETCH:
-            pos = start + tl.arange(0, BLOCK)
-            s = _load_live(row, pos, end, stop)
         for b in range(0, blocks):
-            if PREFETCH:
-                s_next = _load_live(row, pos + BLOCK, end, stop)
-            else:
-                pos = start + b * BLOCK + tl.arange(0, BLOCK)
-                s = _load_live(row, pos, end, load_end)
+            pos = start + b * BLOCK + tl.arange(0, BLOCK)
+            s = _load_live(row, pos, end, load_end)
             keep = (s >= tau) & (s > float("-inf"))
             kept = tl.sum(keep.to(tl.int32), axis=0)
             # One atomic a block: most blocks of a wide row keep a few scores or none. (One atomic
@@ -170,9 +163,6 @@ if triton is not None:
                 tl.store(cand_ptr + seq * capacity + place, s, mask=keep & (place < capacity))
                 if POSITIONS:
                     tl.store(cand_pos_ptr + seq * capacity + place, pos, mask=keep & (place < capacity))
-            if PREFETCH:
-                pos += BLOCK
-                s = s_next
 
     @triton.jit(do_not_specialize=["num_seqs", "row_blocks", "cand_blocks", "k"])
     def _pass_kernel(scores_ptr, lens_ptr, cand_ptr, count_ptr, hist_ptr, state_ptr, stride_sb, width,
@@ -397,7 +387,7 @@ def threshold_passes(scores: torch.Tensor, k: int, g_lens: torch.Tensor | None =
     _candidate_kernel[(num_seqs, _cdiv(width, blocks * block))](
         scores, lens, hist_m, state_m, count, cand, cand_pos, scores.stride(0), width, num_seqs, blocks, k, capacity,
         HAS_LENS=has_lens, BLOCK=block, POSITIONS=candidates is not None, BOUND_PASS=MAXIMA_PASSES - 1,
-        PREFETCH=CANDIDATE_PREFETCH, num_warps=CANDIDATE_WARPS, num_stages=CANDIDATE_STAGES, **pdl_launch(scores))
+        num_warps=CANDIDATE_WARPS, num_stages=CANDIDATE_STAGES, **pdl_launch(scores))
 
     # The programs of a row cover both all of it and the most candidates a pass can read (never
     # more than the row's positions; at least k, the -inf places).
