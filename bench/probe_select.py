@@ -1,7 +1,7 @@
 """The indexer's top-k selection, side by side: the multi-launch radix passes, and the one-launch
 select with rows split over programs that meet at barriers (the built-in split, the same with
 every byte pass counted by histograms and with the last two counted by atomics where few keys
-match, and spans of 256-2048 positions), and rows up to 16K each in one program (`small`). Each call is captured 16 times in one CUDA
+match, and spans of 256-2048 positions). Each call is captured 16 times in one CUDA
 graph (bench.kernel_timing.graph_ms), so launches and the gaps between them count as they do
 in the decode step; every choice must pick the reference's positions.
 
@@ -29,7 +29,6 @@ import torch
 
 from bench.kernel_timing import graph_ms
 from wideep_kernels.indexer import kth_scores, select_topk_reference, select_topk_triton
-from wideep_kernels import small_select as small_select_mod
 from wideep_kernels.row_select import MAX_PARTS, WORKSPACE_COLS, select_rows
 
 TOPK = 2048
@@ -164,8 +163,6 @@ def main(argv=None) -> None:
                     choices[name] = (lambda s=span, c=c: select_rows(
                         scores, g_lens, out, k, span=s, block=c["block"], sparse_from=c["sparse_from"],
                         num_warps=c["num_warps"], sparse_max=c["sparse_max"]))
-            if not args.prompt and width <= small_select_mod.MAX_WIDTH:  # each row in one program
-                choices["small"] = lambda: small_select_mod.small_select(scores, g_lens, out, k)
             for span, block in [] if args.prompt else SPLIT:
                 if span < width and -(-width // span) <= MAX_PARTS:
                     choices[f"split_s{span}_b{block}"] = (

@@ -19,7 +19,6 @@ from . import triton_ok
 from .index_score import _next_pow2, _score_choice, _score_launch, indexer_scores_triton  # noqa: F401 (the API)
 from .radix_select import _SELECT_BLOCK, radix_passes
 from .row_select import MANY_ROWS, SPARSE_MAX_ROWS, WORKSPACE_COLS, select_rows
-from .small_select import small_select, use_small_select
 from .score_warmup import build_wide_variants, remember as remember_scoring
 
 try:
@@ -178,8 +177,6 @@ def select_topk_triton(scores: torch.Tensor, g_lens: torch.Tensor, topk: int,
     fill = min(1024, _next_pow2(topk, 16))
     method = method or default_select(width, num_seqs)
     if method == "fused":
-        if use_small_select(num_seqs, width):
-            return small_select(scores, g_lens, out, k)
         return select_rows(scores, g_lens, out, k, ws=hist)
     if method not in ("radix", "threshold", "topk"):
         raise ValueError(f"unknown selection method {method!r}; known: fused, radix, threshold, topk")
