@@ -365,12 +365,13 @@ def select_method(fused_max_width: int, programs: int | None = None):
     from wideep_kernels import indexer, row_select
 
     def change():
-        saved = indexer.FUSED_MAX_WIDTH, row_select.TARGET_PROGRAMS
+        saved = indexer.FUSED_MAX_WIDTH, indexer.FUSED_MIN_ROWS, row_select.TARGET_PROGRAMS
         indexer.FUSED_MAX_WIDTH = fused_max_width
+        indexer.FUSED_MIN_ROWS = 1  # every batch size, where the width allows it
         row_select.TARGET_PROGRAMS = programs or row_select.TARGET_PROGRAMS
 
         def undo():
-            indexer.FUSED_MAX_WIDTH, row_select.TARGET_PROGRAMS = saved
+            indexer.FUSED_MAX_WIDTH, indexer.FUSED_MIN_ROWS, row_select.TARGET_PROGRAMS = saved
         return undo
     return change
 

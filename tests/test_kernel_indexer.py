@@ -84,7 +84,9 @@ def test_selection_workspace_is_cleared_by_the_scoring(device, method, monkeypat
     import wideep_kernels.indexer as mod
     if method == "radix":
         monkeypatch.setattr(mod, "FUSED_MAX_WIDTH", 0)
-    assert mod.default_select(1024) == method
+    else:
+        monkeypatch.setattr(mod, "FUSED_MIN_ROWS", 1)
+    assert mod.default_select(1024, 2) == method
     poison_empty(monkeypatch)
     g_lens = [1000, 70]
     args = make_case(device, g_lens, 64)

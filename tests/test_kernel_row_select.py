@@ -198,7 +198,7 @@ def test_one_launch_can_be_turned_off_by_environment():
     """WIDEEP_ONE_LAUNCH_SELECT=0: rows of every width take the multi-launch radix passes (or, for
     batches of 2M positions and more, the threshold select) instead of the barrier kernel."""
     code = ("import wideep_kernels.indexer as m; "
-            "print(m.default_select(8192), m.default_select(32768), m.default_select(1 << 20), "
+            "print(m.default_select(8192, 16), m.default_select(32768, 16), m.default_select(1 << 20), "
             "m.default_select(1 << 17, 16), m.default_select(1 << 16, 16))")
     for value, want in (("0", "radix radix radix threshold radix"), ("1", "fused fused radix threshold radix")):
         env = dict(os.environ, WIDEEP_ONE_LAUNCH_SELECT=value)
@@ -217,6 +217,8 @@ def test_a_prompt_chunks_many_rows_take_the_threshold_select(monkeypatch):
     assert m.default_select(32768, 1024) == "threshold"
     assert m.default_select(16384, 1024) == "fused"
     assert m.default_select(32768, 256) == "fused"
+    assert m.default_select(8192, m.FUSED_MIN_ROWS) == "fused"
+    assert m.default_select(8192, m.FUSED_MIN_ROWS - 1) == "radix"  # few rows: the radix passes
     assert m.default_select(65536, 1024) == "threshold"
     monkeypatch.setattr(m, "FUSED_MAX_POSITIONS", 1 << 62)
     assert m.default_select(32768, 1024) == "fused"

@@ -103,6 +103,12 @@ THRESHOLD_MIN_POSITIONS = 1 << 21
 # one launch / threshold at 16K 271 / 322, 24K 386 / 366, 32K 501 / 388; RESULTS, forty-fifth
 # session). No decode batch is that large. WIDEEP_FUSED_MAX_POSITIONS sets it.
 FUSED_MAX_POSITIONS = int(os.environ.get("WIDEEP_FUSED_MAX_POSITIONS", str(1024 * 24576)))
+# Batches of fewer rows than FUSED_MIN_ROWS take the radix passes instead: on an H100 the decode
+# step at 8K (bench.forward --select) took 1.441 -> 1.404 ms at batch 1 and 2.405 -> 2.284 at
+# batch 4 with them, and the same at 16 and 64 (RESULTS, forty-fifth session; the ninth
+# session's H200 figures, before the radix passes' atomics and dependent launches, had the one
+# launch ahead). WIDEEP_FUSED_MIN_ROWS sets it.
+FUSED_MIN_ROWS = int(os.environ.get("WIDEEP_FUSED_MIN_ROWS", "8"))
 # The threshold select's group maxima taken by the scoring launch (one read of the scores and a
 # launch fewer a layer; wideep_kernels/index_score.py); WIDEEP_SCORE_MAXIMA=0 leaves them to their own
 # kernel. The launch has T / tile programs a row for T groups: at least MAXIMA_MIN_PROGRAMS in all.
@@ -145,7 +151,7 @@ def kth_scores(scores: torch.Tensor, k: int, method: str | None = None, span: in
 
 def default_select(width: int, rows: int = 1) -> str:
     """The selection method `rows` rows of `width` positions get when none is asked for."""
-    if width <= FUSED_MAX_WIDTH and rows * width < FUSED_MAX_POSITIONS:
+    if width <= FUSED_MAX_WIDTH and FUSED_MIN_ROWS <= rows and rows * width < FUSED_MAX_POSITIONS:
         return "fused"
     return "threshold" if rows * width >= THRESHOLD_MIN_POSITIONS else "radix"
 
