@@ -81,7 +81,8 @@ def indexer_topk_reference(q: torch.Tensor, w: torch.Tensor, index_keys: torch.T
     return select_topk_reference(scores, g_lens, topk)
 
 
-# Rows up to FUSED_MAX_WIDTH get the whole selection in one launch (wideep_kernels/row_select.py). Wider
+# Rows up to FUSED_MAX_WIDTH get the whole selection in one launch (wideep_kernels/row_select.py), in
+# batches of at least FUSED_MIN_ROWS rows and under FUSED_MAX_POSITIONS positions (below). Other
 # rows get the k-th score from the multi-launch radix passes, or, once the batch holds
 # THRESHOLD_MIN_POSITIONS positions or more, from the candidates above a bound
 # (wideep_kernels/wide_select.py); one launch then writes the positions (wideep_kernels/radix_select.py).
@@ -104,11 +105,11 @@ THRESHOLD_MIN_POSITIONS = 1 << 21
 # session). No decode batch is that large. WIDEEP_FUSED_MAX_POSITIONS sets it.
 FUSED_MAX_POSITIONS = int(os.environ.get("WIDEEP_FUSED_MAX_POSITIONS", str(1024 * 24576)))
 # Batches of fewer rows than FUSED_MIN_ROWS take the radix passes instead: on an H100 the decode
-# step at 8K (bench.forward --select) took 1.441 -> 1.404 ms at batch 1 and 2.405 -> 2.284 at
-# batch 4 with them, and the same at 16 and 64 (RESULTS, forty-fifth session; the ninth
-# session's H200 figures, before the radix passes' atomics and dependent launches, had the one
-# launch ahead). WIDEEP_FUSED_MIN_ROWS sets it.
-FUSED_MIN_ROWS = int(os.environ.get("WIDEEP_FUSED_MIN_ROWS", "8"))
+# step at 8K (bench.forward --select, one launch -> radix passes) took 1.441 -> 1.404 ms at batch
+# 1, 2.405 -> 2.284 at 4, 2.807 -> 2.735 at 8, and the same at 16 and 64 (RESULTS, forty-fifth
+# session; the ninth session's H200 figures, before the radix passes' atomics and dependent
+# launches, had the one launch ahead). WIDEEP_FUSED_MIN_ROWS sets it.
+FUSED_MIN_ROWS = int(os.environ.get("WIDEEP_FUSED_MIN_ROWS", "16"))
 # The threshold select's group maxima taken by the scoring launch (one read of the scores and a
 # launch fewer a layer; wideep_kernels/index_score.py); WIDEEP_SCORE_MAXIMA=0 leaves them to their own
 # kernel. The launch has T / tile programs a row for T groups: at least MAXIMA_MIN_PROGRAMS in all.
