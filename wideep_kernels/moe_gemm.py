@@ -28,12 +28,13 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from . import kernel_or_reference, triton_ok
-from .fp8_blocks import (ACT_AMAX_FLOOR, FP8_MAX, ExpertScales, act_group, check_expert_scales,
-                         dequantize_experts, fake_quantize_act)
+from .fp8_blocks import ExpertScales, check_expert_scales
 from .moe_align import AlignedPairs, _jit, align_pairs_triton
+from .moe_fp8_tiles import _fp8_act, _fp8_operand, _fp8_weights, _quantize_rows_kernel
+from .moe_reference import (check_act_fp8, check_shared, check_shared_rows, fused_experts_reference,  # noqa: F401 (the API)
+                            pairs_per_token, token_major)
 
 try:
     import triton
@@ -44,73 +45,6 @@ except ImportError:  # the reference path still works without Triton
     triton = tl = None
 
 
-# ---------------------------------------------------------------- references
-
-def pairs_per_token(num_tokens: int, num_pairs: int) -> int:
-    """k of token-major pairs (token_of None), checked."""
-    if num_pairs == 0:
-        return 1
-    if num_tokens == 0 or num_pairs % num_tokens:
-        raise ValueError(f"token_of=None needs k pairs per token: {num_pairs} pairs for {num_tokens} tokens")
-    return num_pairs // num_tokens
-
-
-def token_major(token_of: torch.Tensor | None, x: torch.Tensor, slot_of: torch.Tensor) -> torch.Tensor:
-    """token_of itself, or p // k for token-major pairs."""
-    if token_of is not None:
-        return token_of
-    k = pairs_per_token(x.shape[0], slot_of.numel())
-    return torch.div(torch.arange(slot_of.numel(), device=slot_of.device), k, rounding_mode="floor")
-
-
-def fused_experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, token_of: torch.Tensor | None,
-                            slot_of: torch.Tensor, weight_of: torch.Tensor,
-                            shared: tuple | None = None, scales: ExpertScales | None = None,
-                            act_fp8: bool = False, shared_rows: tuple[int, int] | None = None) -> torch.Tensor:
-    """The exact semantics: one matmul pair per slot (and for the shared expert, weight 1, on the
-    tokens of `shared_rows` (first, end) or all),
-    weighted sum in fp32, output in x's dtype. FP8 weights: dequantized to fp32 and computed in
-    fp32, the SwiGLU activation rounded to x's dtype between the projections (as the kernels store it).
-    act_fp8: each projection's input through fake_quantize_act first."""
-    token_of = token_major(token_of, x, slot_of)
-    kept = slot_of >= 0  # a host sync: acceptable for the reference
-    token_of, slot_of, weight_of = token_of[kept], slot_of[kept], weight_of[kept]
-    num_slots = w13.shape[0]
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    if shared is not None:
-        shared = check_shared(shared, w13, w2, scales)
-    check_expert_scales(w13, w2, scales)
-    group = check_act_fp8(act_fp8, scales)
-    if scales is not None:
-        w13, w2 = dequantize_experts(w13, w2, scales)
-        shared = None if shared is None else dequantize_experts(*shared)
-
-    def mlp(rows: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
-        rows = fake_quantize_act(rows, group) if group else rows
-        gate, up = F.linear(rows.to(w_gate_up.dtype), w_gate_up).chunk(2, dim=-1)
-        act = F.silu(gate) * up
-        if scales is not None:
-            act = act.to(x.dtype).float()
-        return F.linear(fake_quantize_act(act, group) if group else act, w_down)
-
-    if shared is not None:
-        first, end = check_shared_rows(shared_rows, x.shape[0])
-        out[first:end] += mlp(x[first:end], shared[0], shared[1]).float()
-    order = slot_of.argsort(stable=True)
-    counts = torch.zeros(num_slots, dtype=torch.long, device=x.device).scatter_add_(
-        0, slot_of, torch.ones_like(slot_of))
-    start = 0
-    for slot, n in enumerate(counts.tolist()):  # a host sync: acceptable for the reference
-        if n == 0:
-            continue
-        pairs = order[start:start + n]
-        start += n
-        tokens = token_of[pairs]
-        y = mlp(x[tokens], w13[slot], w2[slot])
-        out.index_add_(0, tokens, y.float() * weight_of[pairs].float()[:, None])
-    return out.to(x.dtype)
-
-
 # FP8 x FP8 products: Hopper's tensor cores sum them in less than fp32 (DeepSeek-V3's report: about
 # 14 bits). 0: each k step's sum (one 128-column activation group) goes into the fp32 accumulator
 # as it is scaled, DeepSeek-V3's own promotion interval; n > 0 promotes every n k inside a step
@@ -118,18 +52,6 @@ def fused_experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
 # layer at 2048 tokens: 698 against 618 us) for a layer error against the exact-sum reference of
 # 0.0117 against 0.0119 (RESULTS.md, twenty-sixth and twenty-seventh sessions).
 FP8_PRECISE_ACC = 0
-
-
-def check_act_fp8(act_fp8: bool, scales: ExpertScales | None) -> int:
-    """The activation group of FP8 activations (0 without them); they need FP8 weights in blocks
-    of at least 32 columns (an FP8 tensor-core product takes 32 k a step)."""
-    if not act_fp8:
-        return 0
-    if scales is None:
-        raise ValueError("FP8 activations (act_fp8) need block-FP8 expert weights (scales)")
-    if scales.block[1] < 32:
-        raise ValueError(f"FP8 activations (act_fp8) need weight blocks of at least 32 columns, got {scales.block}")
-    return act_group(scales.block)
 
 
 # ---------------------------------------------------------------- Triton kernels
@@ -161,78 +83,9 @@ def _tile_rows(token_ptr, row_pair_ptr, tile_slot_ptr, num_slots, num_tiles, sha
     return slot, is_shared, skip, rows, pair, is_pair, token
 
 
-def _fp8_weights(w, scale, DEQUANT_TILE: tl.constexpr, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
-    """An e4m3 weight tile for the products. Row tiles of prompt chunks (DEQUANT_TILE) dequantize it
-    in the activations' dtype, as the 16-bit weights would be (bf16(w * scale)), so the products
-    chain in one accumulator; a compute-bound tile converts each weight once for many rows. Decode
-    tiles keep it unscaled in fp16 (scaled after the product, per column: fewer operations a weight)."""
-    # one return, every branch static: the compiler unifies the types of all returns it meets
-    if DEQUANT_TILE:
-        v = w.to(tl.float32) * scale[None, :]
-        # the interpreter truncates fp32 -> bf16; the GPU's cast rounds to nearest even, as cast_rne does
-        if INTERPRETED:
-            out = cast_rne(v, dtype)
-        else:
-            out = v.to(dtype)
-    elif dtype == tl.float32:
-        out = w.to(tl.float32)
-    else:
-        out = w.to(tl.float16)  # exact: e4m3 values fit fp16
-    return out
-
-
-def _fp8_operand(a):
-    """16-bit activations beside FP8 weights go into the products as fp16: e4m3 converts to fp16
-    in one instruction per pair (to bf16 it takes several, which cost more than the bytes saved),
-    and bf16 values convert exactly in fp16's normal range; the rare ones past it are clamped."""
-    if a.dtype == tl.bfloat16:
-        a = tl.clamp(a.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
-    return a
-
-
-def _round_e4m3(v):
-    """fp32 values within +-448 rounded to e4m3's grid, nearest even, for the interpreter, whose
-    fp32 -> float8 cast rounds otherwise (the GPU's cvt.rn is nearest even, as torch's cast)."""
-    u = v.to(tl.uint32, bitcast=True)
-    normal = ((u + 0x7FFFF + ((u >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)  # 3 mantissa bits
-    subnormal = (v + 24576.0) - 24576.0  # fp32's step at 1.5 * 2^14 is 2^-9, e4m3's below 2^-6
-    return tl.where(tl.abs(v) < 0.015625, subnormal, normal)
-
-
-def _fp8_act(a, INTERPRETED: tl.constexpr):
-    """A [rows, group] activation tile as e4m3 and each row's scale: fp8_blocks.quantize_act_groups
-    in registers."""
-    v = a.to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(v), axis=1), _ACT_FLOOR)
-    top = tl.full(amax.shape, _E4M3_MAX, tl.float32)
-    q = tl.clamp(v * tl.div_rn(top, amax)[:, None], -_E4M3_MAX, _E4M3_MAX)
-    if INTERPRETED:
-        q = _round_e4m3(q)
-    return q.to(tl.float8e4nv), tl.div_rn(amax, top)
-
-
 if triton is not None:  # called from the kernels below, so built with them
     _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-    _E4M3_MAX = tl.constexpr(FP8_MAX)
-    _ACT_FLOOR = tl.constexpr(ACT_AMAX_FLOOR)
-    _round_e4m3 = triton.jit(_round_e4m3)
-    _fp8_act = triton.jit(_fp8_act)
     _tile_rows = triton.jit(_tile_rows)
-    _fp8_operand = triton.jit(_fp8_operand)
-    _fp8_weights = triton.jit(_fp8_weights)
-
-
-def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, GROUP: tl.constexpr, INTERPRETED: tl.constexpr,
-                          PDL: tl.constexpr = 0):
-    """quantize_act_groups over [T, K]: one program a (row, group)."""
-    pdl_enter(PDL)
-    row, group = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    cols = group * GROUP + tl.arange(0, GROUP)
-    ok = cols < K
-    v = tl.load(x_ptr + row * stride_x + cols[None, :], mask=ok[None, :], other=0.0)
-    q, scale = _fp8_act(v, INTERPRETED)
-    tl.store(q_ptr + row * K + cols[None, :], q, mask=ok[None, :])
-    tl.store(s_ptr + row * tl.num_programs(1) + group + tl.arange(0, 1), scale)
 
 
 def _gate_up_kernel(x_ptr, w13_ptr, shared_w13_ptr, act_ptr, token_ptr, row_pair_ptr, tile_slot_ptr,
@@ -629,31 +482,6 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     _jit(_round_add_kernel, "n")[(triton.cdiv(out.numel(), block),)](
         out, add.contiguous(), summed, out.numel(), BLOCK=block, num_warps=4, **pdl_launch(out))
     return summed
-
-
-def check_shared_rows(shared_rows: tuple[int, int] | None, num_tokens: int) -> tuple[int, int]:
-    """(first, end) of the tokens the shared expert takes: all of them when None."""
-    if shared_rows is None:
-        return 0, num_tokens
-    first, end = (int(v) for v in shared_rows)
-    if not 0 <= first <= end <= num_tokens:
-        raise ValueError(f"shared_rows {tuple(shared_rows)} must lie within the {num_tokens} tokens")
-    return first, end
-
-
-def check_shared(shared: tuple, w13: torch.Tensor, w2: torch.Tensor,
-                 scales: ExpertScales | None = None) -> tuple[torch.Tensor, torch.Tensor, ExpertScales | None]:
-    """A shared expert (w13 [2I, H], w2 [H, I], and for FP8 routed experts its own ExpertScales)
-    computed as one more slot: the routed experts' shapes, dtype and blocks, rows contiguous."""
-    s13, s2, *rest = shared
-    own = rest[0] if rest else None
-    if s13.shape != w13.shape[1:] or s2.shape != w2.shape[1:] or s13.dtype != w13.dtype or s2.dtype != w2.dtype:
-        raise ValueError(f"shared expert {list(s13.shape)}, {list(s2.shape)} {s13.dtype} does not match the "
-                         f"routed experts' {list(w13.shape[1:])}, {list(w2.shape[1:])} {w13.dtype}")
-    check_expert_scales(s13, s2, own)
-    if own is not None and (scales is None or tuple(own.block) != tuple(scales.block)):
-        raise ValueError("a shared expert's FP8 blocks must match the routed experts' blocks")
-    return s13.contiguous(), s2.contiguous(), own
 
 
 # ---------------------------------------------------------------- dispatcher
