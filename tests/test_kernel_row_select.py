@@ -211,7 +211,7 @@ def test_one_launch_can_be_turned_off_by_environment():
 def test_a_prompt_chunks_many_rows_take_the_threshold_select(monkeypatch):
     """Rows narrow enough for the one launch go to the threshold select once they hold
     FUSED_MAX_POSITIONS positions in all (a prompt chunk's 1,024 rows from 24K); decode batches
-    keep the one launch."""
+    of FUSED_MIN_ROWS rows or more keep the one launch, smaller ones take the radix passes."""
     import wideep_kernels.indexer as m
     assert m.default_select(24576, 1024) == "threshold"
     assert m.default_select(32768, 1024) == "threshold"

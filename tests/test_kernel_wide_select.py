@@ -127,8 +127,9 @@ def test_overflowing_rows_take_the_whole_row(device, monkeypatch):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("programs,block", [(8, 256), (4096, 256)])
 def test_several_blocks_and_programs_a_row(device, programs, block, monkeypatch):
-    """Candidates appended by several programs (one atomic a block), passes whose programs each loop over several blocks or hold
-    one block each, in the row and the candidates, group maxima over several steps of members."""
+    """Candidates appended by several programs (one atomic a block), passes whose programs each
+    loop over several blocks or hold one block each, in the row and the candidates, group maxima
+    over several steps of members."""
     monkeypatch.setattr(ws, "GROUP_ROWS", 4)
     monkeypatch.setattr(ws, "CANDIDATE_PROGRAMS", programs)
     monkeypatch.setattr(ws, "PASS_PROGRAMS", programs)
@@ -200,8 +201,8 @@ def test_empty_batch(device):
 
 
 def test_group_stride(monkeypatch):
-    """At least GROUPS_PER_K k groups (or the whole row), a multiple of the tile, never fewer than k: the
-    k-th group maximum exists."""
+    """At least GROUPS_PER_K k groups (or the whole row), a multiple of the tile, never fewer
+    than k: the k-th group maximum exists."""
     for width in (1, 63, 64, 700, 4096, 65536, 524288, 1 << 20):
         for k in (1, 16, 2048):
             if k > width:

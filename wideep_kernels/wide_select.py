@@ -8,8 +8,8 @@ scores are sorted into histograms:
 
 1. Group maxima: m[b, j] = max over i of scores[b, j + i * T], for T = `group_stride` (at least
    GROUPS_PER_K k groups, 2 k by default). Groups are strided rather than runs of neighbouring
-   positions: indexer scores follow position (recent positions score higher, neighbours alike), and then a run group's
-   maximum says little about its other members. In a simulation of normal noise on a rising
+   positions: indexer scores follow position (recent positions score higher, neighbours alike),
+   and then a run group's maximum says little about its other members. In a simulation of normal noise on a rising
    trend the candidates below were 2.2K for strided groups at 512K against 45K for runs
    (k = 2048, T = 8K; ~2.3K for both on i.i.d. normal scores). A row shorter than T (a short sequence in a wide batch)
    also has one live group per live position, so its bound is its exact k-th score.
