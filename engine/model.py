@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from wideep_kernels.gemv import linear, norm_gemv_applies, norm_gemv_triton
-from wideep_kernels.head_gemv import head_gemv_applies, head_gemv_rope, head_gemv_triton
+from wideep_kernels.head_gemv import head_gemv, head_gemv_applies, head_gemv_triton
 from wideep_kernels.latent import latent_and_query, norm_rope_latent
 
 from .attention import AttentionContext, attend, index_topk_mask
@@ -139,11 +139,10 @@ class MLAttention(nn.Module):
             q = linear(q_low if q_low is not None else self.q_a_layernorm(xp["q"]), q_b.weight, q_b.bias)
         q = q.view(t, self.n_heads, cfg.qk_head_dim)
         q_nope, q_rope = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+        q_rope = self.rotary.apply(q_rope, *ctx.rope)
         w_kv = self.kv_b_proj.weight.view(self.n_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
         w_uk, w_uv = w_kv[:, :cfg.qk_nope_head_dim], w_kv[:, cfg.qk_nope_head_dim:]
-        # the query absorbed into the latent space and its rope part rotated (Rotary.apply's
-        # maths), one launch at small decode batches
-        q_lat, q_rope = head_gemv_rope(q_nope, w_uk, q_rope, *ctx.rope, self.rotary.interleave)
+        q_lat = head_gemv(q_nope, w_uk)
 
         if ctx.decode is not None:  # the kernel takes the two query parts as they are
             if topk is not None:

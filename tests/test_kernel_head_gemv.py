@@ -8,9 +8,7 @@ from kernel_devices import DEVICES, MANTISSA_BITS
 triton = pytest.importorskip("triton")
 
 from wideep_kernels import head_gemv as head_gemv_module  # noqa: E402
-from wideep_kernels.head_gemv import (MAX_ROWS, head_gemv, head_gemv_reference, head_gemv_rope,  # noqa: E402
-                                      head_gemv_triton)
-from wideep_kernels.rope import apply_rope_reference  # noqa: E402
+from wideep_kernels.head_gemv import MAX_ROWS, head_gemv, head_gemv_reference, head_gemv_triton  # noqa: E402
 
 
 def close_to_exact(out, x, w):
@@ -65,62 +63,6 @@ def test_dispatcher_uses_the_kernel_only_where_it_applies(monkeypatch):
     assert not calls
     close_to_exact(head_gemv(x[:2], w_uk), x[:2], w_uk)
     assert calls == [(2, 2, 8)]
-
-
-def _rope_tables(rows, half, seed):
-    """cos/sin rows of arbitrary positions, fp32 as engine/layers.py's Rotary builds them."""
-    angles = torch.rand(rows, half, generator=torch.Generator().manual_seed(seed)) * 100.0
-    return angles.cos(), angles.sin()
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows", [1, 2])
-@pytest.mark.parametrize("interleave", [False, True])
-@pytest.mark.parametrize("rope", [8, 12])  # 12: six pairs, a masked block
-def test_the_query_rope_rotated_in_the_same_launch(device, dtype, rows, interleave, rope, monkeypatch):
-    monkeypatch.setenv("WIDEEP_CPU_KERNELS", "1")  # the dispatcher takes the kernel under the interpreter too
-    launches = []
-    real = head_gemv_module._launch
-    monkeypatch.setattr(head_gemv_module, "_launch", lambda *a: launches.append(len(a)) or real(*a))
-    heads, nope, v, lora = 3, 16, 12, 40
-    w_uk, _ = _mla_weights(heads, nope, v, lora, dtype, device)
-    q = torch.randn(rows, heads, nope + rope, generator=torch.Generator().manual_seed(rows)).to(dtype).to(device)
-    q_nope, q_rope = q.split([nope, rope], dim=-1)  # strided views, as the layer splits the query
-    cos, sin = (t.to(device) for t in _rope_tables(rows, rope // 2, rope))
-    keep = q.clone()
-    q_lat, rotated = head_gemv_rope(q_nope, w_uk, q_rope, cos, sin, interleave)
-    close_to_exact(q_lat, q_nope, w_uk)
-    want = apply_rope_reference(q_rope, cos, sin, interleave)
-    assert rotated.is_contiguous() and rotated.dtype == dtype
-    assert torch.equal(rotated, want), (rotated - want).abs().max()
-    assert torch.equal(q, keep)  # the query is read, not rotated in place
-    assert launches == [3]  # one launch, with the rope part
-
-
-def test_head_gemv_rope_falls_back_to_two_calls_where_the_launch_does_not_apply(monkeypatch):
-    launches = []
-    real = head_gemv_module._launch
-    monkeypatch.setattr(head_gemv_module, "_launch", lambda *a: launches.append(len(a)) or real(*a))
-    monkeypatch.setenv("WIDEEP_CPU_KERNELS", "1")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    w_uk, _ = _mla_weights(2, 8, 8, 16, torch.bfloat16, "cpu")
-    q = torch.randn(MAX_ROWS + 1, 2, 12).to(torch.bfloat16)
-    cos, sin = _rope_tables(MAX_ROWS + 1, 2, 0)
-    # more rows than MAX_ROWS: both references
-    q_lat, rotated = head_gemv_rope(q[..., :8], w_uk, q[..., 8:], cos, sin, True)
-    assert torch.equal(q_lat, head_gemv_reference(q[..., :8], w_uk))
-    assert torch.equal(rotated, apply_rope_reference(q[..., 8:], cos, sin, True)) and not launches
-    # tables not fp32: the product's kernel alone, then the rope's reference
-    q_lat, rotated = head_gemv_rope(q[:1, :, :8], w_uk, q[:1, :, 8:], cos[:1].double(), sin[:1].double(), True)
-    close_to_exact(q_lat, q[:1, :, :8], w_uk)
-    assert torch.equal(rotated, apply_rope_reference(q[:1, :, 8:], cos[:1].double(), sin[:1].double(), True))
-    assert launches == [2]
-    with pytest.raises(ValueError, match="even"):  # an odd rotary dim: apply_rope's own error
-        head_gemv_rope(q[:1, :, :8], w_uk, q[:1, :, 8:11], cos[:1, :1], sin[:1, :1], False)
-    q_lat, rotated = head_gemv_rope(q[:2, :, :8], w_uk, q[:2, :, 8:], cos[:2], sin[:2], False)
-    assert launches == [2, 2, 3]
-    assert torch.equal(rotated, apply_rope_reference(q[:2, :, 8:], cos[:2], sin[:2], False))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

@@ -10,24 +10,17 @@ take part in dependent launches (wideep_kernels/pdl.py): the kernel after it wai
 Each program holds a [K, BLOCK_N] tile of one head's weight in registers, loaded before its
 dependent-launch wait (nothing in a decode step writes weights; wideep_kernels/gemv.py), then computes
 its BLOCK_N outputs for every row. Products and sums in fp32, rounded once to x's dtype.
-
-`head_gemv_rope` also rotates the query's rope part in the same launch (each head's first
-program does it after its outputs), which saves the rope kernel's launch in every attention layer
-of a small decode batch: the two read slices of the same query and nothing in between needs the
-rotated part.
 """
 from __future__ import annotations
 
 import torch
 
 from . import triton_ok
-from .rope import apply_rope
 
 try:
     import triton
     import triton.language as tl
     from .pdl import pdl_enter, pdl_launch
-    from .rope import rotate_pairs
 except Exception:  # the torch path needs no Triton
     triton = None
 
@@ -41,10 +34,7 @@ _DTYPES = (torch.bfloat16, torch.float16)
 if triton is not None:
     @triton.jit(do_not_specialize=["T"])
     def _head_gemv_kernel(x_ptr, w_ptr, out_ptr, T, N, sx_t, sx_h, sw_h, sw_k, sw_n, so_t, so_h,
-                          rope_ptr, rope_out_ptr, cos_ptr, sin_ptr, sr_t, sr_h, s_cos, s_sin,
-                          K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                          ROPE_HALF: tl.constexpr = 0, BLOCK_HALF: tl.constexpr = 1,
-                          INTERLEAVE: tl.constexpr = False, PDL: tl.constexpr = 0):
+                          K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = 0):
         h = tl.program_id(0)
         ns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         ks = tl.arange(0, BLOCK_K)
@@ -59,16 +49,6 @@ if triton is not None:
             x = tl.load(x_ptr + t * sx_t + h * sx_h + ks, mask=k_ok, other=0.0).to(tl.float32)
             acc = tl.sum(w * x[:, None], axis=0)
             tl.store(out_ptr + t * so_t + h * so_h + ns, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
-        if ROPE_HALF > 0:
-            if tl.program_id(1) == 0:
-                i = tl.arange(0, BLOCK_HALF)
-                i_ok = i < ROPE_HALF
-                for t in range(T):
-                    c = tl.load(cos_ptr + t * s_cos + i, mask=i_ok, other=0.0)
-                    s = tl.load(sin_ptr + t * s_sin + i, mask=i_ok, other=0.0)
-                    out_row = rope_out_ptr + (t * tl.num_programs(0) + h) * (2 * ROPE_HALF)
-                    rotate_pairs(rope_ptr + t * sr_t + h * sr_h, out_row, c, s, i, i_ok, ROPE_HALF, INTERLEAVE,
-                                 rope_out_ptr.dtype.element_ty)
 
 
 def head_gemv_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -84,41 +64,15 @@ def head_gemv_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def head_gemv_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return _launch(x, w)[0]
-
-
-def _launch(x: torch.Tensor, w: torch.Tensor, rope=None):
-    """The kernel; rope = (rope_x, cos, sin, interleave) also rotates rope_x [T, H, dim]."""
     t, h, k = x.shape
     n = w.shape[2]
     out = torch.empty(t, h, n, dtype=x.dtype, device=x.device)
     block_k = triton.next_power_of_2(k)
     block_n = max(1, min(triton.next_power_of_2(n), TILE_ELEMENTS // block_k))
-    rope_out = None
-    if rope is None:
-        rope_args, flags = (x, x, x, x, 0, 0, 0, 0), {}
-    else:
-        rope_x, cos, sin, interleave = rope
-        rope_out = torch.empty(rope_x.shape, dtype=rope_x.dtype, device=x.device)
-        half = rope_x.shape[2] // 2
-        rope_args = (rope_x, rope_out, cos, sin, rope_x.stride(0), rope_x.stride(1), cos.stride(0), sin.stride(0))
-        # no FMA, so the rotation is the reference's bit for bit (the sums' order is free anyway)
-        flags = dict(ROPE_HALF=half, BLOCK_HALF=triton.next_power_of_2(half), INTERLEAVE=bool(interleave),
-                     enable_fp_fusion=False)
     _head_gemv_kernel[(h, triton.cdiv(n, block_n))](
         x, w, out, t, n, x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
-        out.stride(1), *rope_args, K=k, BLOCK_K=block_k, BLOCK_N=block_n, num_warps=4, **flags,
-        **pdl_launch(x))
-    return out, rope_out
-
-
-def rope_fuses(x: torch.Tensor, rope_x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
-    """Whether head_gemv_rope's one launch takes this rope part along with x's product."""
-    t, h = x.shape[:2]
-    return (rope_x.dim() == 3 and rope_x.shape[:2] == (t, h) and rope_x.shape[2] % 2 == 0
-            and rope_x.dtype == x.dtype and rope_x.stride(2) == 1 and rope_x.device == x.device
-            and cos.dtype == sin.dtype == torch.float32 and cos.shape == sin.shape == (t, rope_x.shape[2] // 2)
-            and cos.stride(1) == 1 and sin.stride(1) == 1 and not (torch.is_grad_enabled() and rope_x.requires_grad))
+        out.stride(1), K=k, BLOCK_K=block_k, BLOCK_N=block_n, num_warps=4, **pdl_launch(x))
+    return out
 
 
 def head_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -127,12 +81,3 @@ def head_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if head_gemv_applies(x, w):
         return head_gemv_triton(x, w)
     return head_gemv_reference(x, w)
-
-
-def head_gemv_rope(x: torch.Tensor, w: torch.Tensor, rope_x: torch.Tensor, cos: torch.Tensor,
-                   sin: torch.Tensor, interleave: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(head_gemv(x, w), apply_rope(rope_x, cos, sin, interleave)) in one launch where both
-    apply (wideep_kernels/rope.py defines the rotation), else as two calls."""
-    if head_gemv_applies(x, w) and rope_fuses(x, rope_x, cos, sin):
-        return _launch(x, w, (rope_x, cos, sin, interleave))
-    return head_gemv(x, w), apply_rope(rope_x, cos, sin, interleave)

@@ -43,21 +43,6 @@ def apply_rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
 
 if triton is not None:
     @triton.jit
-    def rotate_pairs(x_row, out_row, c, s, i, ok, HALF: tl.constexpr, INTERLEAVE: tl.constexpr,
-                     OUT_DTYPE: tl.constexpr):
-        """Rotate rows read at x_row (pointers broadcast against the pair index i) by c, s into
-        out_row, halves out in both layouts as the reference's cat does. Bit for bit the
-        reference only where the kernel is built with enable_fp_fusion=False (no FMA)."""
-        if INTERLEAVE:
-            x1 = tl.load(x_row + 2 * i, mask=ok, other=0.0).to(tl.float32)
-            x2 = tl.load(x_row + 2 * i + 1, mask=ok, other=0.0).to(tl.float32)
-        else:
-            x1 = tl.load(x_row + i, mask=ok, other=0.0).to(tl.float32)
-            x2 = tl.load(x_row + HALF + i, mask=ok, other=0.0).to(tl.float32)
-        tl.store(out_row + i, cast_rne(x1 * c - x2 * s, OUT_DTYPE), mask=ok)
-        tl.store(out_row + HALF + i, cast_rne(x2 * c + x1 * s, OUT_DTYPE), mask=ok)
-
-    @triton.jit
     def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, stride_xt, stride_xh, stride_ct, stride_st,
                      HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr,
                      INTERLEAVE: tl.constexpr, PDL: tl.constexpr = 0):
@@ -70,8 +55,17 @@ if triton is not None:
         s = tl.load(sin_ptr + tok * stride_st + i, mask=i_ok, other=0.0).to(tl.float32)[None, :]
         ok = (heads < H)[:, None] & i_ok[None, :]
         x_row = x_ptr + tok * stride_xt + heads.to(tl.int64)[:, None] * stride_xh
+        if INTERLEAVE:
+            x1 = tl.load(x_row + 2 * i[None, :], mask=ok, other=0.0).to(tl.float32)
+            x2 = tl.load(x_row + 2 * i[None, :] + 1, mask=ok, other=0.0).to(tl.float32)
+        else:
+            x1 = tl.load(x_row + i[None, :], mask=ok, other=0.0).to(tl.float32)
+            x2 = tl.load(x_row + HALF + i[None, :], mask=ok, other=0.0).to(tl.float32)
+        # Halves out in both layouts, as the reference's cat does.
         out_row = out_ptr + (tok * H + heads.to(tl.int64))[:, None] * (2 * HALF)
-        rotate_pairs(x_row, out_row, c, s, i[None, :], ok, HALF, INTERLEAVE, out_ptr.dtype.element_ty)
+        OUT_DTYPE: tl.constexpr = out_ptr.dtype.element_ty
+        tl.store(out_row + i[None, :], cast_rne(x1 * c - x2 * s, OUT_DTYPE), mask=ok)
+        tl.store(out_row + HALF + i[None, :], cast_rne(x2 * c + x1 * s, OUT_DTYPE), mask=ok)
 
 
 def _pow2(n: int) -> int:
